@@ -1,0 +1,9 @@
+"""fastsoftmax: softmax and log_softmax GPU kernels for PyTorch, right on every input.
+
+Nothing runs at import: kernels are imported, compiled and cached on first use.
+"""
+
+from .api import LogSoftmax, Softmax, info, log_softmax, softmax
+
+__version__ = "0.1.0"
+__all__ = ["LogSoftmax", "Softmax", "info", "log_softmax", "softmax"]

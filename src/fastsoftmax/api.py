@@ -1,0 +1,140 @@
+"""softmax(), log_softmax(), their nn.Modules and info(): argument checks, then the dispatch point."""
+
+from __future__ import annotations
+
+import operator
+import platform
+
+import torch
+
+from . import dispatch, heuristics
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _check(fn: str, x, dim, dtype, backend) -> tuple[int, torch.dtype]:
+    """Every check that can fail, before any launch. Returns (dim made non-negative, output dtype)."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{fn}: expected a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in _FLOATS:
+        raise TypeError(
+            f"{fn}: expected a floating-point tensor (float16, bfloat16, float32 or float64), got {x.dtype}"
+        )
+    if dtype is not None and dtype not in _FLOATS:
+        raise TypeError(f"{fn}: dtype must be None, float16, bfloat16, float32 or float64, got {dtype}")
+    if isinstance(dim, bool):
+        raise TypeError(f"{fn}: dim must be an int, got bool")
+    try:
+        dim = operator.index(dim)
+    except TypeError:
+        raise TypeError(f"{fn}: dim must be an int, got {type(dim).__name__}") from None
+    ndim = max(x.dim(), 1)
+    if not -ndim <= dim < ndim:
+        raise IndexError(f"{fn}: dim out of range (expected to be in range of [{-ndim}, {ndim - 1}], but got {dim})")
+    if not isinstance(backend, str) or backend not in dispatch.NAMES:
+        raise ValueError(f"{fn}: unknown backend {backend!r}; valid: {', '.join(map(repr, dispatch.NAMES))}")
+    if x.device.type not in dispatch.DEVICES:
+        raise RuntimeError(
+            f"{fn}: no path for tensors on device '{x.device}'; fastsoftmax runs cuda tensors (Triton "
+            "kernels or torch ops) and cpu tensors (torch ops; Triton under TRITON_INTERPRET=1)"
+        )
+    return dim % ndim, (dtype or x.dtype)
+
+
+def forward(x, dim=-1, *, log=False, dtype=None, backend="auto", want_lse=False, fn="softmax"):
+    """softmax / log_softmax with, on request, the per-row logsumexp (fp32, x's shape without dim) that a
+    backward pass, a loss or another GPU's shard can consume. Returns (y, lse or None)."""
+    dim, out_dtype = _check(fn, x, dim, dtype, backend)
+    impl = dispatch.select(backend, x, out_dtype)
+    if x.dim() == 0:
+        y, lse = forward(x.reshape(1), 0, log=log, dtype=dtype, backend=impl.name, want_lse=want_lse, fn=fn)
+        return y.reshape(()), (lse.reshape(()) if lse is not None else None)
+    if x.numel() == 0:
+        heuristics.record(heuristics.Plan(impl.name, "empty"))
+        lse = torch.empty(x.shape[:dim] + x.shape[dim + 1 :], dtype=torch.float32, device=x.device)
+        lse = lse.fill_(float("-inf")) if want_lse else None  # an empty row is fully masked
+        return torch.empty_like(x, dtype=out_dtype), lse
+    return impl.forward(x, dim, out_dtype, log, want_lse)
+
+
+def softmax(x: torch.Tensor, dim: int = -1, *, dtype=None, backend: str = "auto") -> torch.Tensor:
+    """Softmax of x along dim. See the README for the conventions on -inf, NaN and +inf rows.
+
+    dtype: output dtype (computed in fp32 from x as given, written once in dtype).
+    backend: 'auto' (CUDA tensors: Triton kernels; CPU: torch ops), 'triton' or 'torch'."""
+    return forward(x, dim, log=False, dtype=dtype, backend=backend, fn="softmax")[0]
+
+
+def log_softmax(x: torch.Tensor, dim: int = -1, *, dtype=None, backend: str = "auto") -> torch.Tensor:
+    """Log-softmax of x along dim; arguments and conventions as softmax()."""
+    return forward(x, dim, log=True, dtype=dtype, backend=backend, fn="log_softmax")[0]
+
+
+class Softmax(torch.nn.Module):
+    """Drop-in for torch.nn.Softmax (dim defaults to -1)."""
+
+    def __init__(self, dim: int = -1, *, dtype=None, backend: str = "auto"):
+        super().__init__()
+        self.dim, self.dtype, self.backend = dim, dtype, backend
+
+    def forward(self, x):
+        return softmax(x, self.dim, dtype=self.dtype, backend=self.backend)
+
+    def extra_repr(self):
+        return f"dim={self.dim}, backend={self.backend!r}"
+
+
+class LogSoftmax(Softmax):
+    """Drop-in for torch.nn.LogSoftmax (dim defaults to -1)."""
+
+    def forward(self, x):
+        return log_softmax(x, self.dim, dtype=self.dtype, backend=self.backend)
+
+
+# What the kernels compute with; the CUDA backend will add its own family with its build flags.
+KERNEL_FAMILIES = {
+    "triton.softmax_fwd": {
+        "paths": list(heuristics.PATHS),
+        "exp": "exp2((x - max) * log2(e)): ex2.approx.f32 on NVIDIA GPUs, fp32",
+        "log": "log2(s) * ln(2): lg2.approx.f32, once per row",
+        "division": "one IEEE reciprocal per row (div.rn.f32), then a multiply per element",
+        "accumulation": "fp32",
+        "build_flags": "Triton defaults (no fast-math flag; exp/log are the approximate units above)",
+    },
+    "torch": {
+        "exp": "torch.exp in fp32 (fp64 for fp64)",
+        "division": "true division per element",
+        "accumulation": "fp32 (fp64 for fp64)",
+        "build_flags": "PyTorch's own build",
+    },
+}
+
+
+def info() -> dict:
+    """Versions, which backends can run here, and how each kernel family computes. Queries the device
+    when called, never at import."""
+    from . import __version__
+
+    triton_version = None
+    if dispatch.triton_importable():
+        import triton
+
+        triton_version = triton.__version__
+    cuda = torch.cuda.is_available()
+    interp = dispatch.triton_interpreted()
+    return {
+        "fastsoftmax": __version__,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "cuda_devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if cuda else [],
+        "triton_interpreter": interp,
+        "backends": {
+            "triton": {
+                "cuda": bool(cuda and triton_version and not interp),
+                "cpu": bool(triton_version and interp),
+            },
+            "torch": {"cuda": cuda, "cpu": True},
+        },
+        "kernels": KERNEL_FAMILIES,
+    }

@@ -1,0 +1,119 @@
+"""The one dispatch point. Every backend registers here with the same two methods; ``auto`` walks them in
+order of preference and takes the first that can run the tensor.
+
+    unavailable(x, out_dtype) -> str | None   why this backend cannot run x (None: it can)
+    forward(x, dim, out_dtype, log, want_lse) -> (y, lse | None)
+        x non-empty, at least 1-d, dim non-negative; lse is fp32 logsumexp per row, x's shape without dim
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from . import heuristics
+from .layout import alloc
+from .reference import softmax_torch
+
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+DEVICES = ("cpu", "cuda")
+
+
+class TorchBackend:
+    """torch ops, float32 accumulation (float64 for float64): the reference path, any device torch runs."""
+
+    name = "torch"
+
+    def unavailable(self, x, out_dtype):
+        return None
+
+    def forward(self, x, dim, out_dtype, log, want_lse):
+        heuristics.record(heuristics.Plan("torch", "reference"))
+        y, lse = softmax_torch(x, dim, log, out_dtype)
+        return y, (lse.to(torch.float32) if want_lse else None)
+
+
+@functools.cache
+def _triton_kernels():
+    """Import the kernel module on first use (the import decides compiled vs interpreted kernels)."""
+    from .triton import softmax_fwd
+
+    return softmax_fwd
+
+
+def triton_importable() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def triton_interpreted() -> bool:
+    """Whether the Triton kernels run in Triton's interpreter: fixed when the kernel module is first
+    imported, from TRITON_INTERPRET at that moment."""
+    if _triton_kernels.cache_info().currsize:
+        from triton.runtime.interpreter import InterpretedFunction
+
+        return isinstance(_triton_kernels().softmax_fwd_rowblock, InterpretedFunction)
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+class TritonBackend:
+    """The Triton kernels: CUDA tensors, and CPU tensors under Triton's interpreter."""
+
+    name = "triton"
+
+    def unavailable(self, x, out_dtype):
+        if x.dtype not in KERNEL_DTYPES or out_dtype not in KERNEL_DTYPES:
+            return (
+                f"the Triton kernels take float16, bfloat16 and float32 (got {x.dtype} in, {out_dtype} "
+                "out); float64 runs on backend='torch', which 'auto' picks"
+            )
+        if not triton_importable():
+            return "triton is not installed"
+        if x.device.type == "cpu" and not triton_interpreted():
+            return (
+                "CPU tensors run the Triton kernels only in Triton's interpreter: set TRITON_INTERPRET=1 "
+                "before fastsoftmax's first call"
+            )
+        if x.device.type == "cuda" and triton_interpreted():
+            return "the Triton kernels were loaded for the interpreter (TRITON_INTERPRET=1); CUDA tensors need them compiled"
+        return None
+
+    def forward(self, x, dim, out_dtype, log, want_lse):
+        kernels = _triton_kernels()
+        y = alloc(x, out_dtype)
+        if x.is_cuda and x.device.index != torch.cuda.current_device():
+            with torch.cuda.device(x.device):
+                return y, kernels.forward(x, y, dim, log, want_lse)[1]
+        return y, kernels.forward(x, y, dim, log, want_lse)[1]
+
+
+BACKENDS = {b.name: b for b in (TritonBackend(), TorchBackend())}
+NAMES = ("auto", *BACKENDS)
+
+
+def select(name: str, x: torch.Tensor, out_dtype: torch.dtype):
+    """The backend that runs x: the named one (raising if it cannot), or for 'auto' the first that can,
+    CPU tensors taking the torch path."""
+    if name == "auto":
+        if x.requires_grad and torch.is_grad_enabled():
+            # Gradients arrive with the backward kernels; until then autograd goes through torch ops.
+            return BACKENDS["torch"]
+        if x.device.type == "cuda" and BACKENDS["triton"].unavailable(x, out_dtype) is None:
+            return BACKENDS["triton"]
+        return BACKENDS["torch"]
+    backend = BACKENDS.get(name) if isinstance(name, str) else None
+    if backend is None:
+        raise ValueError(f"unknown backend {name!r}; valid: {', '.join(repr(n) for n in NAMES)}")
+    why = backend.unavailable(x, out_dtype)
+    if why:
+        raise RuntimeError(f"backend={name!r} cannot run this tensor ({x.device}, {x.dtype}): {why}")
+    if name == "triton" and x.requires_grad and torch.is_grad_enabled():
+        raise RuntimeError(
+            "backend='triton' has no backward yet; use backend='auto' or 'torch' for tensors that require grad"
+        )
+    return backend

@@ -1,0 +1,86 @@
+"""Where rows and the softmax dimension sit in memory.
+
+Every kernel sees the same canonical problem: rows indexed by (b, i) with b < B and i < I, each row holding
+N elements along the softmax dimension, element (b, n, i) of x at ``b*sxb + n*sxn + i*sxi`` (elements, not
+bytes) and likewise for y. Row dimensions are merged where both x's and y's strides allow it, in any order
+(rows are independent), so contiguous, transposed, channels-last and most sliced or expanded tensors map
+onto at most two row groups without a copy. Anything else is copied once to a contiguous tensor, and the
+layout says so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from .heuristics import poisoning
+
+
+@dataclass(frozen=True)
+class Layout:
+    B: int  # outer row group
+    I: int  # inner row group; 1 means rows run along b only
+    N: int  # softmax length
+    sx: tuple[int, int, int]  # x strides (b, n, i)
+    sy: tuple[int, int, int]  # y strides (b, n, i)
+    stat_strides: tuple[int, ...]  # strides of a per-row tensor (x's shape without dim) in (b, i) order
+    copied: bool  # x had to be made contiguous first (one extra read + write)
+
+
+def _merge(dims):
+    """Merge (size, x_stride, y_stride, dim) row dimensions, outer to inner, where both tensors allow.
+    Returns groups as [size, x_stride, y_stride, [dims outer to inner]]."""
+    out = []
+    for size, sx, sy, d in sorted(dims, key=lambda t: (t[2], t[1]), reverse=True):
+        if out:
+            g = out[-1]
+            if g[1] == sx * size and g[2] == sy * size:
+                g[0], g[1], g[2] = g[0] * size, sx, sy
+                g[3].append((d, size))
+                continue
+        out.append([size, sx, sy, [(d, size)]])
+    return out
+
+
+def canonical(x: torch.Tensor, y: torch.Tensor, dim: int) -> Layout | None:
+    """The (B, N, I) view of x and y along ``dim`` (non-negative), or None if it needs more row groups."""
+    n = x.shape[dim]
+    xs, ys = x.stride(), y.stride()
+    dims = [(x.shape[d], xs[d], ys[d], d) for d in range(x.dim()) if d != dim and x.shape[d] != 1]
+    groups = _merge(dims)
+    if len(groups) > 2:
+        return None
+    # One group: rows run along b, so the kernels can pack consecutive rows.
+    while len(groups) < 2:
+        groups.append([1, 0, 0, []])
+    (b, sxb, syb, bdims), (i, sxi, syi, idims) = groups
+    stat = {}
+    for members, outer in ((idims, 1), (bdims, i)):
+        for d, size in reversed(members):
+            stat[d] = outer
+            outer *= size
+    stat_strides = tuple(stat.get(d, 1) for d in range(x.dim()) if d != dim)
+    sxn, syn = (xs[dim], ys[dim]) if n != 1 else (0, 0)
+    return Layout(b, i, n, (sxb, sxn, sxi), (syb, syn, syi), stat_strides, False)
+
+
+def plan_layout(x: torch.Tensor, y: torch.Tensor, dim: int) -> tuple[torch.Tensor, Layout]:
+    """The canonical layout, copying x once when no two-group view exists (y is then contiguous)."""
+    lay = canonical(x, y, dim)
+    if lay is not None:
+        return x, lay
+    xc = x.contiguous()
+    lay = canonical(xc, y, dim)
+    assert lay is not None, "contiguous x and y always merge into at most two row groups"
+    return xc, replace(lay, copied=True)
+
+
+def alloc(like: torch.Tensor, dtype: torch.dtype, shape=None, strides=None) -> torch.Tensor:
+    """An output: x's layout when x is dense (as torch.empty_like), else contiguous; or the given shape and
+    strides. NaN-filled under test poisoning, so an element no kernel wrote fails the tests."""
+    if shape is None:
+        out = torch.empty_like(like, dtype=dtype)
+    else:
+        out = torch.empty_strided(shape, strides, dtype=dtype, device=like.device)
+    return out.fill_(float("nan")) if poisoning() else out

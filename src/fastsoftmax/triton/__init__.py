@@ -1,0 +1,1 @@
+"""Triton kernels, one file per family with its launcher. Imported lazily by fastsoftmax.dispatch."""

@@ -1,0 +1,279 @@
+"""Softmax / log_softmax forward in Triton.
+
+Traffic budget per element of an M×N problem (s = element size):
+  rowblock  1 read of x + 1 write of y (2·s bytes); the row tile lives in registers.
+  online    2 reads of x + 1 write of y (3·s bytes); any row length.
+Optional per-row statistic: logsumexp (fp32, 4 bytes per row), for backward passes, losses and
+cross-GPU merges.
+
+Conventions, shared with the torch path (reference.py): the row maximum is subtracted before exp; a row
+whose elements are all -inf gives zeros (softmax) / -inf (log_softmax) and lse = -inf; a row holding NaN or
++inf gives NaN everywhere. Masked lanes load as -inf, the identity of max and (through exp) of sum.
+
+16-byte access for any N: a row that does not start on a 16-byte boundary (N = 513, a sliced view) is split
+into an aligned body, read and written with vector instructions, and at most VEC-1 head and VEC-1 tail
+elements ("edges") handled by scalar code. Edges lie in sectors the body or the neighbouring rows also
+touch, so the bytes moved stay 1 read + 1 write.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+@triton.jit
+def _rows(pid, n_b, n_i, tiles_i, sxb, sxi, syb, syi, x_mis, ROWS: tl.constexpr, INNER: tl.constexpr):
+    """Element offsets of this program's rows in x and y, their flat row index, and which exist.
+
+    Rows run along b (consecutive b, ROWS of them) or, with INNER, along i for one b."""
+    r = tl.arange(0, ROWS)
+    if INNER:
+        b = (pid // tiles_i).to(tl.int64)
+        i = (pid % tiles_i).to(tl.int64) * ROWS + r
+        ox = b * sxb + i * sxi + x_mis
+        oy = b * syb + i * syi
+        row = b * n_i + i
+        ok = i < n_i
+    else:
+        row = pid.to(tl.int64) * ROWS + r
+        ox = row * sxb + x_mis
+        oy = row * syb
+        ok = row < n_b
+    return ox, oy, row, ok
+
+
+@triton.jit
+def _body(ox, oy, n, VEC: tl.constexpr, EDGES: tl.constexpr, Y_VEC: tl.constexpr):
+    """Split each row into a 16-byte-aligned body of ``length`` elements (a multiple of VEC) starting at
+    element ``h``, and edges: the h elements before it and the n - h - length after it.
+
+    Precondition (checked by the launcher): without EDGES every row offset and n are multiples of VEC."""
+    if EDGES:
+        h = tl.minimum((VEC - ox % VEC) % VEC, n)
+        length = (n - h) // VEC * VEC
+    else:
+        h = ox * 0
+        length = h + n
+    ys = oy + h
+    if Y_VEC:
+        ys = tl.multiple_of(ys, VEC)
+    return tl.multiple_of(ox + h, VEC), ys, h, tl.multiple_of(length, VEC)
+
+
+@triton.jit
+def _edges(h, length, n, VEC: tl.constexpr):
+    """Row-relative indices of the edge elements: lanes [0, VEC) are the head, [VEC, 2·VEC) the tail."""
+    j = tl.arange(0, 2 * VEC)[None, :]
+    head = j < VEC
+    idx = tl.where(head, j, h[:, None] + length[:, None] + (j - VEC))
+    ok = tl.where(head, j < h[:, None], idx < n)
+    return idx, ok
+
+
+@triton.jit
+def _load_logits(ptrs, mask):
+    """The one place logits enter a kernel, as fp32. Masked lanes are -inf: the identity of max, and
+    exp(-inf - m) = 0 is the identity of sum. (Scale and broadcast masks will be applied here.)"""
+    return tl.load(ptrs, mask=mask, other=float("-inf")).to(tl.float32)
+
+
+@triton.jit
+def _safe_max(m):
+    # A fully masked row has max -inf; subtracting it would give -inf - -inf = NaN, so subtract 0 instead.
+    return tl.where(m == float("-inf"), 0.0, m)
+
+
+@triton.jit
+def _exp(z):
+    return tl.math.exp2(z * LOG2E)
+
+
+@triton.jit
+def _row_factor(s, LOG: tl.constexpr):
+    """Per-row factor applied to every element: log(s) for log_softmax, 1/s for softmax.
+
+    s == 0 only for an all -inf row, where z = -inf and exp(z) = 0 already give -inf / 0 when s is taken
+    as 1. s = NaN (a NaN or +inf in the row) passes through to every element."""
+    s = tl.where(s == 0, 1.0, s)
+    if LOG:
+        f = tl.math.log2(s) * LN2
+    else:
+        f = tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
+    return f
+
+
+@triton.jit
+def _normalise(z, e, f, LOG: tl.constexpr):
+    if LOG:
+        y = z - f[:, None]
+    else:
+        y = e * f[:, None]
+    return y
+
+
+@triton.jit
+def softmax_fwd_rowblock(
+    x_ptr, y_ptr, lse_ptr,
+    n_b, n, n_i, tiles_i,
+    sxb, sxn, sxi, syb, syn, syi, x_mis,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, VEC: tl.constexpr, INNER: tl.constexpr,
+    EDGES: tl.constexpr, Y_VEC: tl.constexpr, IDX64: tl.constexpr, LOG: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
+):  # fmt: skip
+    """ROWS rows per program, each held whole in registers. Precondition: BLOCK_N >= n."""
+    ox, oy, row, row_ok = _rows(tl.program_id(0), n_b, n_i, tiles_i, sxb, sxi, syb, syi, x_mis, ROWS, INNER)
+    xs, ys, h, length = _body(ox, oy, n, VEC, EDGES, Y_VEC)
+    c = tl.arange(0, BLOCK_N)[None, :]
+    if IDX64:
+        c = c.to(tl.int64)
+    body = row_ok[:, None] & (c < length[:, None])
+    x = _load_logits(x_ptr + xs[:, None] + c * sxn, body)
+    m = tl.max(x, axis=1)
+    if EDGES:
+        e_idx, e_ok = _edges(h, length, n, VEC)
+        e_ok = e_ok & row_ok[:, None]
+        xe = _load_logits(x_ptr + ox[:, None] + e_idx, e_ok)
+        m = tl.maximum(m, tl.max(xe, axis=1))
+    m_safe = _safe_max(m)
+    z = x - m_safe[:, None]
+    e = _exp(z)
+    s = tl.sum(e, axis=1)
+    if EDGES:
+        ze = xe - m_safe[:, None]
+        ee = _exp(ze)
+        s += tl.sum(ee, axis=1)
+    f = _row_factor(s, LOG)
+    out_ty = y_ptr.dtype.element_ty
+    tl.store(y_ptr + ys[:, None] + c * syn, _normalise(z, e, f, LOG).to(out_ty), mask=body)
+    if EDGES:
+        tl.store(y_ptr + oy[:, None] + e_idx, _normalise(ze, ee, f, LOG).to(out_ty), mask=e_ok)
+    if WRITE_LSE:
+        tl.store(lse_ptr + row, m_safe + tl.math.log2(s) * LN2, mask=row_ok)
+
+
+@triton.jit
+def softmax_fwd_online(
+    x_ptr, y_ptr, lse_ptr,
+    n_b, n, n_i, tiles_i,
+    sxb, sxn, sxi, syb, syn, syi, x_mis,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, VEC: tl.constexpr, INNER: tl.constexpr,
+    EDGES: tl.constexpr, Y_VEC: tl.constexpr, IDX64: tl.constexpr, LOG: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
+):  # fmt: skip
+    """Rows of any length in BLOCK_N chunks: pass 1 carries (max, rescaled sum), pass 2 normalises."""
+    ox, oy, row, row_ok = _rows(tl.program_id(0), n_b, n_i, tiles_i, sxb, sxi, syb, syi, x_mis, ROWS, INNER)
+    xs, ys, h, length = _body(ox, oy, n, VEC, EDGES, Y_VEC)
+    c = tl.arange(0, BLOCK_N)[None, :]
+    if IDX64:
+        c = c.to(tl.int64)
+    m = tl.full([ROWS], float("-inf"), tl.float32)
+    s = tl.zeros([ROWS], tl.float32)
+    if EDGES:
+        e_idx, e_ok = _edges(h, length, n, VEC)
+        e_ok = e_ok & row_ok[:, None]
+        xe = _load_logits(x_ptr + ox[:, None] + e_idx, e_ok)
+        m = tl.max(xe, axis=1)
+        s = tl.sum(_exp(xe - _safe_max(m)[:, None]), axis=1)
+    for start in range(0, n, BLOCK_N):
+        cols = start + c
+        x = _load_logits(x_ptr + xs[:, None] + cols * sxn, row_ok[:, None] & (cols < length[:, None]))
+        m_new = tl.maximum(m, tl.max(x, axis=1))
+        m_new_safe = _safe_max(m_new)
+        # Rescale the running sum to the new max: one exp per row per chunk, not per element.
+        s = s * _exp(m - m_new_safe) + tl.sum(_exp(x - m_new_safe[:, None]), axis=1)
+        m = m_new
+    m_safe = _safe_max(m)
+    f = _row_factor(s, LOG)
+    out_ty = y_ptr.dtype.element_ty
+    if EDGES:
+        ze = xe - m_safe[:, None]
+        tl.store(y_ptr + oy[:, None] + e_idx, _normalise(ze, _exp(ze), f, LOG).to(out_ty), mask=e_ok)
+    # Pass 2 walks the row backwards: the chunks pass 1 read last are the likeliest still in L2.
+    n_chunks = tl.cdiv(n, BLOCK_N)
+    for k in range(0, n_chunks):
+        cols = (n_chunks - 1 - k) * BLOCK_N + c
+        body = row_ok[:, None] & (cols < length[:, None])
+        z = _load_logits(x_ptr + xs[:, None] + cols * sxn, body) - m_safe[:, None]
+        tl.store(y_ptr + ys[:, None] + cols * syn, _normalise(z, _exp(z), f, LOG).to(out_ty), mask=body)
+    if WRITE_LSE:
+        tl.store(lse_ptr + row, m_safe + tl.math.log2(s) * LN2, mask=row_ok)
+
+
+KERNELS = {"rowblock": softmax_fwd_rowblock, "online": softmax_fwd_online}
+
+
+# ---------------------------------------------------------------------------------------------- launcher
+# (imports here keep the kernels above readable on their own)
+import torch  # noqa: E402
+
+from .. import heuristics  # noqa: E402
+from ..layout import alloc, plan_layout  # noqa: E402
+
+_INT32_MAX = 2**31 - 1
+
+
+def _aligned_base(x: torch.Tensor, vec: int) -> tuple[torch.Tensor, int]:
+    """A view of x's storage starting at the 16-byte boundary at or before x's first element, and how many
+    elements before x it starts; (x, 0) when x is aligned or its storage is not."""
+    mis = (x.data_ptr() // x.element_size()) % vec
+    if mis == 0 or x.untyped_storage().data_ptr() % 16 != 0:
+        return x, 0
+    return x.as_strided((1,), (1,), x.storage_offset() - mis), mis
+
+
+def forward(x: torch.Tensor, y: torch.Tensor, dim: int, log: bool, want_lse: bool):
+    """Write softmax (or log_softmax) of x along ``dim`` into y (same shape). Returns (the plan that ran,
+    logsumexp per row as fp32 shaped like x without dim, or None)."""
+    x, lay = plan_layout(x, y, dim)
+    lse = None
+    if want_lse:
+        lse = alloc(x, torch.float32, x.shape[:dim] + x.shape[dim + 1 :], lay.stat_strides)
+    (sxb, sxn, sxi), (syb, syn, syi) = lay.sx, lay.sy
+    n, inner = lay.N, lay.I > 1
+    rows_contiguous = (sxi == 1) if inner else (sxb == 1 and sxn != 1)
+    path, block, rows, warps = heuristics.forward_shape(n, lay.B * lay.I, rows_contiguous)
+    overrides = heuristics.forced()
+    if overrides:
+        path, block, rows, warps = heuristics.forward_shape(n, lay.B * lay.I, rows_contiguous, overrides.get("path"))
+        block = overrides.get("block_n", block)
+        rows = overrides.get("rows", rows)
+        warps = overrides.get("num_warps", warps)
+    if path == "rowblock" and block < n:
+        raise ValueError(f"rowblock needs block_n >= N; got block_n={block}, N={n}")
+
+    # 16-byte vectors along the row when it is contiguous; edges when some row is not aligned.
+    vec, x_arg, x_mis, edges, y_vec = 1, x, 0, False, False
+    if sxn == 1 and n > 1:
+        vec = 16 // x.element_size()
+        x_arg, x_mis = _aligned_base(x, vec)
+        if x_arg is x and x.data_ptr() % 16:
+            vec = 1  # storage itself unaligned: plain scalar code
+    if vec > 1:
+        edges = bool(x_mis or n % vec or sxb % vec or sxi % vec)
+        y_vec = (
+            y.data_ptr() % 16 == 0
+            and y.element_size() * vec == 16
+            and not x_mis
+            and (sxb - syb) % vec == 0
+            and (sxi - syi) % vec == 0
+        )
+    idx64 = max(abs(sxn), abs(syn)) * (n + block) > _INT32_MAX
+    tiles_i = triton.cdiv(lay.I, rows) if inner else 1
+    grid = lay.B * tiles_i if inner else triton.cdiv(lay.B, rows)
+    if grid > _INT32_MAX:
+        raise ValueError(f"too many rows for one launch ({lay.B * lay.I})")
+    plan = heuristics.record(
+        heuristics.Plan("triton", path, block, rows, warps, vec, edges, inner, lay.copied)
+    )
+    KERNELS[path][(grid,)](
+        x_arg, y, y if lse is None else lse,
+        lay.B, n, lay.I, tiles_i,
+        sxb, sxn, sxi, syb, syn, syi, x_mis,
+        ROWS=rows, BLOCK_N=block, VEC=vec, INNER=inner, EDGES=edges, Y_VEC=y_vec, IDX64=idx64, LOG=log,
+        WRITE_LSE=lse is not None, num_warps=warps,
+    )  # fmt: skip
+    return plan, lse
