@@ -1,0 +1,74 @@
+"""Compile a Triton kernel variant for a GPU target without a GPU (for `fastsoftmax asm` and the snapshot
+tests): the same kernels and constexprs the launcher uses, specialised as the JIT would specialise a
+contiguous row-major tensor (16-byte-aligned pointers, unit element stride)."""
+
+from __future__ import annotations
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from .. import heuristics
+from . import softmax_fwd
+
+_TY = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
+_SIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
+
+
+def compile_forward(
+    path: str, dtype: str, n: int, *, log: bool = False, out_dtype: str | None = None, arch: int = 90,
+    rows: int | None = None, block_n: int | None = None, num_warps: int | None = None, n_rows: int = 1 << 20,
+):  # fmt: skip
+    """The compiled forward kernel (``.asm`` holds ttir, ttgir, llir, ptx, cubin) for a contiguous
+    (n_rows, n) tensor of ``dtype``, specialised as the launcher and the JIT would specialise it."""
+    _, blk, rws, wps = heuristics.forward_shape(n, n_rows, False, path)
+    rows, block_n, num_warps = rows or rws, block_n or blk, num_warps or wps
+    vec = 16 // _SIZE[dtype]
+    kernel = softmax_fwd.KERNELS[path]
+    names = kernel.arg_names
+    ints = dict(n_b=n_rows, n=n, n_i=1, tiles_i=1, sxb=n, sxi=0, syb=n, syi=0, x_mis=0)
+    consts = dict(
+        sxn=1, syn=1, ROWS=rows, BLOCK_N=block_n, VEC=vec, INNER=False, EDGES=n % 16 != 0, Y_VEC=True,
+        IDX64=False, LOG=log, WRITE_LSE=False,
+    )  # fmt: skip
+    sig = {"x_ptr": f"*{_TY[dtype]}", "y_ptr": f"*{_TY[out_dtype or dtype]}", "lse_ptr": "*fp32"}
+    sig.update({k: "i32" for k in ints})
+    sig.update({k: "constexpr" for k in consts})
+    sig = {k: sig[k] for k in names}
+    # The JIT marks 16-byte-aligned pointers and integers divisible by 16 (torch allocations are aligned).
+    div16 = [k for k in ("x_ptr", "y_ptr", "lse_ptr")] + [k for k, v in ints.items() if v % 16 == 0]
+    attrs = {(names.index(k),): [["tt.divisibility", 16]] for k in div16}
+    src = ASTSource(fn=kernel, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
+
+
+def ptxas_report(ptx: str, arch: str = "sm_90a") -> dict:
+    """Registers, spill bytes and stack frame of PTX, from ``ptxas -v`` (the one in Triton's wheel)."""
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    import triton.backends.nvidia as nv
+
+    ptxas = os.path.join(os.path.dirname(nv.__file__), "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        out = subprocess.run(
+            [ptxas, "-v", f"--gpu-name={arch}", src, "-o", os.path.join(d, "k.cubin")],
+            capture_output=True, text=True, check=True,
+        ).stderr  # fmt: skip
+
+    def num(pattern):
+        m = re.search(pattern, out)
+        return int(m.group(1)) if m else 0
+
+    return {
+        "registers": num(r"Used (\d+) registers"),
+        "stack_bytes": num(r"(\d+) bytes stack frame"),
+        "spill_stores": num(r"(\d+) bytes spill stores"),
+        "spill_loads": num(r"(\d+) bytes spill loads"),
+        "log": out,
+    }
