@@ -80,7 +80,7 @@ class TritonBackend:
                 "before fastsoftmax's first call"
             )
         if x.device.type == "cuda" and triton_interpreted():
-            return "the Triton kernels were loaded for the interpreter (TRITON_INTERPRET=1); CUDA tensors need them compiled"
+            return "the Triton kernels were loaded for the interpreter (TRITON_INTERPRET=1); CUDA needs them compiled"
         return None
 
     def forward(self, x, dim, out_dtype, log, want_lse):

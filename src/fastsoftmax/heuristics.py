@@ -76,6 +76,10 @@ def force(*, poison: bool = False, **overrides):
     bad = set(overrides) - {"path", "block_n", "rows", "num_warps"}
     if bad:
         raise TypeError(f"force() got unknown overrides {sorted(bad)}")
+    for k in ("block_n", "rows", "num_warps"):
+        v = overrides.get(k)
+        if v is not None and (not isinstance(v, int) or v < 1 or v & (v - 1)):
+            raise ValueError(f"{k} must be a power of two, got {v!r}")
     if "path" in overrides and overrides["path"] not in PATHS:
         raise ValueError(f"unknown path {overrides['path']!r}; valid: {', '.join(PATHS)}")
     old = getattr(_state, "force", None), getattr(_state, "poison", False)

@@ -20,7 +20,7 @@ from .heuristics import poisoning
 @dataclass(frozen=True)
 class Layout:
     B: int  # outer row group
-    I: int  # inner row group; 1 means rows run along b only
+    I: int  # noqa: E741  inner row group; 1 means rows run along b only
     N: int  # softmax length
     sx: tuple[int, int, int]  # x strides (b, n, i)
     sy: tuple[int, int, int]  # y strides (b, n, i)

@@ -43,3 +43,81 @@ def oracle(x: torch.Tensor, dim: int = -1, log: bool = False) -> torch.Tensor:
 def oracle_lse(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     x64 = x.detach().to("cpu", torch.float64)
     return softmax_torch(x64, dim, False, torch.float64, torch.float64)[1]
+
+
+# One tolerance rule, shared by the tests and `fastsoftmax check`:
+# |y - ref| <= atol + rtol·|ref| per element, by output dtype: one ulp of the output format relative (the
+# final rounding dominates 16-bit outputs), plus an absolute floor for values that are noise (fp16
+# subnormals, fp32 ex2.approx on tiny values). fp32 outputs must also stay within twice the error of
+# fp32 torch ops plus atol. NaN exactly where the oracle has NaN, infinities exactly.
+TOLERANCE = {
+    torch.float32: (2e-5, 1e-6),
+    torch.bfloat16: (2**-7, 1e-6),
+    torch.float16: (2**-10, 1e-6),
+    torch.float64: (1e-12, 1e-15),
+}
+
+
+def compare(y: torch.Tensor, x: torch.Tensor, dim: int, log: bool, out_dtype=None) -> tuple[float, str | None]:
+    """(worst error as a fraction of the tolerance, <= 1 passes; a description of the first violation or
+    None) of y against the float64 oracle of x."""
+    out_dtype = out_dtype or x.dtype
+    if y.dtype != out_dtype or y.shape != x.shape:
+        return float("nan"), f"got {y.dtype} {tuple(y.shape)}, expected {out_dtype} {tuple(x.shape)}"
+    ref = oracle(x, dim, log)
+    got = y.detach().to("cpu", torch.float64)
+    nan_ref, inf_ref = ref.isnan(), ref.isinf()
+    if not torch.equal(nan_ref, got.isnan()):
+        return float("nan"), f"NaN where the oracle has none or vice versa, at {_where(nan_ref != got.isnan())}"
+    if not torch.equal(inf_ref, got.isinf()) or not torch.equal(ref[inf_ref], got[inf_ref]):
+        return float("nan"), f"infinities differ at {_where(inf_ref != got.isinf())}"
+    fin = ~(nan_ref | inf_ref)
+    err = (got - ref).abs()[fin]
+    if not err.numel():
+        return 0.0, None
+    rtol, atol = TOLERANCE[out_dtype]
+    bound = atol + rtol * ref.abs()[fin]
+    ratio = (err / bound).max().item()
+    if not bool((err <= bound).all()):
+        i = (err - bound).argmax()
+        return ratio, f"error {err[i].item():.3g} > {bound[i].item():.3g} at value {ref[fin][i].item():.6g}"
+    worst_err = err.max().item()
+    if out_dtype == torch.float32 and x.dim() > 0:
+        xd = x.detach().cpu()
+        t = softmax_torch(xd, dim % xd.dim(), log, out_dtype)[0].to(torch.float64)
+        t_err = (t - ref).abs()[fin].max().item()
+        if worst_err > 2 * t_err + atol:
+            return ratio, f"max error {worst_err:.3g} > 2 × torch's {t_err:.3g} + {atol:g}"
+    return ratio, None
+
+
+def _where(mask: torch.Tensor) -> list:
+    return mask.nonzero()[:3].tolist()
+
+
+def special_rows(n: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """Rows every path must get right: all -inf, one finite among -inf, NaN, +inf, NaN among -inf, all
+    equal, logits near the dtype's top (fp16 ~6e4, else 1e4) with a spread, -inf sprinkled, and large
+    negative logits."""
+    big = 6.0e4 if dtype == torch.float16 else 1.0e4
+    rows = torch.randn(9, n, generator=gen, dtype=torch.float32) * 3
+    inf, nan = float("inf"), float("nan")
+    rows[0] = -inf
+    rows[1] = -inf
+    rows[1, n // 2] = 1.5
+    rows[2, (n * 2) // 3] = nan
+    rows[3, n - 1] = inf
+    rows[4] = -inf
+    rows[4, 0] = nan
+    rows[5] = 0.25
+    rows[6] = big - torch.rand(n, generator=gen) * 20
+    rows[7, :: max(1, n // 5)] = -inf
+    rows[8] = -big + torch.rand(n, generator=gen) * 20
+    return rows.to(dtype)
+
+
+def random_logits(shape, dtype, gen: torch.Generator, scale: float = 3.0) -> torch.Tensor:
+    """Gaussian logits with ~1% outliers multiplied by 20, so a broken max subtraction cannot pass."""
+    x = torch.randn(shape, generator=gen) * scale
+    outliers = torch.rand(shape, generator=gen) < 0.01
+    return torch.where(outliers, x * 20, x).to(dtype)

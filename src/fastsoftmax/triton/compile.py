@@ -9,6 +9,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from .. import heuristics
+from ..layout import Layout
 from . import softmax_fwd
 
 _TY = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
@@ -23,12 +24,14 @@ def compile_forward(
     (n_rows, n) tensor of ``dtype``, specialised as the launcher and the JIT would specialise it."""
     _, blk, rws, wps = heuristics.forward_shape(n, n_rows, False, path)
     rows, block_n, num_warps = rows or rws, block_n or blk, num_warps or wps
-    vec = 16 // _SIZE[dtype]
+    lay = Layout(n_rows, 1, n, (n, 1, 0), (n, 1, 0), (1,), False)
+    vec, edges, y_vec, _ = softmax_fwd.vector_plan(_SIZE[dtype], 0, 0, lay)  # torch allocations are aligned
     kernel = softmax_fwd.KERNELS[path]
     names = kernel.arg_names
     ints = dict(n_b=n_rows, n=n, n_i=1, tiles_i=1, sxb=n, sxi=0, syb=n, syi=0, x_mis=0)
     consts = dict(
-        sxn=1, syn=1, ROWS=rows, BLOCK_N=block_n, VEC=vec, INNER=False, EDGES=n % 16 != 0, Y_VEC=True,
+        sxn=1 if n > 1 else 0, syn=1 if n > 1 else 0, ROWS=rows, BLOCK_N=block_n, VEC=vec, INNER=False,
+        EDGES=edges, Y_VEC=y_vec,
         IDX64=False, LOG=log, WRITE_LSE=False,
     )  # fmt: skip
     sig = {"x_ptr": f"*{_TY[dtype]}", "y_ptr": f"*{_TY[out_dtype or dtype]}", "lse_ptr": "*fp32"}

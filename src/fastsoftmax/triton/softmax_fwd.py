@@ -220,13 +220,23 @@ from ..layout import alloc, plan_layout  # noqa: E402
 _INT32_MAX = 2**31 - 1
 
 
-def _aligned_base(x: torch.Tensor, vec: int) -> tuple[torch.Tensor, int]:
-    """A view of x's storage starting at the 16-byte boundary at or before x's first element, and how many
-    elements before x it starts; (x, 0) when x is aligned or its storage is not."""
-    mis = (x.data_ptr() // x.element_size()) % vec
-    if mis == 0 or x.untyped_storage().data_ptr() % 16 != 0:
-        return x, 0
-    return x.as_strided((1,), (1,), x.storage_offset() - mis), mis
+def vector_plan(elsize: int, x_addr: int, y_addr: int, lay) -> tuple[int, bool, bool, int]:
+    """(VEC, EDGES, Y_VEC, x_mis) for x and y at these addresses: 16-byte vectors along contiguous rows;
+    the edge code when some row is not 16-byte aligned and rows are long enough (>= 4 vectors) to gain.
+    x_mis: elements from the 16-byte boundary below x's first element to it.
+
+    Without edges, the JIT's divisibility-by-16 specialisation of n and the strides proves alignment."""
+    (sxb, sxn, sxi), (syb, _, syi), n = lay.sx, lay.sy, lay.N
+    if sxn != 1 or n < 2:
+        return 1, False, False, 0
+    vec = 16 // elsize
+    if x_addr % 16 == 0 and y_addr % 16 == 0 and not (n % 16 or sxb % 16 or sxi % 16 or syb % 16 or syi % 16):
+        return vec, False, False, 0
+    if n < 4 * vec:
+        return 1, False, False, 0
+    x_mis = (x_addr // elsize) % vec
+    y_vec = y_addr % 16 == 0 and not x_mis and (sxb - syb) % vec == 0 and (sxi - syi) % vec == 0
+    return vec, True, y_vec, x_mis
 
 
 def forward(x: torch.Tensor, y: torch.Tensor, dim: int, log: bool, want_lse: bool):
@@ -249,25 +259,19 @@ def forward(x: torch.Tensor, y: torch.Tensor, dim: int, log: bool, want_lse: boo
     if path == "rowblock" and block < n:
         raise ValueError(f"rowblock needs block_n >= N; got block_n={block}, N={n}")
 
-    # 16-byte vectors along the row when it is contiguous; edges when some row is not aligned.
-    vec, x_arg, x_mis, edges, y_vec = 1, x, 0, False, False
-    if sxn == 1 and n > 1:
-        vec = 16 // x.element_size()
-        x_arg, x_mis = _aligned_base(x, vec)
-        if x_arg is x and x.data_ptr() % 16:
-            vec = 1  # storage itself unaligned: plain scalar code
-    if vec > 1:
-        # Without edges the JIT's divisibility-by-16 specialisation of n and the strides proves alignment.
-        edges = bool(x_mis or n % 16 or sxb % 16 or sxi % 16 or syb % 16 or syi % 16)
-        y_vec = y.data_ptr() % 16 == 0 and not x_mis and (sxb - syb) % vec == 0 and (sxi - syi) % vec == 0
+    vec, edges, y_vec, x_mis = vector_plan(x.element_size(), x.data_ptr(), y.data_ptr(), lay)
+    x_arg = x
+    if x_mis:
+        if x.untyped_storage().data_ptr() % 16:
+            vec, edges, y_vec, x_mis = 1, False, False, 0  # the storage itself is unaligned: scalar code
+        else:  # the kernel addresses x from the 16-byte boundary below its first element
+            x_arg = x.as_strided((1,), (1,), x.storage_offset() - x_mis)
     idx64 = max(abs(sxn), abs(syn)) * (n + block) > _INT32_MAX
     tiles_i = triton.cdiv(lay.I, rows) if inner else 1
     grid = lay.B * tiles_i if inner else triton.cdiv(lay.B, rows)
     if grid > _INT32_MAX:
         raise ValueError(f"too many rows for one launch ({lay.B * lay.I})")
-    plan = heuristics.record(
-        heuristics.Plan("triton", path, block, rows, warps, vec, edges, inner, lay.copied)
-    )
+    plan = heuristics.record(heuristics.Plan("triton", path, block, rows, warps, vec, edges, inner, lay.copied))
     KERNELS[path][(grid,)](
         x_arg, y, y if lse is None else lse,
         lay.B, n, lay.I, tiles_i,

@@ -1,0 +1,132 @@
+"""The `fastsoftmax` command.
+
+fastsoftmax check   every kernel path against the float64 oracle on representative shapes and
+                    special-value rows; a table; exit status 1 on any failure. Without a GPU the Triton
+                    kernels run in Triton's interpreter on small shapes (said in the first line).
+fastsoftmax asm     the compiled code of a Triton kernel variant, without a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+
+def _gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+# (label, shape, dim, forced overrides): rowblock and online on aligned, odd and prime rows, a
+# non-contiguous layout, and the torch path. GPU shapes are large enough to use many programs per SM.
+GPU_CASES = [
+    ("rowblock", (4096, 1024), -1, {"path": "rowblock"}),
+    ("rowblock", (2048, 513), -1, {"path": "rowblock"}),
+    ("rowblock", (256, 16384), -1, {"path": "rowblock"}),
+    ("rowblock", (1024, 2048), 0, {"path": "rowblock"}),
+    ("online", (64, 50257), -1, {"path": "online"}),
+    ("online", (16, 131072), -1, {"path": "online"}),
+    ("online", (2, 1 << 20), -1, {"path": "online"}),
+    ("online", (512, 4096), 0, {"path": "online"}),
+]
+CPU_CASES = [
+    ("rowblock", (16, 1024), -1, {"path": "rowblock"}),
+    ("rowblock", (16, 513), -1, {"path": "rowblock"}),
+    ("rowblock", (40, 24), 0, {"path": "rowblock"}),
+    ("online", (4, 2053), -1, {"path": "online", "block_n": 512}),
+    ("online", (8, 1000), -1, {"path": "online", "block_n": 256}),
+    ("online", (200, 40), 0, {"path": "online", "block_n": 16}),
+]
+
+
+def check(args) -> int:
+    gpu = _gpu()
+    if not gpu:
+        os.environ["TRITON_INTERPRET"] = "1"  # before fastsoftmax first imports its kernels
+    import torch
+
+    import fastsoftmax as fs
+    from fastsoftmax import heuristics
+    from fastsoftmax.reference import compare, random_logits, special_rows
+
+    info = fs.info()
+    where = (
+        f"GPU {info['cuda_devices'][0]}: Triton kernels compiled"
+        if gpu
+        else "no GPU: the Triton kernels run in Triton's interpreter, on small shapes"
+    )
+    print(f"fastsoftmax check — {where}")
+    fam = info["kernels"]["triton.softmax_fwd"]
+    print(f"  fastsoftmax {info['fastsoftmax']}, torch {info['torch']}, triton {info['triton']}")
+    print(f"  exp: {fam['exp']}; division: {fam['division']}; flags: {fam['build_flags']}")
+    device = "cuda" if gpu else "cpu"
+    cases = list(GPU_CASES if gpu else CPU_CASES)
+    cases += [("reference", shape, dim, None) for (_, shape, dim, _) in cases[:2]]
+    dtypes = [torch.float32, torch.bfloat16, torch.float16]
+    rows, failed = [], 0
+    gen = torch.Generator().manual_seed(0)
+    t0 = time.time()
+    for _label, shape, dim, force in cases:
+        for dtype in dtypes:
+            n = shape[dim]
+            x = random_logits(shape, dtype, gen)
+            if dim in (-1, len(shape) - 1):
+                x[: min(9, shape[0])] = special_rows(n, dtype, gen)[: shape[0]]
+            x = x.to(device)
+            for log in (False, True):
+                backend = "torch" if force is None else "triton"
+                with heuristics.force(poison=True, **(force or {})):
+                    y = (fs.log_softmax if log else fs.softmax)(x, dim, backend=backend)
+                plan = heuristics.last_plan()
+                err, problem = compare(y, x.cpu() if gpu else x, dim, log)
+                ran = f"{plan.backend}/{plan.path}"
+                ok = problem is None and (force is None or plan.path == force["path"])
+                failed += not ok
+                name = "log_softmax" if log else "softmax"
+                rows.append((ran, str(dtype).replace("torch.", ""), f"{shape} dim={dim}", name, err, ok, problem))
+    print(f"\n{'path':18} {'dtype':9} {'shape':22} {'op':12} {'err/tol':>9}  result")
+    for ran, dt, shp, name, err, ok, problem in rows:
+        print(f"{ran:18} {dt:9} {shp:22} {name:12} {err:9.3f}  {'pass' if ok else 'FAIL: ' + str(problem)}")
+    print(f"\n{len(rows) - failed}/{len(rows)} passed in {time.time() - t0:.1f} s; err/tol is the worst error as a "
+          "fraction of the tolerance (fastsoftmax.reference.TOLERANCE), <= 1 passes")  # fmt: skip
+    for dt in sorted({r[1] for r in rows}):
+        print(f"  worst err/tol, {dt}: {max(r[4] for r in rows if r[1] == dt):.3f}")
+    return 1 if failed else 0
+
+
+def asm(args) -> int:
+    if args.backend != "triton":
+        print("fastsoftmax asm: only --backend triton exists so far", file=sys.stderr)
+        return 2
+    os.environ.pop("TRITON_INTERPRET", None)  # compiling needs the real JIT functions
+    from fastsoftmax.triton.compile import compile_forward, ptxas_report
+
+    arch = int(args.arch.removeprefix("sm_").rstrip("a"))
+    k = compile_forward(args.variant, args.dtype, args.n, log=args.log, arch=arch)
+    code = k.asm[args.stage]
+    print(code if isinstance(code, str) else code.hex())
+    if args.stage == "ptx":
+        rep = ptxas_report(code, args.arch)
+        print(f"// ptxas: {rep['registers']} registers, {rep['spill_stores']} B spill stores, "
+              f"{rep['spill_loads']} B spill loads, {rep['stack_bytes']} B stack")  # fmt: skip
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="fastsoftmax", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("check", help="every kernel path against the float64 oracle").set_defaults(fn=check)
+    a = sub.add_parser("asm", help="compiled code of a kernel variant (no GPU needed)")
+    a.add_argument("--backend", default="triton", choices=["triton", "cuda"])
+    a.add_argument("--variant", default="rowblock", choices=["rowblock", "online"])
+    a.add_argument("--dtype", default="bfloat16", choices=["float16", "bfloat16", "float32"])
+    a.add_argument("--n", type=int, default=4096)
+    a.add_argument("--arch", default="sm_90a")
+    a.add_argument("--stage", default="ptx", choices=["ttir", "ttgir", "llir", "ptx"])
+    a.add_argument("--log", action="store_true", help="log_softmax instead of softmax")
+    a.set_defaults(fn=asm)
+    args = p.parse_args(argv)
+    return args.fn(args)

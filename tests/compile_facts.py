@@ -1,0 +1,45 @@
+"""Run as a script (by test_snapshot.py, in its own process without TRITON_INTERPRET): compile every
+forward variant the heuristics table can produce for sm_90a (and sm_80) and print facts as JSON."""
+
+import json
+import os
+import re
+import sys
+
+os.environ.pop("TRITON_INTERPRET", None)
+
+from fastsoftmax import heuristics  # noqa: E402
+from fastsoftmax.triton.compile import compile_forward, ptxas_report  # noqa: E402
+
+
+def facts(path, dtype, n, arch, log=False):
+    k = compile_forward(path, dtype, n, log=log, arch=arch)
+    ptx = k.asm["ptx"]
+    rep = ptxas_report(ptx, "sm_90a" if arch == 90 else f"sm_{arch}")
+    return {
+        "path": path, "dtype": dtype, "n": n, "arch": arch, "log": log, "num_warps": k.metadata.num_warps,
+        "loads": sorted(set(re.findall(r"ld\.global[.\w]*", ptx))),
+        "stores": sorted(set(re.findall(r"st\.global[.\w]*", ptx))),
+        "ex2": "ex2.approx" in ptx, "div_rn": "div.rn.f32" in ptx,
+        **{k: v for k, v in rep.items() if k != "log"},
+    }  # fmt: skip
+
+
+def main():
+    out = []
+    rowblock_ns = [2**k for k in range(0, 15, 2) if 2**k <= heuristics.ROWBLOCK_MAX_N] + [7, 40, 513, 12289]
+    rowblock_ns.append(heuristics.ROWBLOCK_MAX_N)
+    for dtype in ("bfloat16", "float16", "float32"):
+        for n in rowblock_ns:
+            out.append(facts("rowblock", dtype, n, 90))
+        for n in (50257, 65536, 151936):
+            out.append(facts("online", dtype, n, 90))
+        out.append(facts("rowblock", dtype, 4096, 90, log=True))
+        out.append(facts("online", dtype, 32000, 90, log=True))
+        out.append(facts("rowblock", dtype, 1024, 80))
+        out.append(facts("online", dtype, 50257, 80))
+    json.dump(out, sys.stdout)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,16 @@
+"""Test helpers over the library's one reference and one tolerance rule (fastsoftmax.reference)."""
+
+from __future__ import annotations
+
+import torch
+
+from fastsoftmax.reference import compare, random_logits, special_rows  # noqa: F401
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def assert_close(y: torch.Tensor, x: torch.Tensor, dim: int, log: bool, out_dtype=None) -> float:
+    """y must match the float64 oracle of x under the library's tolerance rule; returns err/tol."""
+    err, problem = compare(y, x, dim, log, out_dtype)
+    assert problem is None, problem
+    return err

@@ -1,0 +1,145 @@
+"""Public API: argument errors before any launch, dispatch choices, shapes at the edges (0-d, empty,
+N = 1), the nn.Modules, info(), and no work at import."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from helpers import assert_close
+
+import fastsoftmax as fs
+from fastsoftmax import heuristics
+
+
+@pytest.mark.parametrize("fn", [fs.softmax, fs.log_softmax])
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.bool, torch.complex64, torch.uint8])
+def test_non_float_dtypes_raise_type_error(device, fn, dtype):
+    x = torch.zeros(3, 4, device=device).to(dtype)
+    with pytest.raises(TypeError, match=str(dtype)):
+        fn(x)
+
+
+def test_bad_arguments(device):
+    x = torch.randn(3, 4, device=device)
+    with pytest.raises(IndexError, match="range of \\[-2, 1\\], but got 2"):
+        fs.softmax(x, 2)
+    with pytest.raises(IndexError):
+        fs.log_softmax(x, -3)
+    with pytest.raises(IndexError):
+        fs.softmax(torch.tensor(1.0, device=device), 1)
+    with pytest.raises(TypeError, match="dim must be an int"):
+        fs.softmax(x, 1.0)
+    with pytest.raises(TypeError, match="dim must be an int"):
+        fs.softmax(x, True)
+    with pytest.raises(TypeError, match="dtype"):
+        fs.softmax(x, dtype=torch.int32)
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        fs.softmax([1.0, 2.0])
+    with pytest.raises(ValueError, match="'auto', 'triton', 'torch'"):
+        fs.softmax(x, backend="cuda-magic")
+
+
+def test_unknown_device_names_the_device():
+    x = torch.randn(3, 4, device="meta")
+    with pytest.raises(RuntimeError, match="device 'meta'"):
+        fs.softmax(x)
+
+
+def test_errors_come_before_any_launch(device):
+    with heuristics.force(path="rowblock"):
+        heuristics.record(None)
+        with pytest.raises(IndexError):
+            fs.softmax(torch.randn(2, 3, device=device), 5, backend="triton")
+        assert heuristics.last_plan() is None
+
+
+def test_triton_refuses_float64_and_auto_takes_torch(device):
+    x = torch.randn(3, 5, dtype=torch.float64, device=device)
+    with pytest.raises(RuntimeError, match="float64 runs on backend='torch'"):
+        fs.softmax(x, backend="triton")
+    with pytest.raises(RuntimeError, match="float64"):
+        fs.softmax(x.float(), dtype=torch.float64, backend="triton")
+    y = fs.softmax(x)
+    assert heuristics.last_plan().backend == "torch" and y.dtype == torch.float64
+    assert_close(y.float(), x.float(), -1, False)
+
+
+def test_auto_dispatch(device):
+    x = torch.randn(4, 33, device=device)
+    fs.softmax(x)
+    expected = "triton" if device == "cuda" else "torch"
+    assert heuristics.last_plan().backend == expected
+
+
+def test_requires_grad_goes_through_torch_until_backward_lands(device):
+    x = torch.randn(4, 10, device=device, requires_grad=True)
+    y = fs.softmax(x)
+    assert heuristics.last_plan().backend == "torch"
+    (g,) = torch.autograd.grad((y * torch.arange(10.0, device=device)).sum(), x)
+    ref = torch.autograd.grad((torch.softmax(x, -1) * torch.arange(10.0, device=device)).sum(), x)[0]
+    torch.testing.assert_close(g, ref)
+    with pytest.raises(RuntimeError, match="no backward yet"):
+        fs.softmax(x, backend="triton")
+    with torch.no_grad():
+        fs.softmax(x, backend="triton")
+    assert heuristics.last_plan().backend == "triton"
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_zero_dim(device, backend):
+    for v, sm, lsm in [(3.0, 1.0, 0.0), (float("-inf"), 0.0, float("-inf"))]:
+        x = torch.tensor(v, device=device)
+        y = fs.softmax(x, 0, backend=backend)
+        assert y.shape == () and y.item() == sm
+        assert fs.log_softmax(x, -1, backend=backend).item() == lsm
+    for v in (float("nan"), float("inf")):
+        assert fs.softmax(torch.tensor(v, device=device), backend=backend).isnan()
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("shape,dim", [((0,), 0), ((3, 0), -1), ((0, 5), -1), ((2, 0, 4), 1), ((2, 0, 4), 2)])
+def test_empty(device, backend, shape, dim):
+    x = torch.randn(shape, device=device, dtype=torch.bfloat16)
+    y = fs.softmax(x, dim, backend=backend, dtype=torch.float32)
+    assert y.shape == x.shape and y.dtype == torch.float32
+    assert heuristics.last_plan().path == "empty"
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_n_equals_one(device, backend):
+    x = torch.tensor([[2.0], [float("-inf")], [float("nan")], [float("inf")], [-1e30]], device=device)
+    y = fs.softmax(x, backend=backend)
+    assert y[:, 0].tolist()[:2] == [1.0, 0.0] and y[2:4].isnan().all() and y[4].item() == 1.0
+    assert_close(fs.log_softmax(x, backend=backend), x, -1, True)
+
+
+def test_modules(device):
+    x = torch.randn(2, 3, 7, device=device)
+    m, lm = fs.Softmax(dim=1), fs.LogSoftmax(-1, backend="torch")
+    assert "dim=1" in repr(m)
+    torch.testing.assert_close(m(x), torch.softmax(x, 1))
+    torch.testing.assert_close(lm(x), torch.log_softmax(x, -1))
+    assert isinstance(m, torch.nn.Module)
+    assert fs.Softmax()(x).shape == x.shape
+
+
+def test_info_reports_versions_backends_and_math():
+    info = fs.info()
+    assert info["torch"] == torch.__version__ and info["fastsoftmax"] == fs.__version__
+    assert set(info["backends"]) == {"triton", "torch"}
+    fam = info["kernels"]["triton.softmax_fwd"]
+    assert "ex2.approx" in fam["exp"] and "div.rn" in fam["division"] and "build_flags" in fam
+    assert info["backends"]["torch"]["cpu"] is True
+
+
+def test_import_does_no_work():
+    # In a fresh interpreter: importing fastsoftmax neither imports the kernels nor touches CUDA.
+    code = (
+        "import sys, torch, fastsoftmax; "
+        "assert 'fastsoftmax.triton.softmax_fwd' not in sys.modules; "
+        "assert not torch.cuda.is_initialized()"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env)

@@ -1,0 +1,58 @@
+"""Snapshot facts of the compiled Triton kernels, without a GPU: every variant the heuristics table can
+produce compiles for sm_90a and sm_80, moves data with 16-byte vector instructions (scalar code only for
+the edges of rows that are not 16-byte aligned), uses ex2.approx, and spills nothing (ptxas -v).
+
+The kernels are compiled in a separate process (tests/compile_facts.py): the interpreter tests in this
+process need TRITON_INTERPRET=1, under which Triton hands out interpreted functions that cannot compile."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def facts():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = Path(__file__).with_name("compile_facts.py")
+    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=1800)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout)
+
+
+def test_every_variant_compiles(facts):
+    assert {(f["path"], f["arch"]) for f in facts} == {
+        ("rowblock", 90),
+        ("online", 90),
+        ("rowblock", 80),
+        ("online", 80),
+    }
+    assert all(f["registers"] > 0 for f in facts)
+
+
+def test_no_spills(facts):
+    bad = [f for f in facts if f["spill_stores"] or f["spill_loads"] or f["stack_bytes"]]
+    assert not bad, [(f["path"], f["dtype"], f["n"], f["spill_stores"]) for f in bad]
+
+
+def test_aligned_rows_use_only_16_byte_accesses(facts):
+    for f in facts:
+        if f["n"] % 16 == 0 and f["n"] > 1:
+            assert f["loads"] == ["ld.global.v4.b32"], (f["path"], f["dtype"], f["n"], f["loads"])
+            assert f["stores"] == ["st.global.v4.b32"], (f["path"], f["dtype"], f["n"], f["stores"])
+
+
+def test_odd_rows_use_16_byte_body_and_scalar_edges(facts):
+    for f in facts:
+        if f["n"] % 16 and f["n"] >= 4 * (16 // (4 if f["dtype"] == "float32" else 2)):
+            scalar = "ld.global.b16" if f["dtype"] != "float32" else "ld.global.b32"
+            assert "ld.global.v4.b32" in f["loads"] and scalar in f["loads"], (f["dtype"], f["n"], f["loads"])
+            assert "st.global.v4.b32" in f["stores"], (f["dtype"], f["n"], f["stores"])
+
+
+def test_math_units(facts):
+    assert all(f["ex2"] for f in facts)  # exp is ex2.approx.f32, as fs.info() says
+    assert all(f["div_rn"] for f in facts if not f["log"])  # one IEEE reciprocal per row
