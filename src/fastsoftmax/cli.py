@@ -81,7 +81,7 @@ def check(args) -> int:
                 with heuristics.force(poison=True, **(force or {})):
                     y = (fs.log_softmax if log else fs.softmax)(x, dim, backend=backend)
                 plan = heuristics.last_plan()
-                err, problem = compare(y, x.cpu() if gpu else x, dim, log)
+                err, problem = compare(y, x, dim, log)
                 ran = f"{plan.backend}/{plan.path}"
                 ok = problem is None and (force is None or plan.path == force["path"])
                 failed += not ok

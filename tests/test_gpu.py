@@ -1,0 +1,104 @@
+"""The same checks at sizes only a GPU runs: every path on large, odd and prime shapes; a tensor of more
+than 2^31 elements (64-bit indexing) on the rowblock and the online path; non-default streams. Skipped
+without CUDA; run with `pytest --device cuda tests/test_gpu.py`."""
+
+import pytest
+import torch
+from helpers import DTYPES, assert_close, random_logits, special_rows
+
+import fastsoftmax as fs
+from fastsoftmax import heuristics
+from fastsoftmax.api import forward
+from fastsoftmax.reference import oracle, oracle_lse
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+SHAPES = [
+    ((8192, 1024), None),
+    ((4096, 513), None),
+    ((1024, 16384), None),
+    ((256, 32000), None),
+    ((128, 50257), None),
+    ((32, 151936), None),
+    ((4, 1 << 20), None),
+    ((8192, 1024), "online"),
+    ((1024, 12289), "rowblock"),
+]
+
+
+@pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape,path", SHAPES)
+def test_large(shape, path, dtype, log):
+    gen = torch.Generator().manual_seed(shape[1])
+    x = random_logits(shape, dtype, gen)
+    x[: min(9, shape[0])] = special_rows(shape[1], dtype, gen)[: shape[0]]
+    x = x.cuda()
+    with heuristics.force(poison=True, **({"path": path} if path else {})):
+        y = (fs.log_softmax if log else fs.softmax)(x, backend="triton")
+    plan = heuristics.last_plan()
+    assert plan.backend == "triton" and (path is None or plan.path == path)
+    assert_close(y, x, -1, log)
+
+
+@pytest.mark.parametrize("path", ["rowblock", "online"])
+@pytest.mark.parametrize(
+    "make,dim",
+    [
+        (lambda b: b.t(), -1),
+        (lambda b: b, 0),
+        (lambda b: b[:, 7:1000], -1),
+        (lambda b: b.view(64, 64, 1024).permute(1, 2, 0), 1),
+        (lambda b: b.view(16, 256, 16, 64).to(memory_format=torch.channels_last), 1),
+    ],
+)
+def test_large_non_contiguous(make, dim, path):
+    gen = torch.Generator().manual_seed(11)
+    x = make(random_logits((4096, 1024), torch.bfloat16, gen).cuda())
+    with heuristics.force(poison=True, path=path):
+        y = fs.softmax(x, dim, backend="triton")
+    assert heuristics.last_plan().path == path
+    assert_close(y, x, dim, False)
+
+
+def test_logsumexp_large():
+    gen = torch.Generator().manual_seed(12)
+    x = random_logits((512, 50257), torch.bfloat16, gen).cuda()
+    y, lse = forward(x, -1, want_lse=True, backend="triton")
+    torch.testing.assert_close(lse.double(), oracle_lse(x), rtol=2e-6, atol=2e-6)
+
+
+def test_side_stream():
+    x = torch.randn(4096, 4096, device="cuda")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        y = fs.softmax(x, backend="triton")
+    s.synchronize()
+    assert_close(y, x, -1, False)
+
+
+@pytest.mark.parametrize("n,path", [(1024, "rowblock"), (1 << 25, "online")])
+def test_more_than_2_pow_31_elements(n, path):
+    """bf16 rows whose element offsets pass 2^31: rows at both ends and across the boundary are checked
+    against the oracle, and every element must have been written (no NaN left from the poison)."""
+    rows = (1 << 31) // n + 3
+    assert rows * n > 2**31
+    torch.manual_seed(13)
+    x = torch.empty(rows, n, device="cuda", dtype=torch.bfloat16).normal_(0, 3)
+    x[-1] = float("-inf")  # the last row fully masked: all zeros
+    with heuristics.force(poison=True, path=path):
+        y = fs.softmax(x, backend="triton")
+    assert heuristics.last_plan().path == path
+    assert not y.isnan().any()
+    boundary = (1 << 31) // n
+    for r in sorted({0, 1, boundary - 1, boundary, boundary + 1, rows - 2}):
+        ref = oracle(x[r])
+        err = (y[r].double() - ref).abs().max().item()
+        assert err <= 2**-7 * ref.abs().max().item() + 1e-6, (r, err)
+    assert (y[-1] == 0).all()
+    sums = y[:-1].sum(-1, dtype=torch.float32)
+    assert ((sums - 1).abs() < 1e-2).all()
