@@ -26,30 +26,53 @@ LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
-def _rows(pid, n_b, n_i, tiles_i, sxb, sxi, syb, syi, x_mis, ROWS: tl.constexpr, INNER: tl.constexpr):
-    """Element offsets of this program's rows in x and y, their flat row index, and which exist.
+def _rows(
+    pid, n_b, n_i, tiles_i, sxb, sxi, syb, syi, x_mis,
+    ROWS: tl.constexpr, INNER: tl.constexpr, VEC: tl.constexpr, EDGES: tl.constexpr, Y_VEC: tl.constexpr,
+    IDX64: tl.constexpr,
+):  # fmt: skip
+    """This program's rows: a 64-bit base offset per tensor (one scalar, on a 16-byte boundary when rows
+    are vectorised) and each row's offset from it (32-bit unless IDX64), plus flat row index and validity.
 
-    Rows run along b (consecutive b, ROWS of them) or, with INNER, along i for one b."""
+    Rows run along b (ROWS consecutive b) or, with INNER, along i for one b. Keeping the per-element
+    address arithmetic in 32 bits halves the registers it needs."""
     r = tl.arange(0, ROWS)
+    if IDX64:
+        r = r.to(tl.int64)
     if INNER:
         b = (pid // tiles_i).to(tl.int64)
-        i = (pid % tiles_i).to(tl.int64) * ROWS + r
-        ox = b * sxb + i * sxi + x_mis
-        oy = b * syb + i * syi
-        row = b * n_i + i
-        ok = i < n_i
+        i0 = (pid % tiles_i).to(tl.int64) * ROWS
+        bx = b * sxb + i0 * sxi + x_mis
+        by = b * syb + i0 * syi
+        ox = r * sxi
+        oy = r * syi
+        row = b * n_i + i0 + r
+        ok = i0 + r < n_i
     else:
-        row = pid.to(tl.int64) * ROWS + r
-        ox = row * sxb + x_mis
-        oy = row * syb
+        b0 = pid.to(tl.int64) * ROWS
+        bx = b0 * sxb + x_mis
+        by = b0 * syb
+        ox = r * sxb
+        oy = r * syb
+        row = b0 + r
         ok = row < n_b
-    return ox, oy, row, ok
+    if EDGES:
+        # Round the bases down to a 16-byte boundary the compiler can see; rows keep the remainder.
+        # Y_VEC means y's rows are misaligned exactly as x's, so y's base shares the remainder.
+        rem = (bx % VEC).to(ox.dtype)
+        bx = tl.multiple_of(bx - rem, VEC)
+        ox = ox + rem
+        if Y_VEC:
+            by = tl.multiple_of(by - rem, VEC)
+            oy = oy + rem
+    return bx, by, ox, oy, row, ok
 
 
 @triton.jit
 def _body(ox, oy, n, VEC: tl.constexpr, EDGES: tl.constexpr, Y_VEC: tl.constexpr):
     """Split each row into a 16-byte-aligned body of ``length`` elements (a multiple of VEC) starting at
-    element ``h``, and edges: the h elements before it and the n - h - length after it.
+    element ``h``, and edges: the h elements before it and the n - h - length after it. Offsets are
+    relative to 16-byte-aligned bases (see _rows).
 
     Without EDGES the launcher has checked that n and every row stride are multiples of 16 elements, so
     the JIT's own divisibility specialisation proves alignment and the body is the whole row."""
@@ -129,7 +152,11 @@ def softmax_fwd_rowblock(
     WRITE_LSE: tl.constexpr,
 ):  # fmt: skip
     """ROWS rows per program, each held whole in registers. Precondition: BLOCK_N >= n."""
-    ox, oy, row, row_ok = _rows(tl.program_id(0), n_b, n_i, tiles_i, sxb, sxi, syb, syi, x_mis, ROWS, INNER)
+    bx, by, ox, oy, row, row_ok = _rows(
+        tl.program_id(0), n_b, n_i, tiles_i, sxb, sxi, syb, syi, x_mis, ROWS, INNER, VEC, EDGES, Y_VEC, IDX64
+    )
+    x_ptr += bx
+    y_ptr += by
     xs, ys, h, length = _body(ox, oy, n, VEC, EDGES, Y_VEC)
     c = tl.arange(0, BLOCK_N)[None, :]
     if IDX64:
@@ -169,7 +196,11 @@ def softmax_fwd_online(
     WRITE_LSE: tl.constexpr,
 ):  # fmt: skip
     """Rows of any length in BLOCK_N chunks: pass 1 carries (max, rescaled sum), pass 2 normalises."""
-    ox, oy, row, row_ok = _rows(tl.program_id(0), n_b, n_i, tiles_i, sxb, sxi, syb, syi, x_mis, ROWS, INNER)
+    bx, by, ox, oy, row, row_ok = _rows(
+        tl.program_id(0), n_b, n_i, tiles_i, sxb, sxi, syb, syi, x_mis, ROWS, INNER, VEC, EDGES, Y_VEC, IDX64
+    )
+    x_ptr += bx
+    y_ptr += by
     xs, ys, h, length = _body(ox, oy, n, VEC, EDGES, Y_VEC)
     c = tl.arange(0, BLOCK_N)[None, :]
     if IDX64:
@@ -266,7 +297,9 @@ def forward(x: torch.Tensor, y: torch.Tensor, dim: int, log: bool, want_lse: boo
             vec, edges, y_vec, x_mis = 1, False, False, 0  # the storage itself is unaligned: scalar code
         else:  # the kernel addresses x from the 16-byte boundary below its first element
             x_arg = x.as_strided((1,), (1,), x.storage_offset() - x_mis)
-    idx64 = max(abs(sxn), abs(syn)) * (n + block) > _INT32_MAX
+    # Offsets within a program are 32-bit unless its rows and columns could reach 2^31 elements.
+    row_stride = max(abs(sxi), abs(syi)) if inner else max(abs(sxb), abs(syb))
+    idx64 = rows * row_stride + max(abs(sxn), abs(syn)) * (n + block) + 16 > _INT32_MAX
     tiles_i = triton.cdiv(lay.I, rows) if inner else 1
     grid = lay.B * tiles_i if inner else triton.cdiv(lay.B, rows)
     if grid > _INT32_MAX:
