@@ -143,3 +143,26 @@ def test_import_does_no_work():
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     subprocess.run([sys.executable, "-c", code], check=True, env=env)
+
+
+@pytest.mark.parametrize(
+    "shape,dim,path,flags",
+    [
+        ((3, heuristics.ROWBLOCK_MAX_N), -1, "rowblock", {"rows": 1}),
+        ((2, heuristics.ROWBLOCK_MAX_N + 1), -1, "online", {"rows": 1}),
+        ((64, 256), -1, "rowblock", {"rows": 8}),  # short rows packed several per program
+        ((64, 40), 0, "rowblock", {"rows": 64}),  # strided dim, adjacent rows
+        ((5000, 3), 0, "online", {"rows": 4}),  # rows capped at the rows there are
+    ],
+)
+def test_heuristics_table_branches(device, shape, dim, path, flags):
+    """Unforced, the table picks each path where it should, and the kernel then runs correctly."""
+    gen = torch.Generator().manual_seed(14)
+    x = torch.randn(shape, generator=gen, dtype=torch.bfloat16).to(device)
+    with heuristics.force(poison=True):
+        y = fs.softmax(x, dim, backend="triton")
+    plan = heuristics.last_plan()
+    assert plan.path == path, plan
+    for k, v in flags.items():
+        assert getattr(plan, k) == v, (k, plan)
+    assert_close(y, x, dim, False)

@@ -22,7 +22,7 @@ def compile_forward(
 ):  # fmt: skip
     """The compiled forward kernel (``.asm`` holds ttir, ttgir, llir, ptx, cubin) for a contiguous
     (n_rows, n) tensor of ``dtype``, specialised as the launcher and the JIT would specialise it."""
-    _, blk, rws, wps = heuristics.forward_shape(n, n_rows, False, path)
+    _, blk, rws, wps = heuristics.forward_shape(n, n_rows, _SIZE[dtype], False, path)
     rows, block_n, num_warps = rows or rws, block_n or blk, num_warps or wps
     lay = Layout(n_rows, 1, n, (n, 1, 0), (n, 1, 0), (1,), False)
     vec, edges, y_vec, _ = softmax_fwd.vector_plan(_SIZE[dtype], 0, 0, lay)  # torch allocations are aligned

@@ -280,10 +280,11 @@ def forward(x: torch.Tensor, y: torch.Tensor, dim: int, log: bool, want_lse: boo
     (sxb, sxn, sxi), (syb, syn, syi) = lay.sx, lay.sy
     n, inner = lay.N, lay.I > 1
     rows_contiguous = (sxi == 1) if inner else (sxb == 1 and sxn != 1)
-    path, block, rows, warps = heuristics.forward_shape(n, lay.B * lay.I, rows_contiguous)
     overrides = heuristics.forced()
+    path, block, rows, warps = heuristics.forward_shape(
+        n, lay.B * lay.I, x.element_size(), rows_contiguous, overrides and overrides.get("path")
+    )
     if overrides:
-        path, block, rows, warps = heuristics.forward_shape(n, lay.B * lay.I, rows_contiguous, overrides.get("path"))
         block = overrides.get("block_n", block)
         rows = overrides.get("rows", rows)
         warps = overrides.get("num_warps", warps)
