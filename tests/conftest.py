@@ -27,3 +27,11 @@ def device(request):
         if not torch.cuda.is_available():
             pytest.fail("--device cuda given but torch sees no CUDA device")
     return dev
+
+
+def pytest_terminal_summary(terminalreporter):
+    from helpers import WORST
+
+    if WORST:
+        worst = ", ".join(f"{k} {v:.3f}" for k, v in sorted(WORST.items()))
+        terminalreporter.write_line(f"worst error as a fraction of the tolerance, per output dtype: {worst}")
