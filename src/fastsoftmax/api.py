@@ -116,7 +116,7 @@ def info() -> dict:
     from . import __version__
 
     triton_version = None
-    if dispatch.triton_importable():
+    if not dispatch.triton_import_error():
         import triton
 
         triton_version = triton.__version__

@@ -43,12 +43,15 @@ def _triton_kernels():
     return softmax_fwd
 
 
-def triton_importable() -> bool:
+@functools.cache
+def triton_import_error() -> str | None:
+    """Why triton cannot be imported here (None: it can). Under TRITON_INTERPRET=1 importing triton also
+    imports numpy, for the interpreter."""
     try:
         import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    except ImportError as e:
+        return f"triton cannot be imported ({e})"
+    return None
 
 
 def triton_interpreted() -> bool:
@@ -72,8 +75,8 @@ class TritonBackend:
                 f"the Triton kernels take float16, bfloat16 and float32 (got {x.dtype} in, {out_dtype} "
                 "out); float64 runs on backend='torch', which 'auto' picks"
             )
-        if not triton_importable():
-            return "triton is not installed"
+        if triton_import_error():
+            return triton_import_error()
         if x.device.type == "cpu" and not triton_interpreted():
             return (
                 "CPU tensors run the Triton kernels only in Triton's interpreter: set TRITON_INTERPRET=1 "
