@@ -13,16 +13,19 @@ from fastsoftmax.triton.compile import compile_forward, ptxas_report  # noqa: E4
 
 
 def facts(path, dtype, n, arch, log=False):
-    k = compile_forward(path, dtype, n, log=log, arch=arch)
-    ptx = k.asm["ptx"]
-    rep = ptxas_report(ptx, "sm_90a" if arch == 90 else f"sm_{arch}")
-    return {
-        "path": path, "dtype": dtype, "n": n, "arch": arch, "log": log, "num_warps": k.metadata.num_warps,
-        "loads": sorted(set(re.findall(r"ld\.global[.\w]*", ptx))),
-        "stores": sorted(set(re.findall(r"st\.global[.\w]*", ptx))),
-        "ex2": "ex2.approx" in ptx, "div_rn": "div.rn.f32" in ptx,
-        **{k: v for k, v in rep.items() if k != "log"},
-    }  # fmt: skip
+    out = []
+    for k in compile_forward(path, dtype, n, log=log, arch=arch, n_rows=8 if path == "split" else 1 << 20):
+        ptx = k.asm["ptx"]
+        rep = ptxas_report(ptx, "sm_90a" if arch == 90 else f"sm_{arch}")
+        out.append({
+            "path": path, "kernel": k.name, "dtype": dtype, "n": n, "arch": arch, "log": log,
+            "num_warps": k.metadata.num_warps,
+            "loads": sorted(set(re.findall(r"ld\.global[.\w]*", ptx))),
+            "stores": sorted(set(re.findall(r"st\.global[.\w]*", ptx))),
+            "ex2": "ex2.approx" in ptx, "div_rn": "div.rn.f32" in ptx,
+            **{k: v for k, v in rep.items() if k != "log"},
+        })  # fmt: skip
+    return out
 
 
 def main():
@@ -31,13 +34,16 @@ def main():
     rowblock_ns.append(heuristics.ROWBLOCK_MAX_N)
     for dtype in ("bfloat16", "float16", "float32"):
         for n in rowblock_ns:
-            out.append(facts("rowblock", dtype, n, 90))
+            out += facts("rowblock", dtype, n, 90)
         for n in (50257, 65536, 151936):
-            out.append(facts("online", dtype, n, 90))
-        out.append(facts("rowblock", dtype, 4096, 90, log=True))
-        out.append(facts("online", dtype, 32000, 90, log=True))
-        out.append(facts("rowblock", dtype, 1024, 80))
-        out.append(facts("online", dtype, 50257, 80))
+            out += facts("online", dtype, n, 90)
+            out += facts("split", dtype, n, 90)
+        out += facts("rowblock", dtype, 4096, 90, log=True)
+        out += facts("online", dtype, 32000, 90, log=True)
+        out += facts("split", dtype, 131072, 90, log=True)
+        out += facts("rowblock", dtype, 1024, 80)
+        out += facts("online", dtype, 50257, 80)
+        out += facts("split", dtype, 50257, 80)
     json.dump(out, sys.stdout)
 
 

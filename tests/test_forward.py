@@ -21,8 +21,8 @@ def run(x, dim=-1, log=False, dtype=None, backend="triton", **force):
     return y, heuristics.last_plan()
 
 
-# (n, forced path, block_n): rowblock whole-row tiles; online with chunks smaller than the row so the
-# loop runs several times and the last chunk is partial.
+# (n, forced path, block_n): rowblock whole-row tiles; online and split with chunks smaller than the row
+# so loops run several times, the last chunk is partial, and split rows have several segments.
 CASES = [
     (1, "rowblock", None),
     (7, "rowblock", None),
@@ -33,6 +33,9 @@ CASES = [
     (513, "online", 64),
     (1000, "online", 128),
     (2053, "online", 256),
+    (7, "split", 4),
+    (1000, "split", 128),
+    (2053, "split", 256),
 ]
 
 
@@ -45,12 +48,13 @@ def test_paths_random_and_special(device, n, path, block, dtype, log):
     force = {"path": path} | ({"block_n": block} if block else {})
     y, plan = run(x, log=log, **force)
     assert (plan.backend, plan.path) == ("triton", path)
+    assert plan.splits == (-(-n // block) if path == "split" else 1)  # 14 rows: one segment per chunk
     # Rows of >= 4 vectors that are not 16-byte aligned take the aligned-body + edges code.
     assert plan.edges == (n % 16 != 0 and n >= 4 * (16 // x.element_size()))
     assert_close(y, x, -1, log)
 
 
-@pytest.mark.parametrize("path", ["rowblock", "online"])
+@pytest.mark.parametrize("path", ["rowblock", "online", "split"])
 def test_rows_per_program_partial_last_tile(device, path):
     # 11 rows, 4 per program: the last program owns 3 real rows and one that must not be touched.
     gen = torch.Generator().manual_seed(1)
@@ -70,7 +74,7 @@ def test_rowblock_refuses_short_block(device):
 def test_large_logits_are_finite(device, dtype):
     big = 6.0e4 if dtype == torch.float16 else 3.0e3
     x = (torch.tensor([[big, big - 1, big - 2, -big]])).to(dtype).to(device)
-    for path in ("rowblock", "online"):
+    for path in ("rowblock", "online", "split"):
         y, _ = run(x, path=path)
         assert torch.isfinite(y).all()
         assert_close(y, x, -1, False)
@@ -88,7 +92,7 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("path", ["rowblock", "online"])
+@pytest.mark.parametrize("path", ["rowblock", "online", "split"])
 @pytest.mark.parametrize("name", list(LAYOUTS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_non_contiguous(device, name, path, dtype):
@@ -96,14 +100,14 @@ def test_non_contiguous(device, name, path, dtype):
     gen = torch.Generator().manual_seed(3)
     base = random_logits((24, 64), dtype, gen).to(device)
     x = make(base)
-    y, plan = run(x, dim, path=path, **({"block_n": 16} if path == "online" else {}))
+    y, plan = run(x, dim, path=path, **({"block_n": 16} if path != "rowblock" else {}))
     assert plan.path == path
     for k, v in flags.items():
         assert getattr(plan, k) == v, (k, plan)
     assert_close(y, x, dim, False)
 
 
-@pytest.mark.parametrize("path", ["rowblock", "online"])
+@pytest.mark.parametrize("path", ["rowblock", "online", "split"])
 @pytest.mark.parametrize(
     "shape,dim",
     [((2, 6, 5, 7), 1), ((3, 4, 5), 1), ((3, 4, 5), 0), ((2, 3, 4, 5), 2), ((1, 9, 1), 1)],
@@ -150,7 +154,7 @@ def test_dtype_out(device, src, out, log):
     assert_close(y, x, -1, log, out_dtype=out)
 
 
-@pytest.mark.parametrize("path", ["rowblock", "online"])
+@pytest.mark.parametrize("path", ["rowblock", "online", "split"])
 @pytest.mark.parametrize("shape,dim", [((9, 513), -1), ((3, 40, 5), 1), ((6, 7, 3), 0)])
 def test_logsumexp_statistic(device, shape, dim, path):
     gen = torch.Generator().manual_seed(8)
@@ -158,7 +162,7 @@ def test_logsumexp_statistic(device, shape, dim, path):
     x.select(dim, 0).fill_(float("-inf"))  # one element of every row masked
     if dim == -1:
         x[1] = float("-inf")  # a fully masked row: lse = -inf
-    with heuristics.force(poison=True, path=path):
+    with heuristics.force(poison=True, path=path, **({"block_n": 128} if path == "split" else {})):
         y, lse = forward(x, dim, want_lse=True, backend="triton")
     ref = oracle_lse(x, dim).cpu()
     assert lse.shape == ref.shape and lse.dtype == torch.float32
@@ -168,7 +172,7 @@ def test_logsumexp_statistic(device, shape, dim, path):
     torch.testing.assert_close(got[fin], ref[fin], rtol=2e-6, atol=2e-6)
 
 
-@pytest.mark.parametrize("path", ["rowblock", "online"])
+@pytest.mark.parametrize("path", ["rowblock", "online", "split"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_invariants(device, path, dtype):
     gen = torch.Generator().manual_seed(9)

@@ -40,7 +40,7 @@ def problems(draw):
     elif layout == "expand" and ndim >= 1:
         x = x.unsqueeze(0).expand(2, *x.shape)
         dim = dim - 1 if dim < 0 else dim + 1
-    path = draw(st.sampled_from(["rowblock", "online", None]))
+    path = draw(st.sampled_from(["rowblock", "online", "split", None]))
     log = draw(st.booleans())
     out_dtype = draw(st.sampled_from([None, torch.float32]))
     return x, dim, path, log, out_dtype
@@ -53,8 +53,8 @@ def test_matches_oracle(device, backend, problem):
     x, dim, path, log, out_dtype = problem
     x = x.to(device)
     force = {"path": path} if path and backend == "triton" else {}
-    if path == "online":
-        force["block_n"] = 16  # several chunks per row
+    if path in ("online", "split"):
+        force["block_n"] = 16  # several chunks (and segments) per row
     with heuristics.force(poison=True, **force):
         y, _ = forward(x, dim, log=log, dtype=out_dtype, backend=backend)
     plan = heuristics.last_plan()

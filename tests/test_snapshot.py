@@ -24,12 +24,9 @@ def facts():
 
 
 def test_every_variant_compiles(facts):
-    assert {(f["path"], f["arch"]) for f in facts} == {
-        ("rowblock", 90),
-        ("online", 90),
-        ("rowblock", 80),
-        ("online", 80),
-    }
+    kinds = {(f["kernel"], f["arch"]) for f in facts}
+    names = ["softmax_fwd_rowblock", "softmax_fwd_online", "softmax_fwd_split_stats", "softmax_fwd_split_write"]
+    assert kinds == {(k, a) for k in names for a in (90, 80)}
     assert all(f["registers"] > 0 for f in facts)
 
 
@@ -41,8 +38,11 @@ def test_no_spills(facts):
 def test_aligned_rows_use_only_16_byte_accesses(facts):
     for f in facts:
         if f["n"] % 16 == 0 and f["n"] > 1:
-            assert f["loads"] == ["ld.global.v4.b32"], (f["path"], f["dtype"], f["n"], f["loads"])
-            assert f["stores"] == ["st.global.v4.b32"], (f["path"], f["dtype"], f["n"], f["stores"])
+            # split_write also reads the per-segment (max, sum) workspace with 4-byte loads
+            allowed = {"ld.global.v4.b32"} | ({"ld.global.b32"} if f["kernel"] == "softmax_fwd_split_write" else set())
+            assert "ld.global.v4.b32" in f["loads"] and set(f["loads"]) <= allowed, (f["kernel"], f["n"], f["loads"])
+            if f["kernel"] != "softmax_fwd_split_stats":
+                assert f["stores"] == ["st.global.v4.b32"], (f["path"], f["dtype"], f["n"], f["stores"])
 
 
 def test_odd_rows_use_16_byte_body_and_scalar_edges(facts):
@@ -50,9 +50,11 @@ def test_odd_rows_use_16_byte_body_and_scalar_edges(facts):
         if f["n"] % 16 and f["n"] >= 4 * (16 // (4 if f["dtype"] == "float32" else 2)):
             scalar = "ld.global.b16" if f["dtype"] != "float32" else "ld.global.b32"
             assert "ld.global.v4.b32" in f["loads"] and scalar in f["loads"], (f["dtype"], f["n"], f["loads"])
-            assert "st.global.v4.b32" in f["stores"], (f["dtype"], f["n"], f["stores"])
+            if f["kernel"] != "softmax_fwd_split_stats":  # it stores only (max, sum) per segment
+                assert "st.global.v4.b32" in f["stores"], (f["dtype"], f["n"], f["stores"])
 
 
 def test_math_units(facts):
     assert all(f["ex2"] for f in facts)  # exp is ex2.approx.f32, as fs.info() says
-    assert all(f["div_rn"] for f in facts if not f["log"])  # one IEEE reciprocal per row
+    # one IEEE reciprocal per row, in every kernel that writes softmax
+    assert all(f["div_rn"] for f in facts if not f["log"] and f["kernel"] != "softmax_fwd_split_stats")

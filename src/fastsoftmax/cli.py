@@ -105,13 +105,16 @@ def asm(args) -> int:
     from fastsoftmax.triton.compile import compile_forward, ptxas_report
 
     arch = int(args.arch.removeprefix("sm_").rstrip("a"))
-    k = compile_forward(args.variant, args.dtype, args.n, log=args.log, arch=arch)
-    code = k.asm[args.stage]
-    print(code if isinstance(code, str) else code.hex())
-    if args.stage == "ptx":
-        rep = ptxas_report(code, args.arch)
-        print(f"// ptxas: {rep['registers']} registers, {rep['spill_stores']} B spill stores, "
-              f"{rep['spill_loads']} B spill loads, {rep['stack_bytes']} B stack")  # fmt: skip
+    for k in compile_forward(args.variant, args.dtype, args.n, log=args.log, arch=arch):
+        code = k.asm[args.stage]
+        print(f"// kernel {k.name}")
+        print(code if isinstance(code, str) else code.hex())
+        if args.stage == "ptx":
+            rep = ptxas_report(code, args.arch)
+            print(
+                f"// ptxas: {rep['registers']} registers, {rep['spill_stores']} B spill stores, "
+                f"{rep['spill_loads']} B spill loads, {rep['stack_bytes']} B stack"
+            )
     return 0
 
 
@@ -121,7 +124,7 @@ def main(argv=None) -> int:
     sub.add_parser("check", help="every kernel path against the float64 oracle").set_defaults(fn=check)
     a = sub.add_parser("asm", help="compiled code of a kernel variant (no GPU needed)")
     a.add_argument("--backend", default="triton", choices=["triton", "cuda"])
-    a.add_argument("--variant", default="rowblock", choices=["rowblock", "online"])
+    a.add_argument("--variant", default="rowblock", choices=["rowblock", "online", "split"])
     a.add_argument("--dtype", default="bfloat16", choices=["float16", "bfloat16", "float32"])
     a.add_argument("--n", type=int, default=4096)
     a.add_argument("--arch", default="sm_90a")

@@ -5,6 +5,9 @@ Paths (forward):
             program so that a program moves at least ``TILE`` elements.
   online    rows too long for registers: pass 1 keeps a running max and a rescaled running sum (Milakov &
             Gimelshein 2018), pass 2 normalises: 2 reads + 1 write, any length.
+  split     online, for too few rows to fill the GPU: each row is cut into segments across programs; one
+            launch writes each segment's (max, sum), a second merges them and normalises: 2 reads + 1
+            write, plus 8 bytes per segment.
 
 Measured on an NVIDIA H200 on 2026-11-29 (dev/sweep_forward.py, triton 3.6, torch 2.11; copy 4,251 GB/s):
   - rowblock is fastest with about 128 bytes of row per thread in flight (8 16-byte vectors): fewer warps
@@ -21,14 +24,19 @@ from __future__ import annotations
 
 import threading
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
+from typing import NamedTuple
 
-PATHS = ("rowblock", "online")
+PATHS = ("rowblock", "online", "split")
 
 ROWBLOCK_MAX_N = 32768  # longest row one program holds in registers (elements)
 BYTES_PER_THREAD = 128  # row bytes each thread of a rowblock program holds
 ONLINE_BLOCK = 8192  # elements per online chunk along the row
 ONLINE_WARPS = 16
+SPLIT_BLOCK = 2048  # elements per chunk on the split path (not yet measured)
+SPLIT_WARPS = 4
+SPLIT_PROGRAMS_PER_SM = 4  # split rows until this many programs per SM run
+MAX_SPLITS = 1024
 STRIDED_ROWS = 64  # rows per program when rows, not the softmax dim, are contiguous
 STRIDED_TILE = 4096  # elements per program then (not yet measured)
 
@@ -46,6 +54,7 @@ class Plan:
     edges: bool = False  # rows not 16-byte aligned: aligned body + scalar head/tail
     inner: bool = False  # two row groups: a program's rows run along the inner one
     copied: bool = False  # x was copied to contiguous first
+    splits: int = 1  # segments per row (split path)
 
 
 def _pow2(n: int) -> int:
@@ -59,9 +68,19 @@ def _pow2_near(v: float) -> int:
     return lo * 2 if v / lo > 1.5 else lo
 
 
-def forward_shape(n: int, n_rows: int, elsize: int, rows_contiguous: bool, path: str | None = None):
-    """(path, block_n, rows per program, num_warps) for rows of n elements of elsize bytes; ``path``
-    forces the path."""
+class Shape(NamedTuple):
+    path: str
+    block_n: int
+    rows: int
+    num_warps: int
+    splits: int = 1
+
+
+def forward_shape(
+    n: int, n_rows: int, elsize: int, rows_contiguous: bool, sm_count: int, path: str | None = None
+) -> Shape:
+    """The launch shape for n_rows rows of n elements of elsize bytes on a GPU of sm_count SMs;
+    ``path`` forces the path."""
     if rows_contiguous:
         # The softmax dim is strided and rows are adjacent: a program takes many rows so that each load
         # instruction covers a contiguous run of rows.
@@ -70,15 +89,31 @@ def forward_shape(n: int, n_rows: int, elsize: int, rows_contiguous: bool, path:
         path = path or ("rowblock" if block >= n else "online")
         if path == "rowblock":
             block = _pow2(n)
-        return path, block, rows, min(16, max(1, rows * block // 512))
-    path = path or ("rowblock" if n <= ROWBLOCK_MAX_N else "online")
+        return Shape(path, block, rows, min(16, max(1, rows * block // 512)), split_count(n, block, 1, 1, path))
+    if path is None and n > ROWBLOCK_MAX_N:
+        few_rows = split_count(n, SPLIT_BLOCK, n_rows, sm_count, "split") > 1
+        path = "split" if few_rows else "online"
+    path = path or "rowblock"
     if path == "online":
         block = min(ONLINE_BLOCK, _pow2(n))
-        return path, block, 1, max(1, min(ONLINE_WARPS, block // 512))
+        return Shape(path, block, 1, max(1, min(ONLINE_WARPS, block // 512)))
+    if path == "split":
+        block = min(SPLIT_BLOCK, _pow2(n))
+        return Shape(path, block, 1, SPLIT_WARPS, split_count(n, block, n_rows, sm_count, path))
     per_warp = 32 * BYTES_PER_THREAD // elsize  # row elements one warp holds
     rows = min(_pow2(n_rows), 1 << (max(1, per_warp // n).bit_length() - 1))
     warps = min(32, _pow2_near(max(1.0, n * rows / per_warp)))
-    return path, _pow2(n), rows, warps
+    return Shape(path, _pow2(n), rows, warps)
+
+
+def split_count(n: int, block: int, n_rows: int, sm_count: int, path: str) -> int:
+    """Segments per row on the split path: enough programs for SPLIT_PROGRAMS_PER_SM per SM, at least
+    one chunk each."""
+    if path != "split":
+        return 1
+    chunks = -(-n // block)
+    want = -(-SPLIT_PROGRAMS_PER_SM * sm_count // n_rows)
+    return max(1, min(chunks, want, MAX_SPLITS))
 
 
 # Test hooks: force a path or launch shape, poison outputs, and read back what ran (per thread).
@@ -89,13 +124,15 @@ _state = threading.local()
 def force(*, poison: bool = False, **overrides):
     """Within the block, every Triton launch uses ``overrides`` (path=, block_n=, rows=, num_warps=) and,
     with ``poison``, outputs are filled with NaN before the kernel writes them."""
-    bad = set(overrides) - {"path", "block_n", "rows", "num_warps"}
+    bad = set(overrides) - {"path", "block_n", "rows", "num_warps", "splits"}
     if bad:
         raise TypeError(f"force() got unknown overrides {sorted(bad)}")
     for k in ("block_n", "rows", "num_warps"):
         v = overrides.get(k)
         if v is not None and (not isinstance(v, int) or v < 1 or v & (v - 1)):
             raise ValueError(f"{k} must be a power of two, got {v!r}")
+    if "splits" in overrides and not (isinstance(overrides["splits"], int) and overrides["splits"] >= 1):
+        raise ValueError(f"splits must be a positive int, got {overrides['splits']!r}")
     if "path" in overrides and overrides["path"] not in PATHS:
         raise ValueError(f"unknown path {overrides['path']!r}; valid: {', '.join(PATHS)}")
     old = getattr(_state, "force", None), getattr(_state, "poison", False)
@@ -122,7 +159,3 @@ def record(plan: Plan) -> Plan:
 def last_plan() -> Plan | None:
     """The plan of the last call on this thread."""
     return getattr(_state, "last", None)
-
-
-def apply_overrides(plan: Plan, overrides: dict | None) -> Plan:
-    return replace(plan, **overrides) if overrides else plan

@@ -18,31 +18,37 @@ _SIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
 
 def compile_forward(
     path: str, dtype: str, n: int, *, log: bool = False, out_dtype: str | None = None, arch: int = 90,
-    rows: int | None = None, block_n: int | None = None, num_warps: int | None = None, n_rows: int = 1 << 20,
-):  # fmt: skip
-    """The compiled forward kernel (``.asm`` holds ttir, ttgir, llir, ptx, cubin) for a contiguous
-    (n_rows, n) tensor of ``dtype``, specialised as the launcher and the JIT would specialise it."""
-    _, blk, rws, wps = heuristics.forward_shape(n, n_rows, _SIZE[dtype], False, path)
-    rows, block_n, num_warps = rows or rws, block_n or blk, num_warps or wps
+    n_rows: int = 1 << 20,
+) -> list:  # fmt: skip
+    """The compiled kernels of a forward path (one, or two for split; ``.asm`` holds ttir, ttgir, llir,
+    ptx, cubin) for a contiguous (n_rows, n) tensor of ``dtype``, specialised as the launcher and the JIT
+    would specialise it."""
+    shape = heuristics.forward_shape(n, n_rows, _SIZE[dtype], False, 132, path)
     lay = Layout(n_rows, 1, n, (n, 1, 0), (n, 1, 0), (1,), False)
     vec, edges, y_vec, _ = softmax_fwd.vector_plan(_SIZE[dtype], 0, 0, lay)  # torch allocations are aligned
-    kernel = softmax_fwd.KERNELS[path]
-    names = kernel.arg_names
-    ints = dict(n_b=n_rows, n=n, n_i=1, tiles_i=1, sxb=n, sxi=0, syb=n, syi=0, x_mis=0)
-    consts = dict(
-        sxn=1 if n > 1 else 0, syn=1 if n > 1 else 0, ROWS=rows, BLOCK_N=block_n, VEC=vec, INNER=False,
-        EDGES=edges, Y_VEC=y_vec,
-        IDX64=False, LOG=log, WRITE_LSE=False,
+    chunks_per_split = triton.cdiv(triton.cdiv(n, shape.block_n), shape.splits)
+    ints = dict(
+        n_b=n_rows, n=n, n_i=1, tiles_i=1, sxb=n, sxi=0, syb=n, syi=0, x_mis=0,
+        chunks_per_split=chunks_per_split, n_splits=shape.splits,
     )  # fmt: skip
-    sig = {"x_ptr": f"*{_TY[dtype]}", "y_ptr": f"*{_TY[out_dtype or dtype]}", "lse_ptr": "*fp32"}
-    sig.update({k: "i32" for k in ints})
-    sig.update({k: "constexpr" for k in consts})
-    sig = {k: sig[k] for k in names}
-    # The JIT marks 16-byte-aligned pointers and integers divisible by 16 (torch allocations are aligned).
-    div16 = [k for k in ("x_ptr", "y_ptr", "lse_ptr")] + [k for k, v in ints.items() if v % 16 == 0]
-    attrs = {(names.index(k),): [["tt.divisibility", 16]] for k in div16}
-    src = ASTSource(fn=kernel, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
+    consts = dict(
+        sxn=1 if n > 1 else 0, syn=1 if n > 1 else 0, ROWS=shape.rows, BLOCK_N=shape.block_n, VEC=vec,
+        INNER=False, EDGES=edges, Y_VEC=y_vec, IDX64=False, LOG=log, WRITE_LSE=False,
+        SPLITS=1 << max(0, (shape.splits - 1).bit_length()),
+    )  # fmt: skip
+    ptrs = {"x_ptr": _TY[dtype], "y_ptr": _TY[out_dtype or dtype], "lse_ptr": "fp32", "ws_ptr": "fp32"}
+    kernels = softmax_fwd.KERNELS[path]
+    out = []
+    for kernel in kernels if isinstance(kernels, tuple) else (kernels,):
+        names = kernel.arg_names
+        sig = {k: ("constexpr" if k in consts else f"*{ptrs[k]}" if k in ptrs else "i32") for k in names}
+        # The JIT marks 16-byte-aligned pointers and integers divisible by 16 (torch allocations are aligned).
+        div16 = [k for k in names if k in ptrs or (k in ints and ints[k] % 16 == 0)]
+        attrs = {(names.index(k),): [["tt.divisibility", 16]] for k in div16}
+        cons = {(names.index(k),): v for k, v in consts.items() if k in names}
+        src = ASTSource(fn=kernel, signature=sig, constexprs=cons, attrs=attrs)
+        out.append(triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": shape.num_warps}))
+    return out
 
 
 def ptxas_report(ptx: str, arch: str = "sm_90a") -> dict:

@@ -187,6 +187,46 @@ def softmax_fwd_rowblock(
 
 
 @triton.jit
+def _chunk_stats(x):
+    """(max, sum of exp(x - max)) per row of a tile; an all -inf row gives (-inf, 0)."""
+    m = tl.max(x, axis=1)
+    return m, tl.sum(_exp(x - _safe_max(m)[:, None]), axis=1)
+
+
+@triton.jit
+def _merge(m, s, m2, s2):
+    """Merge two (max, rescaled sum) pairs (Milakov & Gimelshein 2018). -inf maxima merge to sum 0; a NaN
+    sum, or +inf meeting +inf (inf - inf), poisons the result, as it must."""
+    m_new = tl.maximum(m, m2)
+    ms = _safe_max(m_new)
+    return m_new, s * _exp(m - ms) + s2 * _exp(m2 - ms)
+
+
+@triton.jit
+def _stats_range(x_ptr, xs, c, ok, length, sxn, j0, j1, m, s, BLOCK_N: tl.constexpr):
+    """Fold chunks j0 <= j < j1 of the body into the running (max, sum). One exp per element."""
+    for j in range(j0, j1):
+        cols = j * BLOCK_N + c
+        x = _load_logits(x_ptr + xs[:, None] + cols * sxn, ok[:, None] & (cols < length))
+        m2, s2 = _chunk_stats(x)
+        m, s = _merge(m, s, m2, s2)
+    return m, s
+
+
+@triton.jit
+def _write_range(x_ptr, y_ptr, xs, ys, c, ok, length, sxn, syn, j0, j1, m_safe, f, LOG: tl.constexpr,
+                 BLOCK_N: tl.constexpr):  # fmt: skip
+    """Normalise chunks j0 <= j < j1, last first: the chunks the statistics pass read last are the
+    likeliest still in L2."""
+    for k in range(j0, j1):
+        cols = (j1 - 1 - (k - j0)) * BLOCK_N + c
+        body = ok[:, None] & (cols < length)
+        z = _load_logits(x_ptr + xs[:, None] + cols * sxn, body) - m_safe[:, None]
+        y = _normalise(z, _exp(z), f, LOG)
+        tl.store(y_ptr + ys[:, None] + cols * syn, y.to(y_ptr.dtype.element_ty), mask=body)
+
+
+@triton.jit
 def softmax_fwd_online(
     x_ptr, y_ptr, lse_ptr,
     n_b, n, n_i, tiles_i,
@@ -211,38 +251,105 @@ def softmax_fwd_online(
         e_idx, e_ok = _edges(h, length, n, VEC)
         e_ok = e_ok & row_ok[:, None]
         xe = _load_logits(x_ptr + ox[:, None] + e_idx, e_ok)
-        m = tl.max(xe, axis=1)
-        s = tl.sum(_exp(xe - _safe_max(m)[:, None]), axis=1)
-    for start in range(0, n, BLOCK_N):
-        cols = start + c
-        x = _load_logits(x_ptr + xs[:, None] + cols * sxn, row_ok[:, None] & (cols < length))
-        m_new = tl.maximum(m, tl.max(x, axis=1))
-        m_new_safe = _safe_max(m_new)
-        # Rescale the running sum to the new max: one exp per row per chunk, not per element.
-        s = s * _exp(m - m_new_safe) + tl.sum(_exp(x - m_new_safe[:, None]), axis=1)
-        m = m_new
+        m, s = _chunk_stats(xe)
+    n_chunks = tl.cdiv(n, BLOCK_N)
+    m, s = _stats_range(x_ptr, xs, c, row_ok, length, sxn, 0, n_chunks, m, s, BLOCK_N)
     m_safe = _safe_max(m)
     f = _row_factor(s, LOG)
-    out_ty = y_ptr.dtype.element_ty
     if EDGES:
         ze = xe - m_safe[:, None]
-        tl.store(y_ptr + oy[:, None] + e_idx, _normalise(ze, _exp(ze), f, LOG).to(out_ty), mask=e_ok)
-    # Pass 2 walks the row backwards: the chunks pass 1 read last are the likeliest still in L2.
-    n_chunks = tl.cdiv(n, BLOCK_N)
-    for k in range(0, n_chunks):
-        cols = (n_chunks - 1 - k) * BLOCK_N + c
-        body = row_ok[:, None] & (cols < length)
-        z = _load_logits(x_ptr + xs[:, None] + cols * sxn, body) - m_safe[:, None]
-        tl.store(y_ptr + ys[:, None] + cols * syn, _normalise(z, _exp(z), f, LOG).to(out_ty), mask=body)
+        tl.store(y_ptr + oy[:, None] + e_idx, _normalise(ze, _exp(ze), f, LOG).to(y_ptr.dtype.element_ty), mask=e_ok)
+    _write_range(x_ptr, y_ptr, xs, ys, c, row_ok, length, sxn, syn, 0, n_chunks, m_safe, f, LOG, BLOCK_N)
     if WRITE_LSE:
         tl.store(lse_ptr + row, m_safe + tl.math.log2(s) * LN2, mask=row_ok)
 
 
-KERNELS = {"rowblock": softmax_fwd_rowblock, "online": softmax_fwd_online}
+@triton.jit
+def softmax_fwd_split_stats(
+    x_ptr, ws_ptr,
+    n_b, n, n_i, tiles_i,
+    sxb, sxn, sxi, x_mis, chunks_per_split, n_splits,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, VEC: tl.constexpr, INNER: tl.constexpr,
+    EDGES: tl.constexpr, IDX64: tl.constexpr,
+):  # fmt: skip
+    """Split path, step 1 of 2: program (rows, split) writes (max, sum) of its segment of the row to the
+    fp32 workspace ws[row, split, 0:2]. Split 0 also takes the edges."""
+    split = tl.program_id(1)
+    bx, by, ox, oy, row, row_ok = _rows(
+        tl.program_id(0), n_b, n_i, tiles_i, sxb, sxi, 0, 0, x_mis, ROWS, INNER, VEC, EDGES, False, IDX64
+    )
+    x_ptr += bx
+    xs, ys, h, length = _body(ox, oy, n, VEC, EDGES, False)
+    c = tl.arange(0, BLOCK_N)[None, :]
+    if IDX64:
+        c = c.to(tl.int64)
+    m = tl.full([ROWS], float("-inf"), tl.float32)
+    s = tl.zeros([ROWS], tl.float32)
+    if EDGES:
+        e_idx, e_ok = _edges(h, length, n, VEC)
+        xe = _load_logits(x_ptr + ox[:, None] + e_idx, e_ok & row_ok[:, None] & (split == 0))
+        m, s = _chunk_stats(xe)
+    j0 = split * chunks_per_split
+    j1 = tl.minimum(j0 + chunks_per_split, tl.cdiv(n, BLOCK_N))
+    m, s = _stats_range(x_ptr, xs, c, row_ok, length, sxn, j0, j1, m, s, BLOCK_N)
+    ws = ws_ptr + (row * n_splits + split) * 2
+    tl.store(ws, m, mask=row_ok)
+    tl.store(ws + 1, s, mask=row_ok)
+
+
+@triton.jit
+def softmax_fwd_split_write(
+    x_ptr, y_ptr, lse_ptr, ws_ptr,
+    n_b, n, n_i, tiles_i,
+    sxb, sxn, sxi, syb, syn, syi, x_mis, chunks_per_split, n_splits,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, VEC: tl.constexpr, INNER: tl.constexpr,
+    EDGES: tl.constexpr, Y_VEC: tl.constexpr, IDX64: tl.constexpr, LOG: tl.constexpr,
+    WRITE_LSE: tl.constexpr, SPLITS: tl.constexpr,
+):  # fmt: skip
+    """Split path, step 2 of 2: program (rows, split) merges the row's per-split statistics (the same
+    merge crosses GPUs for a vocabulary split across ranks) and normalises its segment."""
+    split = tl.program_id(1)
+    bx, by, ox, oy, row, row_ok = _rows(
+        tl.program_id(0), n_b, n_i, tiles_i, sxb, sxi, syb, syi, x_mis, ROWS, INNER, VEC, EDGES, Y_VEC, IDX64
+    )
+    x_ptr += bx
+    y_ptr += by
+    xs, ys, h, length = _body(ox, oy, n, VEC, EDGES, Y_VEC)
+    k = tl.arange(0, SPLITS)[None, :]
+    ws_ok = row_ok[:, None] & (k < n_splits)
+    ws = ws_ptr + (row[:, None] * n_splits + k) * 2
+    m_k = tl.load(ws, mask=ws_ok, other=float("-inf"))
+    s_k = tl.load(ws + 1, mask=ws_ok, other=0.0)
+    m = tl.max(m_k, axis=1)
+    s = tl.sum(s_k * _exp(m_k - _safe_max(m)[:, None]), axis=1)
+    m_safe = _safe_max(m)
+    f = _row_factor(s, LOG)
+    c = tl.arange(0, BLOCK_N)[None, :]
+    if IDX64:
+        c = c.to(tl.int64)
+    if EDGES:
+        e_idx, e_ok = _edges(h, length, n, VEC)
+        e_ok = e_ok & row_ok[:, None] & (split == 0)
+        ze = _load_logits(x_ptr + ox[:, None] + e_idx, e_ok) - m_safe[:, None]
+        tl.store(y_ptr + oy[:, None] + e_idx, _normalise(ze, _exp(ze), f, LOG).to(y_ptr.dtype.element_ty), mask=e_ok)
+    j0 = split * chunks_per_split
+    j1 = tl.minimum(j0 + chunks_per_split, tl.cdiv(n, BLOCK_N))
+    _write_range(x_ptr, y_ptr, xs, ys, c, row_ok, length, sxn, syn, j0, j1, m_safe, f, LOG, BLOCK_N)
+    if WRITE_LSE:
+        tl.store(lse_ptr + row, m_safe + tl.math.log2(s) * LN2, mask=row_ok & (split == 0))
+
+
+KERNELS = {
+    "rowblock": softmax_fwd_rowblock,
+    "online": softmax_fwd_online,
+    "split": (softmax_fwd_split_stats, softmax_fwd_split_write),
+}
 
 
 # ---------------------------------------------------------------------------------------------- launcher
 # (imports here keep the kernels above readable on their own)
+import functools  # noqa: E402
+
 import torch  # noqa: E402
 
 from .. import heuristics  # noqa: E402
@@ -270,6 +377,18 @@ def vector_plan(elsize: int, x_addr: int, y_addr: int, lay) -> tuple[int, bool, 
     return vec, True, y_vec, x_mis
 
 
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def sm_count(x: torch.Tensor) -> int:
+    """SMs of x's GPU, read once per device; CPU tensors (the interpreter) plan as for an H200."""
+    return (
+        _sm_count(x.device.index if x.device.index is not None else torch.cuda.current_device()) if x.is_cuda else 132
+    )
+
+
 def forward(x: torch.Tensor, y: torch.Tensor, dim: int, log: bool, want_lse: bool):
     """Write softmax (or log_softmax) of x along ``dim`` into y (same shape). Returns (the plan that ran,
     logsumexp per row as fp32 shaped like x without dim, or None)."""
@@ -278,16 +397,13 @@ def forward(x: torch.Tensor, y: torch.Tensor, dim: int, log: bool, want_lse: boo
     if want_lse:
         lse = alloc(x, torch.float32, x.shape[:dim] + x.shape[dim + 1 :], lay.stat_strides)
     (sxb, sxn, sxi), (syb, syn, syi) = lay.sx, lay.sy
-    n, inner = lay.N, lay.I > 1
+    n, inner, n_rows = lay.N, lay.I > 1, lay.B * lay.I
     rows_contiguous = (sxi == 1) if inner else (sxb == 1 and sxn != 1)
-    overrides = heuristics.forced()
-    path, block, rows, warps = heuristics.forward_shape(
-        n, lay.B * lay.I, x.element_size(), rows_contiguous, overrides and overrides.get("path")
-    )
-    if overrides:
-        block = overrides.get("block_n", block)
-        rows = overrides.get("rows", rows)
-        warps = overrides.get("num_warps", warps)
+    overrides = heuristics.forced() or {}
+    shape = heuristics.forward_shape(n, n_rows, x.element_size(), rows_contiguous, sm_count(x), overrides.get("path"))
+    path, block, rows, warps, splits = (overrides.get(k, v) for k, v in zip(shape._fields, shape, strict=True))
+    if "block_n" in overrides and "splits" not in overrides:
+        splits = heuristics.split_count(n, block, n_rows, sm_count(x), path)
     if path == "rowblock" and block < n:
         raise ValueError(f"rowblock needs block_n >= N; got block_n={block}, N={n}")
 
@@ -304,13 +420,27 @@ def forward(x: torch.Tensor, y: torch.Tensor, dim: int, log: bool, want_lse: boo
     tiles_i = triton.cdiv(lay.I, rows) if inner else 1
     grid = lay.B * tiles_i if inner else triton.cdiv(lay.B, rows)
     if grid > _INT32_MAX:
-        raise ValueError(f"too many rows for one launch ({lay.B * lay.I})")
-    plan = heuristics.record(heuristics.Plan("triton", path, block, rows, warps, vec, edges, inner, lay.copied))
-    KERNELS[path][(grid,)](
-        x_arg, y, y if lse is None else lse,
-        lay.B, n, lay.I, tiles_i,
-        sxb, sxn, sxi, syb, syn, syi, x_mis,
-        ROWS=rows, BLOCK_N=block, VEC=vec, INNER=inner, EDGES=edges, Y_VEC=y_vec, IDX64=idx64, LOG=log,
-        WRITE_LSE=lse is not None, num_warps=warps,
-    )  # fmt: skip
+        raise ValueError(f"too many rows for one launch ({n_rows})")
+    chunks_per_split = triton.cdiv(triton.cdiv(n, block), splits)
+    splits = triton.cdiv(triton.cdiv(n, block), chunks_per_split)  # no empty segments
+    plan = heuristics.record(heuristics.Plan("triton", path, block, rows, warps, vec, edges, inner, lay.copied, splits))
+    lse_arg = y if lse is None else lse
+    rows_args = (lay.B, n, lay.I, tiles_i)
+    flags = dict(ROWS=rows, BLOCK_N=block, VEC=vec, INNER=inner, EDGES=edges, IDX64=idx64)
+    if path == "split":
+        stats, write = KERNELS["split"]
+        ws = torch.empty(n_rows * splits * 2, dtype=torch.float32, device=x.device)
+        stats[(grid, splits)](
+            x_arg, ws, *rows_args, sxb, sxn, sxi, x_mis, chunks_per_split, splits, **flags, num_warps=warps
+        )
+        write[(grid, splits)](
+            x_arg, y, lse_arg, ws, *rows_args, sxb, sxn, sxi, syb, syn, syi, x_mis, chunks_per_split, splits,
+            **flags, Y_VEC=y_vec, LOG=log, WRITE_LSE=lse is not None, SPLITS=triton.next_power_of_2(splits),
+            num_warps=warps,
+        )  # fmt: skip
+    else:
+        KERNELS[path][(grid,)](
+            x_arg, y, lse_arg, *rows_args, sxb, sxn, sxi, syb, syn, syi, x_mis,
+            **flags, Y_VEC=y_vec, LOG=log, WRITE_LSE=lse is not None, num_warps=warps,
+        )  # fmt: skip
     return plan, lse
