@@ -41,6 +41,14 @@ def main():
     print(f"copy {2 * src.numel() / ms / 1e6:.0f} GB/s", flush=True)
     part = sys.argv[1] if len(sys.argv) > 1 else "all"
     for dtype in (torch.bfloat16, torch.float32):
+        if part in ("all", "split"):
+            for m, n in [(8, 131072), (64, 131072), (128, 262144), (4, 1 << 20), (32, 151936), (256, 65536)]:
+                grid = [dict(path="online")]
+                for b, w, p in itertools.product([1024, 2048, 4096, 8192], [4, 8, 16], [2, 4, 8]):
+                    if b // (32 * w) >= 4:
+                        splits = max(1, min(-(-n // b), -(-p * 132 // m)))
+                        grid.append(dict(path="split", block_n=b, num_warps=w, splits=splits))
+                sweep(m, n, dtype, grid)
         if part in ("all", "short"):
             for m, n in [(262144, 513), (524288, 256), (131072, 1024), (65536, 2053)]:
                 shapes = itertools.product([1, 2, 4, 8, 16], [1, 2, 4, 8])
