@@ -149,9 +149,9 @@ def test_import_does_no_work():
     "shape,dim,path,flags",
     [
         ((3, heuristics.ROWBLOCK_MAX_N), -1, "rowblock", {"rows": 1}),
-        ((528, heuristics.ROWBLOCK_MAX_N + 1), -1, "online", {"rows": 1}),  # enough rows to fill an H200
+        ((264, heuristics.ROWBLOCK_MAX_N + 1), -1, "online", {"rows": 1}),  # 2 rows per SM of an H200
         ((2, 32 * heuristics.ONLINE_BLOCK + 1), -1, "split", {"rows": 1, "splits": 65}),  # few, long: split
-        ((8, heuristics.ROWBLOCK_MAX_N + 1), -1, "online", {"rows": 1}),  # few but small: one launch wins
+        ((8, heuristics.ROWBLOCK_MAX_N + 1), -1, "split", {"rows": 1, "splits": 9}),
         ((64, 256), -1, "rowblock", {"rows": 8}),  # short rows packed several per program
         ((64, 40), 0, "rowblock", {"rows": 64}),  # strided dim, adjacent rows
         ((5000, 3), 0, "online", {"rows": 4}),  # rows capped at the rows there are

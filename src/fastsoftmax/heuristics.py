@@ -17,8 +17,11 @@ Measured on an NVIDIA H200 on 2026-11-29 (dev/sweep_forward.py, triton 3.6, torc
   - rowblock beats online up to N = 32768 (bf16 4096x32000: 3,257 vs 2,865 GB/s; fp32 4,067 vs 2,784).
   - online: 8192-element chunks, 16 warps (bf16 2048x65536: 2,886 GB/s; fp32 2,855), near the 2-read
     ceiling of 2/3 of copy.
-  - split (few long rows): bf16 128x262144 1,937 GB/s (online ~1,550), 4x2^20 278; but 8x131072 62 vs
-    online 102 and 32x151936 300 vs 427: on small tensors the second launch costs more than the idle SMs.
+  - split (few long rows), GPU time from CUDA-graph replays (dev/bench_graphs.py): bf16 8x131072 449 GB/s
+    (online 128, torch 117), 64x131072 1,606 (910), 4x2^20 1,046 (74); fp32 4x2^20 1,748 (123). Even at
+    256 rows it ties online (bf16 1,992 vs 2,009), at 512 rows it is within 4% either way, so rows split
+    below 2 per SM. Timed eagerly, small shapes measure host launch overhead instead (split's two
+    launches: 25 GB/s at 8x131072), which the benchmark issue addresses.
 ptxas reports no spills for any rowblock shape this table produces (tests/test_snapshot.py).
 """
 
@@ -37,9 +40,8 @@ ONLINE_BLOCK = 8192  # elements per online chunk along the row
 ONLINE_WARPS = 16
 SPLIT_BLOCK = 4096  # elements per chunk on the split path
 SPLIT_WARPS = 8
-SPLIT_PROGRAMS_PER_SM = 4  # split rows until this many programs per SM run
-SPLIT_MIN_CHUNKS = 32  # ...but only where one program per row would loop this many online chunks
-SPLIT_MIN_BYTES = 32 << 20  # ...or the tensor is this large: below, the second launch costs more
+SPLIT_PROGRAMS_PER_SM = 4  # segments per row: enough for this many programs per SM
+SPLIT_BELOW_ROWS_PER_SM = 2  # split rows when there are fewer than this many rows per SM
 MAX_SPLITS = 1024
 STRIDED_ROWS = 64  # rows per program when rows, not the softmax dim, are contiguous
 STRIDED_TILE = 4096  # elements per program then (not yet measured)
@@ -95,9 +97,8 @@ def forward_shape(
             block = _pow2(n)
         return Shape(path, block, rows, min(16, max(1, rows * block // 512)), split_count(n, block, 1, 1, path))
     if path is None and n > ROWBLOCK_MAX_N:
-        few_rows = split_count(n, SPLIT_BLOCK, n_rows, sm_count, "split") > 1
-        big = -(-n // ONLINE_BLOCK) >= SPLIT_MIN_CHUNKS or n * n_rows * elsize >= SPLIT_MIN_BYTES
-        path = "split" if few_rows and big else "online"
+        few_rows = n_rows < SPLIT_BELOW_ROWS_PER_SM * sm_count
+        path = "split" if few_rows and split_count(n, SPLIT_BLOCK, n_rows, sm_count, "split") > 1 else "online"
     path = path or "rowblock"
     if path == "online":
         block = min(ONLINE_BLOCK, _pow2(n))
