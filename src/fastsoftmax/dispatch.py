@@ -1,5 +1,6 @@
-"""The one dispatch point. Every backend registers here with the same two methods; ``auto`` walks them in
-order of preference and takes the first that can run the tensor.
+"""The one dispatch point. Every backend registers in BACKENDS with the same two methods, and select()
+is the only place that chooses between them (``auto``: CUDA tensors take the Triton kernels when they can
+run them, everything else takes torch ops).
 
     unavailable(x, out_dtype) -> str | None   why this backend cannot run x (None: it can)
     forward(x, dim, out_dtype, log, want_lse) -> (y, lse | None)

@@ -2,7 +2,7 @@
 
 Paths (forward):
   rowblock  the row tile is held in registers: 1 read + 1 write of x/y. Short rows are packed several to a
-            program so that a program moves at least ``TILE`` elements.
+            program and warps are sized so each thread holds about BYTES_PER_THREAD bytes of row.
   online    rows too long for registers: pass 1 keeps a running max and a rescaled running sum (Milakov &
             Gimelshein 2018), pass 2 normalises: 2 reads + 1 write, any length.
   split     online, for too few rows to fill the GPU: each row is cut into segments across programs; one
@@ -95,7 +95,9 @@ def forward_shape(
         path = path or ("rowblock" if block >= n else "online")
         if path == "rowblock":
             block = _pow2(n)
-        return Shape(path, block, rows, min(16, max(1, rows * block // 512)), split_count(n, block, 1, 1, path))
+        return Shape(
+            path, block, rows, min(16, max(1, rows * block // 512)), split_count(n, block, n_rows, sm_count, path)
+        )
     if path is None and n > ROWBLOCK_MAX_N:
         few_rows = n_rows < SPLIT_BELOW_ROWS_PER_SM * sm_count
         path = "split" if few_rows and split_count(n, SPLIT_BLOCK, n_rows, sm_count, "split") > 1 else "online"
@@ -128,8 +130,8 @@ _state = threading.local()
 
 @contextmanager
 def force(*, poison: bool = False, **overrides):
-    """Within the block, every Triton launch uses ``overrides`` (path=, block_n=, rows=, num_warps=) and,
-    with ``poison``, outputs are filled with NaN before the kernel writes them."""
+    """Within the block, every Triton launch uses ``overrides`` (path=, block_n=, rows=, num_warps=,
+    splits=) and, with ``poison``, outputs are filled with NaN before the kernel writes them."""
     bad = set(overrides) - {"path", "block_n", "rows", "num_warps", "splits"}
     if bad:
         raise TypeError(f"force() got unknown overrides {sorted(bad)}")

@@ -3,6 +3,8 @@
 Traffic budget per element of an M×N problem (s = element size):
   rowblock  1 read of x + 1 write of y (2·s bytes); the row tile lives in registers.
   online    2 reads of x + 1 write of y (3·s bytes); any row length.
+  split     as online, with each row's segments on different programs (two launches), plus 8 bytes of
+            (max, sum) per segment written and read back.
 Optional per-row statistic: logsumexp (fp32, 4 bytes per row), for backward passes, losses and
 cross-GPU merges.
 
