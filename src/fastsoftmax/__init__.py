@@ -3,7 +3,8 @@
 Nothing runs at import: kernels are imported, compiled and cached on first use.
 """
 
-from .api import LogSoftmax, Softmax, info, log_softmax, softmax
+from . import ops  # noqa: F401  registers the torch.library custom ops (no device work)
+from .api import LogSoftmax, Softmax, info, log_softmax, log_softmax_backward, softmax, softmax_backward
 
 __version__ = "0.1.0"
-__all__ = ["LogSoftmax", "Softmax", "info", "log_softmax", "softmax"]
+__all__ = ["LogSoftmax", "Softmax", "info", "log_softmax", "log_softmax_backward", "softmax", "softmax_backward"]

@@ -57,17 +57,61 @@ def forward(x, dim=-1, *, log=False, dtype=None, backend="auto", want_lse=False,
     return impl.forward(x, dim, out_dtype, log, want_lse)
 
 
+def backward(dy, y, dim=-1, *, log=False, dtype=None, backend="auto", fn="softmax_backward"):
+    """The gradient of softmax (log_softmax) from its output y and the output gradient dy; dx in ``dtype``
+    (default y's dtype), computed in fp32."""
+    if not isinstance(dy, torch.Tensor):
+        raise TypeError(f"{fn}: expected dy to be a torch.Tensor, got {type(dy).__name__}")
+    dim, out_dtype = _check(fn, y, dim, dtype, backend)
+    if dy.dtype not in _FLOATS:
+        raise TypeError(f"{fn}: dy must be floating point (float16, bfloat16, float32 or float64), got {dy.dtype}")
+    if dy.shape != y.shape:
+        raise ValueError(f"{fn}: dy has shape {tuple(dy.shape)} but y has {tuple(y.shape)}")
+    if dy.device != y.device:
+        raise ValueError(f"{fn}: dy is on {dy.device} but y is on {y.device}")
+    impl = dispatch.select(backend, y, out_dtype, dy)
+    if y.dim() == 0:
+        return backward(dy.reshape(1), y.reshape(1), 0, log=log, dtype=dtype, backend=impl.name, fn=fn).reshape(())
+    if y.numel() == 0:
+        heuristics.record(heuristics.Plan(impl.name, "empty"))
+        return torch.empty_like(y, dtype=out_dtype)
+    return impl.backward(dy, y, dim, out_dtype, log)
+
+
+def _autograd(x) -> bool:
+    """Whether a call must go through the custom op: autograd will need its backward, or torch.compile
+    is tracing (one opaque op, no graph break)."""
+    return (x.requires_grad and torch.is_grad_enabled()) or torch.compiler.is_compiling()
+
+
 def softmax(x: torch.Tensor, dim: int = -1, *, dtype=None, backend: str = "auto") -> torch.Tensor:
     """Softmax of x along dim. See the README for the conventions on -inf, NaN and +inf rows.
 
     dtype: output dtype (computed in fp32 from x as given, written once in dtype).
-    backend: 'auto' (CUDA tensors: Triton kernels; CPU: torch ops), 'triton' or 'torch'."""
+    backend: 'auto' (CUDA tensors: Triton kernels; CPU: torch ops), 'triton' or 'torch'.
+    Differentiable (only the output is saved for backward)."""
+    if isinstance(x, torch.Tensor) and _autograd(x):
+        _check("softmax", x, dim, dtype, backend)
+        return torch.ops.fastsoftmax.softmax(x, dim, False, dtype, backend)
     return forward(x, dim, log=False, dtype=dtype, backend=backend, fn="softmax")[0]
 
 
 def log_softmax(x: torch.Tensor, dim: int = -1, *, dtype=None, backend: str = "auto") -> torch.Tensor:
     """Log-softmax of x along dim; arguments and conventions as softmax()."""
+    if isinstance(x, torch.Tensor) and _autograd(x):
+        _check("log_softmax", x, dim, dtype, backend)
+        return torch.ops.fastsoftmax.softmax(x, dim, True, dtype, backend)
     return forward(x, dim, log=True, dtype=dtype, backend=backend, fn="log_softmax")[0]
+
+
+def softmax_backward(dy: torch.Tensor, y: torch.Tensor, dim: int = -1, *, dtype=None, backend: str = "auto"):
+    """dx = y * (dy - sum(y * dy)) along dim, from softmax's output y; 0 on fully masked rows (y all 0)."""
+    return backward(dy, y, dim, log=False, dtype=dtype, backend=backend, fn="softmax_backward")
+
+
+def log_softmax_backward(dy: torch.Tensor, y: torch.Tensor, dim: int = -1, *, dtype=None, backend: str = "auto"):
+    """dx = dy - exp(y) * sum(dy) along dim, from log_softmax's output y; 0 on fully masked rows (y all -inf)."""
+    return backward(dy, y, dim, log=True, dtype=dtype, backend=backend, fn="log_softmax_backward")
 
 
 class Softmax(torch.nn.Module):

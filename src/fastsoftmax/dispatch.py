@@ -2,21 +2,24 @@
 is the only place that chooses between them (``auto``: CUDA tensors take the Triton kernels when they can
 run them, everything else takes torch ops).
 
-    unavailable(x, out_dtype) -> str | None   why this backend cannot run x (None: it can)
+    unavailable(x, out_dtype, dy=None) -> str | None   why this backend cannot run x (None: it can)
     forward(x, dim, out_dtype, log, want_lse) -> (y, lse | None)
         x non-empty, at least 1-d, dim non-negative; lse is fp32 logsumexp per row, x's shape without dim
+    backward(dy, y, dim, out_dtype, log) -> dx
+        same preconditions, on y; dy has y's shape
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
 import os
 
 import torch
 
 from . import heuristics
 from .layout import alloc
-from .reference import softmax_torch
+from .reference import softmax_backward_torch, softmax_torch
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 DEVICES = ("cpu", "cuda")
@@ -27,21 +30,25 @@ class TorchBackend:
 
     name = "torch"
 
-    def unavailable(self, x, out_dtype):
+    def unavailable(self, x, out_dtype, dy=None):
         return None
 
     def forward(self, x, dim, out_dtype, log, want_lse):
         heuristics.record(heuristics.Plan("torch", "reference"))
         y, lse = softmax_torch(x, dim, log, out_dtype)
-        return y, (lse.to(torch.float32) if want_lse else None)
+        # In the layout every backend promises (and the custom op's fake implementation states).
+        return alloc(x, out_dtype).copy_(y), (lse.to(torch.float32) if want_lse else None)
+
+    def backward(self, dy, y, dim, out_dtype, log):
+        heuristics.record(heuristics.Plan("torch", "reference"))
+        return alloc(y, out_dtype).copy_(softmax_backward_torch(dy, y, dim, log, out_dtype))
 
 
 @functools.cache
-def _triton_kernels():
-    """Import the kernel module on first use (the import decides compiled vs interpreted kernels)."""
-    from .triton import softmax_fwd
-
-    return softmax_fwd
+def _kernels(name: str):
+    """A Triton kernel module, imported on first use: that first import decides, from TRITON_INTERPRET,
+    whether its kernels are compiled or interpreted."""
+    return importlib.import_module(f".triton.{name}", __package__)
 
 
 @functools.cache
@@ -58,10 +65,10 @@ def triton_import_error() -> str | None:
 def triton_interpreted() -> bool:
     """Whether the Triton kernels run in Triton's interpreter: fixed when the kernel module is first
     imported, from TRITON_INTERPRET at that moment."""
-    if _triton_kernels.cache_info().currsize:
+    if _kernels.cache_info().currsize:
         from triton.runtime.interpreter import InterpretedFunction
 
-        return isinstance(_triton_kernels().softmax_fwd_rowblock, InterpretedFunction)
+        return isinstance(_kernels("softmax_fwd").softmax_fwd_rowblock, InterpretedFunction)
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
@@ -70,11 +77,12 @@ class TritonBackend:
 
     name = "triton"
 
-    def unavailable(self, x, out_dtype):
-        if x.dtype not in KERNEL_DTYPES or out_dtype not in KERNEL_DTYPES:
+    def unavailable(self, x, out_dtype, dy=None):
+        dtypes = (x.dtype, out_dtype) + ((dy.dtype,) if dy is not None else ())
+        if any(d not in KERNEL_DTYPES for d in dtypes):
             return (
-                f"the Triton kernels take float16, bfloat16 and float32 (got {x.dtype} in, {out_dtype} "
-                "out); float64 runs on backend='torch', which 'auto' picks"
+                f"the Triton kernels take float16, bfloat16 and float32 (got {', '.join(map(str, dtypes))}); "
+                "float64 runs on backend='torch', which 'auto' picks"
             )
         if triton_import_error():
             return triton_import_error()
@@ -88,36 +96,38 @@ class TritonBackend:
         return None
 
     def forward(self, x, dim, out_dtype, log, want_lse):
-        kernels = _triton_kernels()
+        kernels = _kernels("softmax_fwd")
         y = alloc(x, out_dtype)
         if x.is_cuda and x.device.index != torch.cuda.current_device():
             with torch.cuda.device(x.device):
                 return y, kernels.forward(x, y, dim, log, want_lse)[1]
         return y, kernels.forward(x, y, dim, log, want_lse)[1]
 
+    def backward(self, dy, y, dim, out_dtype, log):
+        kernels = _kernels("softmax_bwd")
+        dx = alloc(y, out_dtype)
+        if y.is_cuda and y.device.index != torch.cuda.current_device():
+            with torch.cuda.device(y.device):
+                kernels.backward(dy, y, dx, dim, log)
+        else:
+            kernels.backward(dy, y, dx, dim, log)
+        return dx
+
 
 BACKENDS = {b.name: b for b in (TritonBackend(), TorchBackend())}
 NAMES = ("auto", *BACKENDS)
 
 
-def select(name: str, x: torch.Tensor, out_dtype: torch.dtype):
-    """The backend that runs x: the named one (raising if it cannot), or for 'auto' the first that can,
-    CPU tensors taking the torch path."""
+def select(name: str, x: torch.Tensor, out_dtype: torch.dtype, dy: torch.Tensor | None = None):
+    """The backend that runs x (forward) or y and dy (backward): the named one (raising if it cannot), or
+    for 'auto' the Triton kernels for CUDA tensors they can run, torch ops for everything else."""
     if name == "auto":
-        if x.requires_grad and torch.is_grad_enabled():
-            # Gradients arrive with the backward kernels; until then autograd goes through torch ops.
-            return BACKENDS["torch"]
-        if x.device.type == "cuda" and BACKENDS["triton"].unavailable(x, out_dtype) is None:
-            return BACKENDS["triton"]
-        return BACKENDS["torch"]
+        ok = x.device.type == "cuda" and BACKENDS["triton"].unavailable(x, out_dtype, dy) is None
+        return BACKENDS["triton" if ok else "torch"]
     backend = BACKENDS.get(name) if isinstance(name, str) else None
     if backend is None:
         raise ValueError(f"unknown backend {name!r}; valid: {', '.join(repr(n) for n in NAMES)}")
-    why = backend.unavailable(x, out_dtype)
+    why = backend.unavailable(x, out_dtype, dy)
     if why:
         raise RuntimeError(f"backend={name!r} cannot run this tensor ({x.device}, {x.dtype}): {why}")
-    if name == "triton" and x.requires_grad and torch.is_grad_enabled():
-        raise RuntimeError(
-            "backend='triton' has no backward yet; use backend='auto' or 'torch' for tensors that require grad"
-        )
     return backend

@@ -59,7 +59,7 @@ class Plan:
     vec: int = 1  # elements per 16-byte access along the row (1: the row is not contiguous)
     edges: bool = False  # rows not 16-byte aligned: aligned body + scalar head/tail
     inner: bool = False  # two row groups: a program's rows run along the inner one
-    copied: bool = False  # x was copied to contiguous first
+    copied: bool = False  # an input was copied first (x; in backward y or dy) to fit one layout
     splits: int = 1  # segments per row (split path)
 
 
@@ -82,11 +82,12 @@ class Shape(NamedTuple):
     splits: int = 1
 
 
-def forward_shape(
-    n: int, n_rows: int, elsize: int, rows_contiguous: bool, sm_count: int, path: str | None = None
+def launch_shape(
+    n: int, n_rows: int, elsize: int, rows_contiguous: bool, sm_count: int, path: str | None = None, inputs: int = 1
 ) -> Shape:
-    """The launch shape for n_rows rows of n elements of elsize bytes on a GPU of sm_count SMs;
-    ``path`` forces the path."""
+    """The launch shape for n_rows rows of n elements of elsize bytes on a GPU of sm_count SMs; ``path``
+    forces the path. ``inputs``: tensors a kernel holds per element (forward 1: x; backward 2: y and dy),
+    which divides the row a rowblock program can hold in registers."""
     if rows_contiguous:
         # The softmax dim is strided and rows are adjacent: a program takes many rows so that each load
         # instruction covers a contiguous run of rows.
@@ -98,7 +99,7 @@ def forward_shape(
         return Shape(
             path, block, rows, min(16, max(1, rows * block // 512)), split_count(n, block, n_rows, sm_count, path)
         )
-    if path is None and n > ROWBLOCK_MAX_N:
+    if path is None and n > ROWBLOCK_MAX_N // inputs:
         few_rows = n_rows < SPLIT_BELOW_ROWS_PER_SM * sm_count
         path = "split" if few_rows and split_count(n, SPLIT_BLOCK, n_rows, sm_count, "split") > 1 else "online"
     path = path or "rowblock"
@@ -108,7 +109,7 @@ def forward_shape(
     if path == "split":
         block = min(SPLIT_BLOCK, _pow2(n))
         return Shape(path, block, 1, SPLIT_WARPS, split_count(n, block, n_rows, sm_count, path))
-    per_warp = 32 * BYTES_PER_THREAD // elsize  # row elements one warp holds
+    per_warp = 32 * BYTES_PER_THREAD // (elsize * inputs)  # row elements one warp holds
     rows = min(_pow2(n_rows), 1 << (max(1, per_warp // n).bit_length() - 1))
     warps = min(32, _pow2_near(max(1.0, n * rows / per_warp)))
     return Shape(path, _pow2(n), rows, warps)

@@ -30,6 +30,22 @@ def softmax_torch(
     return y.to(out_dtype), lse.to(torch.float32 if compute_dtype != torch.float64 else torch.float64)
 
 
+def softmax_backward_torch(
+    dy: torch.Tensor, y: torch.Tensor, dim: int, log: bool, out_dtype: torch.dtype, compute_dtype=None
+) -> torch.Tensor:
+    """Gradient of softmax (log_softmax) from its output y and output gradient dy, with torch ops:
+    dx = a - f * sum(a), a = y*dy, f = y (softmax) or a = dy, f = exp(y) (log_softmax); 0 on fully masked
+    rows (sum(f) == 0), whatever dy holds. Differentiable in dy and y (double backward)."""
+    if compute_dtype is None:
+        compute_dtype = torch.float64 if torch.float64 in (y.dtype, dy.dtype, out_dtype) else torch.float32
+    yc, dyc = y.to(compute_dtype), dy.to(compute_dtype)
+    f = yc.exp() if log else yc
+    a = dyc if log else yc * dyc
+    s = a.sum(dim, keepdim=True)
+    t = f.sum(dim, keepdim=True)
+    return torch.where(t == 0, 0.0, a - f * s).to(out_dtype)
+
+
 def oracle(x: torch.Tensor, dim: int = -1, log: bool = False) -> torch.Tensor:
     """The float64 reference the tests compare every path against, computed on x's device."""
     x64 = x.detach().to(torch.float64)
@@ -38,6 +54,11 @@ def oracle(x: torch.Tensor, dim: int = -1, log: bool = False) -> torch.Tensor:
     if x64.numel() == 0:
         return torch.empty_like(x64)
     return softmax_torch(x64, dim, log, torch.float64, torch.float64)[0]
+
+
+def oracle_backward(dy: torch.Tensor, y: torch.Tensor, dim: int = -1, log: bool = False) -> torch.Tensor:
+    """The float64 gradient the tests compare every backward path against, on y's device."""
+    return softmax_backward_torch(dy.detach(), y.detach(), dim, log, torch.float64, torch.float64)
 
 
 def oracle_lse(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -87,6 +108,35 @@ def compare(y: torch.Tensor, x: torch.Tensor, dim: int, log: bool, out_dtype=Non
         t_err = (t - ref).abs()[fin].max().item()
         if worst_err > 2 * t_err + atol:
             return ratio, f"max error {worst_err:.3g} > 2 × torch's {t_err:.3g} + {atol:g}"
+    return ratio, None
+
+
+def compare_grad(dx: torch.Tensor, dy: torch.Tensor, y: torch.Tensor, dim: int, log: bool, out_dtype=None):
+    """(worst err/tol, problem or None) of a gradient against the float64 oracle. Per element:
+    |err| <= atol + rtol·|ref| + 2·(error of fp32 torch ops on that element), since sum(y·dy) cancels and
+    fp32 accumulation over long rows is itself the accuracy limit; NaN and infinities exactly."""
+    out_dtype = out_dtype or y.dtype
+    if dx.dtype != out_dtype or dx.shape != y.shape:
+        return float("nan"), f"got {dx.dtype} {tuple(dx.shape)}, expected {out_dtype} {tuple(y.shape)}"
+    ref = oracle_backward(dy, y, dim, log)
+    got = dx.detach().to(ref.device, torch.float64)
+    bad_nan = ref.isnan() != got.isnan()
+    if bad_nan.any():
+        return float("nan"), f"NaN where the oracle has none or vice versa, at {_where(bad_nan)}"
+    inf_ref = ref.isinf()
+    if not torch.equal(inf_ref, got.isinf()) or not torch.equal(ref[inf_ref], got[inf_ref]):
+        return float("nan"), f"infinities differ at {_where(inf_ref != got.isinf())}"
+    fin = ~(ref.isnan() | inf_ref)
+    if not fin.any():
+        return 0.0, None
+    t32 = softmax_backward_torch(dy.detach(), y.detach(), dim, log, torch.float32, torch.float32).to(torch.float64)
+    rtol, atol = TOLERANCE[out_dtype]
+    err = (got - ref).abs()[fin]
+    bound = atol + rtol * ref.abs()[fin] + 2 * (t32 - ref).abs()[fin]
+    ratio = (err / bound).max().item()
+    if ratio > 1:
+        i = (err - bound).argmax()
+        return ratio, f"error {err[i].item():.3g} > {bound[i].item():.3g} at value {ref[fin][i].item():.6g}"
     return ratio, None
 
 

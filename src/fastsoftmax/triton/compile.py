@@ -11,6 +11,7 @@ from triton.compiler import ASTSource
 from .. import heuristics
 from ..layout import Layout
 from . import softmax_fwd
+from .launch import vector_plan
 
 _TY = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 _SIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
@@ -23,9 +24,9 @@ def compile_forward(
     """The compiled kernels of a forward path (one, or two for split; ``.asm`` holds ttir, ttgir, llir,
     ptx, cubin) for a contiguous (n_rows, n) tensor of ``dtype``, specialised as the launcher and the JIT
     would specialise it."""
-    shape = heuristics.forward_shape(n, n_rows, _SIZE[dtype], False, 132, path)
+    shape = heuristics.launch_shape(n, n_rows, _SIZE[dtype], False, 132, path)
     lay = Layout(n_rows, 1, n, (n, 1, 0), (n, 1, 0), (1,), False)
-    vec, edges, y_vec, _ = softmax_fwd.vector_plan(_SIZE[dtype], 0, 0, lay)  # torch allocations are aligned
+    vec, edges, y_vec, _ = vector_plan(_SIZE[dtype], 0, 0, lay)  # torch allocations are aligned
     chunks_per_split = triton.cdiv(triton.cdiv(n, shape.block_n), shape.splits)
     ints = dict(
         n_b=n_rows, n=n, n_i=1, tiles_i=1, sxb=n, sxi=0, syb=n, syi=0, x_mis=0,

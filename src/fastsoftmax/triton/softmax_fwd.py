@@ -350,45 +350,10 @@ KERNELS = {
 
 # ---------------------------------------------------------------------------------------------- launcher
 # (imports here keep the kernels above readable on their own)
-import functools  # noqa: E402
-
 import torch  # noqa: E402
 
-from .. import heuristics  # noqa: E402
 from ..layout import alloc, plan_layout  # noqa: E402
-
-_INT32_MAX = 2**31 - 1
-
-
-def vector_plan(elsize: int, x_addr: int, y_addr: int, lay) -> tuple[int, bool, bool, int]:
-    """(VEC, EDGES, Y_VEC, x_mis) for x and y at these addresses: 16-byte vectors along contiguous rows;
-    the edge code when some row is not 16-byte aligned and rows are long enough (>= 4 vectors) to gain.
-    x_mis: elements from the 16-byte boundary below x's first element to it.
-
-    Without edges, the JIT's divisibility-by-16 specialisation of n and the strides proves alignment."""
-    (sxb, sxn, sxi), (syb, _, syi), n = lay.sx, lay.sy, lay.N
-    if sxn != 1 or n < 2:
-        return 1, False, False, 0
-    vec = 16 // elsize
-    if x_addr % 16 == 0 and y_addr % 16 == 0 and not (n % 16 or sxb % 16 or sxi % 16 or syb % 16 or syi % 16):
-        return vec, False, False, 0
-    if n < 4 * vec:
-        return 1, False, False, 0
-    x_mis = (x_addr // elsize) % vec
-    y_vec = y_addr % 16 == 0 and not x_mis and (sxb - syb) % vec == 0 and (sxi - syi) % vec == 0
-    return vec, True, y_vec, x_mis
-
-
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def sm_count(x: torch.Tensor) -> int:
-    """SMs of x's GPU, read once per device; CPU tensors (the interpreter) plan as for an H200."""
-    return (
-        _sm_count(x.device.index if x.device.index is not None else torch.cuda.current_device()) if x.is_cuda else 132
-    )
+from .launch import prepare  # noqa: E402
 
 
 def forward(x: torch.Tensor, y: torch.Tensor, dim: int, log: bool, want_lse: bool):
@@ -398,51 +363,21 @@ def forward(x: torch.Tensor, y: torch.Tensor, dim: int, log: bool, want_lse: boo
     lse = None
     if want_lse:
         lse = alloc(x, torch.float32, x.shape[:dim] + x.shape[dim + 1 :], lay.stat_strides)
-    (sxb, sxn, sxi), (syb, syn, syi) = lay.sx, lay.sy
-    n, inner, n_rows = lay.N, lay.I > 1, lay.B * lay.I
-    rows_contiguous = (sxi == 1) if inner else (sxb == 1 and sxn != 1)
-    overrides = heuristics.forced() or {}
-    shape = heuristics.forward_shape(n, n_rows, x.element_size(), rows_contiguous, sm_count(x), overrides.get("path"))
-    path, block, rows, warps, splits = (overrides.get(k, v) for k, v in zip(shape._fields, shape, strict=True))
-    if "block_n" in overrides and "splits" not in overrides:
-        splits = heuristics.split_count(n, block, n_rows, sm_count(x), path)
-    if path == "rowblock" and block < n:
-        raise ValueError(f"rowblock needs block_n >= N; got block_n={block}, N={n}")
-
-    vec, edges, y_vec, x_mis = vector_plan(x.element_size(), x.data_ptr(), y.data_ptr(), lay)
-    x_arg = x
-    if x_mis:
-        if x.untyped_storage().data_ptr() % 16:
-            vec, edges, y_vec, x_mis = 1, False, False, 0  # the storage itself is unaligned: scalar code
-        else:  # the kernel addresses x from the 16-byte boundary below its first element
-            x_arg = x.as_strided((1,), (1,), x.storage_offset() - x_mis)
-    # Offsets within a program are 32-bit unless its rows and columns could reach 2^31 elements.
-    row_stride = max(abs(sxi), abs(syi)) if inner else max(abs(sxb), abs(syb))
-    idx64 = rows * row_stride + max(abs(sxn), abs(syn)) * (n + block) + 16 > _INT32_MAX
-    tiles_i = triton.cdiv(lay.I, rows) if inner else 1
-    grid = lay.B * tiles_i if inner else triton.cdiv(lay.B, rows)
-    if grid > _INT32_MAX:
-        raise ValueError(f"too many rows for one launch ({n_rows})")
-    chunks_per_split = triton.cdiv(triton.cdiv(n, block), splits)
-    splits = triton.cdiv(triton.cdiv(n, block), chunks_per_split)  # no empty segments
-    plan = heuristics.record(heuristics.Plan("triton", path, block, rows, warps, vec, edges, inner, lay.copied, splits))
+    L = prepare(x, y, lay)
     lse_arg = y if lse is None else lse
-    rows_args = (lay.B, n, lay.I, tiles_i)
-    flags = dict(ROWS=rows, BLOCK_N=block, VEC=vec, INNER=inner, EDGES=edges, IDX64=idx64)
-    if path == "split":
+    sx, sy = L.strides[:3], L.strides[3:]
+    tail = dict(**L.flags, Y_VEC=L.y_vec, LOG=log, WRITE_LSE=lse is not None, num_warps=L.plan.num_warps)
+    if L.plan.path == "split":
         stats, write = KERNELS["split"]
-        ws = torch.empty(n_rows * splits * 2, dtype=torch.float32, device=x.device)
-        stats[(grid, splits)](
-            x_arg, ws, *rows_args, sxb, sxn, sxi, x_mis, chunks_per_split, splits, **flags, num_warps=warps
-        )
-        write[(grid, splits)](
-            x_arg, y, lse_arg, ws, *rows_args, sxb, sxn, sxi, syb, syn, syi, x_mis, chunks_per_split, splits,
-            **flags, Y_VEC=y_vec, LOG=log, WRITE_LSE=lse is not None, SPLITS=triton.next_power_of_2(splits),
-            num_warps=warps,
+        ws = torch.empty(L.n_rows * L.plan.splits * 2, dtype=torch.float32, device=x.device)
+        stats[L.grid](
+            L.x_arg, ws, *L.rows_args, *sx, L.x_mis, L.chunks_per_split, L.plan.splits, **L.flags,
+            num_warps=L.plan.num_warps,
+        )  # fmt: skip
+        write[L.grid](
+            L.x_arg, y, lse_arg, ws, *L.rows_args, *sx, *sy, L.x_mis, L.chunks_per_split, L.plan.splits,
+            **tail, SPLITS=triton.next_power_of_2(L.plan.splits),
         )  # fmt: skip
     else:
-        KERNELS[path][(grid,)](
-            x_arg, y, lse_arg, *rows_args, sxb, sxn, sxi, syb, syn, syi, x_mis,
-            **flags, Y_VEC=y_vec, LOG=log, WRITE_LSE=lse is not None, num_warps=warps,
-        )  # fmt: skip
-    return plan, lse
+        KERNELS[L.plan.path][L.grid](L.x_arg, y, lse_arg, *L.rows_args, *sx, *sy, L.x_mis, **tail)
+    return L.plan, lse

@@ -1,0 +1,55 @@
+"""softmax / log_softmax and their backward as torch.library custom ops, so that autograd, torch.compile
+(no graph break: each pass is one opaque op with a fake implementation) and torch.library.opcheck see
+them. One implementation serves every device: it calls the dispatch point, which picks the backend.
+
+Registering the ops is the only thing this module does at import (no device query, no compile).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import api
+from .reference import softmax_backward_torch
+
+
+@torch.library.custom_op("fastsoftmax::softmax", mutates_args=())
+def softmax(x: torch.Tensor, dim: int, log: bool, dtype: torch.dtype | None, backend: str) -> torch.Tensor:
+    return api.forward(x, dim, log=log, dtype=dtype, backend=backend, fn="log_softmax" if log else "softmax")[0]
+
+
+@softmax.register_fake
+def _(x, dim, log, dtype, backend):
+    return torch.empty_like(x, dtype=dtype or x.dtype)
+
+
+@torch.library.custom_op("fastsoftmax::softmax_backward", mutates_args=())
+def softmax_backward(
+    dy: torch.Tensor, y: torch.Tensor, dim: int, log: bool, dtype: torch.dtype, backend: str
+) -> torch.Tensor:
+    return api.backward(dy, y, dim, log=log, dtype=dtype, backend=backend)
+
+
+@softmax_backward.register_fake
+def _(dy, y, dim, log, dtype, backend):
+    return torch.empty_like(y, dtype=dtype)
+
+
+def _setup_context(ctx, inputs, output):
+    x, dim, log, dtype, backend = inputs
+    ctx.save_for_backward(output)  # only the output: the gradient needs y, never x
+    ctx.dim, ctx.log, ctx.x_dtype, ctx.backend = dim, log, x.dtype, backend
+
+
+def _backward(ctx, dy):
+    (y,) = ctx.saved_tensors
+    if torch.is_grad_enabled():
+        # create_graph=True: a gradient made of torch ops, itself differentiable, so double backward works.
+        y1, dy1 = (y, dy) if y.dim() else (y.reshape(1), dy.reshape(1))
+        dx = softmax_backward_torch(dy1, y1, ctx.dim % y1.dim(), ctx.log, ctx.x_dtype).reshape(y.shape)
+    else:
+        dx = softmax_backward(dy, y, ctx.dim, ctx.log, ctx.x_dtype, ctx.backend)
+    return dx, None, None, None, None
+
+
+softmax.register_autograd(_backward, setup_context=_setup_context)

@@ -1,0 +1,254 @@
+"""Softmax / log_softmax backward in Triton.
+
+  softmax:      dx = y * (dy - sum(y * dy))
+  log_softmax:  dx = dy - exp(y) * sum(dy)
+Both are dx = a - f * s with, per element, a = y*dy, f = y (softmax) or a = dy, f = exp(y) (log_softmax),
+and s = sum(a) over the row. t = sum(f) over the row is 0 exactly when the row was fully masked (all y = 0,
+or all y = -inf): such rows get dx = 0, never NaN, whatever dy holds. NaN in dy or y propagates (as torch).
+
+Traffic budget per element (s = element size of y, dy, dx):
+  rowblock  1 read of y + 1 read of dy + 1 write of dx (3·s bytes); y and dy rows held in registers.
+  online    2 reads of y and dy + 1 write of dx (5·s bytes); any row length.
+  split     as online, segments of a row on different programs, plus 8 bytes of (s, t) per segment.
+
+Same row geometry as the forward (softmax_fwd._rows/_body/_edges): y is the anchor; dy shares y's strides
+and 16-byte misalignment (the launcher copies dy into y's layout when it does not).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .softmax_fwd import _body, _edges, _exp, _rows
+
+
+@triton.jit
+def _load_terms(y_ptr, dy_ptr, offs, mask, LOG: tl.constexpr):
+    """(a, f) per element, fp32; masked lanes give a = f = 0 (y loads as -inf for log_softmax, 0 else)."""
+    if LOG:
+        y = tl.load(y_ptr + offs, mask=mask, other=float("-inf")).to(tl.float32)
+        a = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        f = _exp(y)
+    else:
+        y = tl.load(y_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        a = y * tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        f = y
+    return a, f
+
+
+@triton.jit
+def _grad(a, f, s, t):
+    # t == 0: a fully masked row, whose gradient is 0 even where dy is NaN or inf.
+    return tl.where((t == 0)[:, None], 0.0, a - f * s[:, None])
+
+
+@triton.jit
+def _sums_range(y_ptr, dy_ptr, xs, c, ok, length, sxn, j0, j1, s, t, LOG: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Add chunks j0 <= j < j1 of the body to the row sums (s, t)."""
+    for j in range(j0, j1):
+        cols = j * BLOCK_N + c
+        a, f = _load_terms(y_ptr, dy_ptr, xs[:, None] + cols * sxn, ok[:, None] & (cols < length), LOG)
+        s += tl.sum(a, axis=1)
+        t += tl.sum(f, axis=1)
+    return s, t
+
+
+@triton.jit
+def _grad_range(y_ptr, dy_ptr, dx_ptr, xs, ys, c, ok, length, sxn, syn, j0, j1, s, t, LOG: tl.constexpr,
+                BLOCK_N: tl.constexpr):  # fmt: skip
+    """Write dx for chunks j0 <= j < j1, last first (the likeliest still in L2)."""
+    for k in range(j0, j1):
+        cols = (j1 - 1 - (k - j0)) * BLOCK_N + c
+        body = ok[:, None] & (cols < length)
+        a, f = _load_terms(y_ptr, dy_ptr, xs[:, None] + cols * sxn, body, LOG)
+        tl.store(dx_ptr + ys[:, None] + cols * syn, _grad(a, f, s, t).to(dx_ptr.dtype.element_ty), mask=body)
+
+
+@triton.jit
+def softmax_bwd_rowblock(
+    y_ptr, dx_ptr, dy_ptr,
+    n_b, n, n_i, tiles_i,
+    sxb, sxn, sxi, syb, syn, syi, x_mis,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, VEC: tl.constexpr, INNER: tl.constexpr,
+    EDGES: tl.constexpr, Y_VEC: tl.constexpr, IDX64: tl.constexpr, LOG: tl.constexpr,
+):  # fmt: skip
+    """ROWS rows per program, y and dy held whole in registers. Strides: sx* of y and dy, sy* of dx.
+    Precondition: BLOCK_N >= n."""
+    bx, by, ox, oy, row, row_ok = _rows(
+        tl.program_id(0), n_b, n_i, tiles_i, sxb, sxi, syb, syi, x_mis, ROWS, INNER, VEC, EDGES, Y_VEC, IDX64
+    )
+    y_ptr += bx
+    dy_ptr += bx
+    dx_ptr += by
+    xs, ys, h, length = _body(ox, oy, n, VEC, EDGES, Y_VEC)
+    c = tl.arange(0, BLOCK_N)[None, :]
+    if IDX64:
+        c = c.to(tl.int64)
+    body = row_ok[:, None] & (c < length)
+    a, f = _load_terms(y_ptr, dy_ptr, xs[:, None] + c * sxn, body, LOG)
+    s = tl.sum(a, axis=1)
+    t = tl.sum(f, axis=1)
+    if EDGES:
+        e_idx, e_ok = _edges(h, length, n, VEC)
+        e_ok = e_ok & row_ok[:, None]
+        ae, fe = _load_terms(y_ptr, dy_ptr, ox[:, None] + e_idx, e_ok, LOG)
+        s += tl.sum(ae, axis=1)
+        t += tl.sum(fe, axis=1)
+        tl.store(dx_ptr + oy[:, None] + e_idx, _grad(ae, fe, s, t).to(dx_ptr.dtype.element_ty), mask=e_ok)
+    tl.store(dx_ptr + ys[:, None] + c * syn, _grad(a, f, s, t).to(dx_ptr.dtype.element_ty), mask=body)
+
+
+@triton.jit
+def softmax_bwd_online(
+    y_ptr, dx_ptr, dy_ptr,
+    n_b, n, n_i, tiles_i,
+    sxb, sxn, sxi, syb, syn, syi, x_mis,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, VEC: tl.constexpr, INNER: tl.constexpr,
+    EDGES: tl.constexpr, Y_VEC: tl.constexpr, IDX64: tl.constexpr, LOG: tl.constexpr,
+):  # fmt: skip
+    """Rows of any length in BLOCK_N chunks: pass 1 sums (s, t), pass 2 writes dx."""
+    bx, by, ox, oy, row, row_ok = _rows(
+        tl.program_id(0), n_b, n_i, tiles_i, sxb, sxi, syb, syi, x_mis, ROWS, INNER, VEC, EDGES, Y_VEC, IDX64
+    )
+    y_ptr += bx
+    dy_ptr += bx
+    dx_ptr += by
+    xs, ys, h, length = _body(ox, oy, n, VEC, EDGES, Y_VEC)
+    c = tl.arange(0, BLOCK_N)[None, :]
+    if IDX64:
+        c = c.to(tl.int64)
+    s = tl.zeros([ROWS], tl.float32)
+    t = tl.zeros([ROWS], tl.float32)
+    if EDGES:
+        e_idx, e_ok = _edges(h, length, n, VEC)
+        e_ok = e_ok & row_ok[:, None]
+        ae, fe = _load_terms(y_ptr, dy_ptr, ox[:, None] + e_idx, e_ok, LOG)
+        s += tl.sum(ae, axis=1)
+        t += tl.sum(fe, axis=1)
+    n_chunks = tl.cdiv(n, BLOCK_N)
+    s, t = _sums_range(y_ptr, dy_ptr, xs, c, row_ok, length, sxn, 0, n_chunks, s, t, LOG, BLOCK_N)
+    if EDGES:
+        tl.store(dx_ptr + oy[:, None] + e_idx, _grad(ae, fe, s, t).to(dx_ptr.dtype.element_ty), mask=e_ok)
+    _grad_range(y_ptr, dy_ptr, dx_ptr, xs, ys, c, row_ok, length, sxn, syn, 0, n_chunks, s, t, LOG, BLOCK_N)
+
+
+@triton.jit
+def softmax_bwd_split_sums(
+    y_ptr, dy_ptr, ws_ptr,
+    n_b, n, n_i, tiles_i,
+    sxb, sxn, sxi, x_mis, chunks_per_split, n_splits,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, VEC: tl.constexpr, INNER: tl.constexpr,
+    EDGES: tl.constexpr, IDX64: tl.constexpr, LOG: tl.constexpr,
+):  # fmt: skip
+    """Split path, step 1 of 2: program (rows, split) writes (s, t) of its segment to ws[row, split, 0:2].
+    Split 0 also takes the edges."""
+    split = tl.program_id(1)
+    bx, by, ox, oy, row, row_ok = _rows(
+        tl.program_id(0), n_b, n_i, tiles_i, sxb, sxi, 0, 0, x_mis, ROWS, INNER, VEC, EDGES, False, IDX64
+    )
+    y_ptr += bx
+    dy_ptr += bx
+    xs, ys, h, length = _body(ox, oy, n, VEC, EDGES, False)
+    c = tl.arange(0, BLOCK_N)[None, :]
+    if IDX64:
+        c = c.to(tl.int64)
+    s = tl.zeros([ROWS], tl.float32)
+    t = tl.zeros([ROWS], tl.float32)
+    if EDGES:
+        e_idx, e_ok = _edges(h, length, n, VEC)
+        ae, fe = _load_terms(y_ptr, dy_ptr, ox[:, None] + e_idx, e_ok & row_ok[:, None] & (split == 0), LOG)
+        s += tl.sum(ae, axis=1)
+        t += tl.sum(fe, axis=1)
+    j0 = split * chunks_per_split
+    j1 = tl.minimum(j0 + chunks_per_split, tl.cdiv(n, BLOCK_N))
+    s, t = _sums_range(y_ptr, dy_ptr, xs, c, row_ok, length, sxn, j0, j1, s, t, LOG, BLOCK_N)
+    ws = ws_ptr + (row * n_splits + split) * 2
+    tl.store(ws, s, mask=row_ok)
+    tl.store(ws + 1, t, mask=row_ok)
+
+
+@triton.jit
+def softmax_bwd_split_write(
+    y_ptr, dx_ptr, dy_ptr, ws_ptr,
+    n_b, n, n_i, tiles_i,
+    sxb, sxn, sxi, syb, syn, syi, x_mis, chunks_per_split, n_splits,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, VEC: tl.constexpr, INNER: tl.constexpr,
+    EDGES: tl.constexpr, Y_VEC: tl.constexpr, IDX64: tl.constexpr, LOG: tl.constexpr,
+    SPLITS: tl.constexpr,
+):  # fmt: skip
+    """Split path, step 2 of 2: program (rows, split) adds the row's per-split (s, t) and writes dx for
+    its segment."""
+    split = tl.program_id(1)
+    bx, by, ox, oy, row, row_ok = _rows(
+        tl.program_id(0), n_b, n_i, tiles_i, sxb, sxi, syb, syi, x_mis, ROWS, INNER, VEC, EDGES, Y_VEC, IDX64
+    )
+    y_ptr += bx
+    dy_ptr += bx
+    dx_ptr += by
+    xs, ys, h, length = _body(ox, oy, n, VEC, EDGES, Y_VEC)
+    k = tl.arange(0, SPLITS)[None, :]
+    ws_ok = row_ok[:, None] & (k < n_splits)
+    ws = ws_ptr + (row[:, None] * n_splits + k) * 2
+    s = tl.sum(tl.load(ws, mask=ws_ok, other=0.0), axis=1)
+    t = tl.sum(tl.load(ws + 1, mask=ws_ok, other=0.0), axis=1)
+    c = tl.arange(0, BLOCK_N)[None, :]
+    if IDX64:
+        c = c.to(tl.int64)
+    if EDGES:
+        e_idx, e_ok = _edges(h, length, n, VEC)
+        e_ok = e_ok & row_ok[:, None] & (split == 0)
+        ae, fe = _load_terms(y_ptr, dy_ptr, ox[:, None] + e_idx, e_ok, LOG)
+        tl.store(dx_ptr + oy[:, None] + e_idx, _grad(ae, fe, s, t).to(dx_ptr.dtype.element_ty), mask=e_ok)
+    j0 = split * chunks_per_split
+    j1 = tl.minimum(j0 + chunks_per_split, tl.cdiv(n, BLOCK_N))
+    _grad_range(y_ptr, dy_ptr, dx_ptr, xs, ys, c, row_ok, length, sxn, syn, j0, j1, s, t, LOG, BLOCK_N)
+
+
+KERNELS = {
+    "rowblock": softmax_bwd_rowblock,
+    "online": softmax_bwd_online,
+    "split": (softmax_bwd_split_sums, softmax_bwd_split_write),
+}
+
+
+# ---------------------------------------------------------------------------------------------- launcher
+from dataclasses import replace  # noqa: E402
+
+import torch  # noqa: E402
+
+from ..layout import plan_layout  # noqa: E402
+from .launch import aligned_view, prepare  # noqa: E402
+
+
+def backward(dy: torch.Tensor, y: torch.Tensor, dx: torch.Tensor, dim: int, log: bool):
+    """Write the gradient of softmax (or log_softmax) along ``dim`` into dx, from the forward output y and
+    the output gradient dy (all the same shape). Returns the plan that ran."""
+    y, lay = plan_layout(y, dx, dim)
+    if dy.dtype != y.dtype or dy.stride() != y.stride() or (dy.data_ptr() - y.data_ptr()) % 16:
+        # dy is addressed with y's offsets: copy it into y's layout, dtype and alignment. If y is not dense
+        # (empty_like would not keep its strides) or not 16-byte aligned, y is first copied into a fresh
+        # dense buffer too, so that both share one layout.
+        like = torch.empty_like(y)
+        if like.stride() != y.stride() or y.data_ptr() % 16:
+            y, lay = plan_layout(like.copy_(y), dx, dim)
+        dy = torch.empty_like(y).copy_(dy)
+        lay = replace(lay, copied=True)
+    L = prepare(y, dx, lay, inputs=2)
+    dy_arg = aligned_view(dy, L.x_mis)
+    sx, sy = L.strides[:3], L.strides[3:]
+    tail = dict(**L.flags, Y_VEC=L.y_vec, LOG=log, num_warps=L.plan.num_warps)
+    if L.plan.path == "split":
+        sums, write = KERNELS["split"]
+        ws = torch.empty(L.n_rows * L.plan.splits * 2, dtype=torch.float32, device=y.device)
+        sums[L.grid](
+            L.x_arg, dy_arg, ws, *L.rows_args, *sx, L.x_mis, L.chunks_per_split, L.plan.splits, **L.flags,
+            LOG=log, num_warps=L.plan.num_warps,
+        )  # fmt: skip
+        write[L.grid](
+            L.x_arg, dx, dy_arg, ws, *L.rows_args, *sx, *sy, L.x_mis, L.chunks_per_split, L.plan.splits,
+            **tail, SPLITS=triton.next_power_of_2(L.plan.splits),
+        )  # fmt: skip
+    else:
+        KERNELS[L.plan.path][L.grid](L.x_arg, dx, dy_arg, *L.rows_args, *sx, *sy, L.x_mis, **tail)
+    return L.plan
