@@ -12,9 +12,10 @@ from fastsoftmax import heuristics  # noqa: E402
 from fastsoftmax.triton.compile import compile_forward, ptxas_report  # noqa: E402
 
 
-def facts(path, dtype, n, arch, log=False):
+def facts(path, dtype, n, arch, log=False, backward=False):
     out = []
-    for k in compile_forward(path, dtype, n, log=log, arch=arch, n_rows=8 if path == "split" else 1 << 20):
+    n_rows = 8 if path == "split" else 1 << 20
+    for k in compile_forward(path, dtype, n, log=log, arch=arch, n_rows=n_rows, backward=backward):
         ptx = k.asm["ptx"]
         rep = ptxas_report(ptx, "sm_90a" if arch == 90 else f"sm_{arch}")
         out.append({
@@ -44,6 +45,14 @@ def main():
         out += facts("rowblock", dtype, 1024, 80)
         out += facts("online", dtype, 50257, 80)
         out += facts("split", dtype, 50257, 80)
+        for n in (256, 513, 4096, heuristics.ROWBLOCK_MAX_N // 2):
+            for log in (False, True):
+                out += facts("rowblock", dtype, n, 90, log=log, backward=True)
+        for path in ("online", "split"):
+            out += facts(path, dtype, 50257, 90, backward=True)
+            out += facts(path, dtype, 65536, 90, log=True, backward=True)
+            out += facts(path, dtype, 50257, 80, backward=True)
+        out += facts("rowblock", dtype, 1024, 80, backward=True)
     json.dump(out, sys.stdout)
 
 

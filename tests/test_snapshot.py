@@ -26,6 +26,7 @@ def facts():
 def test_every_variant_compiles(facts):
     kinds = {(f["kernel"], f["arch"]) for f in facts}
     names = ["softmax_fwd_rowblock", "softmax_fwd_online", "softmax_fwd_split_stats", "softmax_fwd_split_write"]
+    names += ["softmax_bwd_rowblock", "softmax_bwd_online", "softmax_bwd_split_sums", "softmax_bwd_split_write"]
     assert kinds == {(k, a) for k in names for a in (90, 80)}
     assert all(f["registers"] > 0 for f in facts)
 
@@ -39,9 +40,10 @@ def test_aligned_rows_use_only_16_byte_accesses(facts):
     for f in facts:
         if f["n"] % 16 == 0 and f["n"] > 1:
             # split_write also reads the per-segment (max, sum) workspace with 4-byte loads
-            allowed = {"ld.global.v4.b32"} | ({"ld.global.b32"} if f["kernel"] == "softmax_fwd_split_write" else set())
+            workspace = f["kernel"] in ("softmax_fwd_split_write", "softmax_bwd_split_write")
+            allowed = {"ld.global.v4.b32"} | ({"ld.global.b32"} if workspace else set())
             assert "ld.global.v4.b32" in f["loads"] and set(f["loads"]) <= allowed, (f["kernel"], f["n"], f["loads"])
-            if f["kernel"] != "softmax_fwd_split_stats":
+            if f["kernel"] not in ("softmax_fwd_split_stats", "softmax_bwd_split_sums"):
                 assert f["stores"] == ["st.global.v4.b32"], (f["path"], f["dtype"], f["n"], f["stores"])
 
 
@@ -50,11 +52,13 @@ def test_odd_rows_use_16_byte_body_and_scalar_edges(facts):
         if f["n"] % 16 and f["n"] >= 4 * (16 // (4 if f["dtype"] == "float32" else 2)):
             scalar = "ld.global.b16" if f["dtype"] != "float32" else "ld.global.b32"
             assert "ld.global.v4.b32" in f["loads"] and scalar in f["loads"], (f["dtype"], f["n"], f["loads"])
-            if f["kernel"] != "softmax_fwd_split_stats":  # it stores only (max, sum) per segment
+            if f["kernel"] not in ("softmax_fwd_split_stats", "softmax_bwd_split_sums"):  # (max, sum) per segment
                 assert "st.global.v4.b32" in f["stores"], (f["dtype"], f["n"], f["stores"])
 
 
 def test_math_units(facts):
-    assert all(f["ex2"] for f in facts)  # exp is ex2.approx.f32, as fs.info() says
-    # one IEEE reciprocal per row, in every kernel that writes softmax
-    assert all(f["div_rn"] for f in facts if not f["log"] and f["kernel"] != "softmax_fwd_split_stats")
+    # exp is ex2.approx.f32, as fs.info() says (softmax's backward has no exp)
+    assert all(f["ex2"] for f in facts if "_fwd_" in f["kernel"] or f["log"])
+    # one IEEE reciprocal per row, in every forward kernel that writes softmax
+    writers = ("softmax_fwd_rowblock", "softmax_fwd_online", "softmax_fwd_split_write")
+    assert all(f["div_rn"] for f in facts if not f["log"] and f["kernel"] in writers)

@@ -10,7 +10,7 @@ from triton.compiler import ASTSource
 
 from .. import heuristics
 from ..layout import Layout
-from . import softmax_fwd
+from . import softmax_bwd, softmax_fwd
 from .launch import vector_plan
 
 _TY = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
@@ -19,12 +19,12 @@ _SIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
 
 def compile_forward(
     path: str, dtype: str, n: int, *, log: bool = False, out_dtype: str | None = None, arch: int = 90,
-    n_rows: int = 1 << 20,
+    n_rows: int = 1 << 20, backward: bool = False,
 ) -> list:  # fmt: skip
-    """The compiled kernels of a forward path (one, or two for split; ``.asm`` holds ttir, ttgir, llir,
-    ptx, cubin) for a contiguous (n_rows, n) tensor of ``dtype``, specialised as the launcher and the JIT
-    would specialise it."""
-    shape = heuristics.launch_shape(n, n_rows, _SIZE[dtype], False, 132, path)
+    """The compiled kernels of a forward (or, with ``backward``, backward) path: one, or two for split;
+    ``.asm`` holds ttir, ttgir, llir, ptx, cubin. For a contiguous (n_rows, n) tensor of ``dtype``,
+    specialised as the launcher and the JIT would specialise it. Backward: x_ptr is y, y_ptr is dx."""
+    shape = heuristics.launch_shape(n, n_rows, _SIZE[dtype], False, 132, path, inputs=2 if backward else 1)
     lay = Layout(n_rows, 1, n, (n, 1, 0), (n, 1, 0), (1,), False)
     vec, edges, y_vec, _ = vector_plan(_SIZE[dtype], 0, 0, lay)  # torch allocations are aligned
     chunks_per_split = triton.cdiv(triton.cdiv(n, shape.block_n), shape.splits)
@@ -38,7 +38,9 @@ def compile_forward(
         SPLITS=1 << max(0, (shape.splits - 1).bit_length()),
     )  # fmt: skip
     ptrs = {"x_ptr": _TY[dtype], "y_ptr": _TY[out_dtype or dtype], "lse_ptr": "fp32", "ws_ptr": "fp32"}
-    kernels = softmax_fwd.KERNELS[path]
+    if backward:
+        ptrs.update(y_ptr=_TY[dtype], dy_ptr=_TY[dtype], dx_ptr=_TY[out_dtype or dtype])
+    kernels = (softmax_bwd if backward else softmax_fwd).KERNELS[path]
     out = []
     for kernel in kernels if isinstance(kernels, tuple) else (kernels,):
         names = kernel.arg_names

@@ -12,7 +12,7 @@ Traffic budget per element (s = element size of y, dy, dx):
   split     as online, segments of a row on different programs, plus 8 bytes of (s, t) per segment.
 
 Same row geometry as the forward (softmax_fwd._rows/_body/_edges): y is the anchor; dy shares y's strides
-and 16-byte misalignment (the launcher copies dy into y's layout when it does not).
+and 16-byte misalignment (the launcher copies dy into y's layout when it does not); dy keeps its dtype.
 """
 
 from __future__ import annotations
@@ -225,14 +225,16 @@ def backward(dy: torch.Tensor, y: torch.Tensor, dx: torch.Tensor, dim: int, log:
     """Write the gradient of softmax (or log_softmax) along ``dim`` into dx, from the forward output y and
     the output gradient dy (all the same shape). Returns the plan that ran."""
     y, lay = plan_layout(y, dx, dim)
-    if dy.dtype != y.dtype or dy.stride() != y.stride() or (dy.data_ptr() - y.data_ptr()) % 16:
-        # dy is addressed with y's offsets: copy it into y's layout, dtype and alignment. If y is not dense
-        # (empty_like would not keep its strides) or not 16-byte aligned, y is first copied into a fresh
-        # dense buffer too, so that both share one layout.
+    # dy is addressed with y's element offsets (in its own dtype): it needs y's strides and the same
+    # 16-byte misalignment, which for another element size means both aligned.
+    aligned_alike = (dy.data_ptr() - y.data_ptr()) % 16 == 0 and (dy.dtype == y.dtype or y.data_ptr() % 16 == 0)
+    if dy.stride() != y.stride() or not aligned_alike:
+        # Copy dy into y's layout. If y is not dense (empty_like would not keep its strides) or not 16-byte
+        # aligned, y is first copied into a fresh dense buffer too, so that both share one layout.
         like = torch.empty_like(y)
         if like.stride() != y.stride() or y.data_ptr() % 16:
             y, lay = plan_layout(like.copy_(y), dx, dim)
-        dy = torch.empty_like(y).copy_(dy)
+        dy = torch.empty_like(y, dtype=dy.dtype).copy_(dy)
         lay = replace(lay, copied=True)
     L = prepare(y, dx, lay, inputs=2)
     dy_arg = aligned_view(dy, L.x_mis)

@@ -1,0 +1,174 @@
+"""Backward: every path forced against the float64 oracle (odd N, looped long rows, fully masked rows,
+NaN in dy, non-contiguous dy and y), autograd through the custom op (gradcheck, double backward), the
+public backward functions, opcheck, and torch.compile(fullgraph=True) with no graph break."""
+
+import pytest
+import torch
+from helpers import DTYPES, random_logits, special_rows
+
+import fastsoftmax as fs
+from fastsoftmax import heuristics
+from fastsoftmax.reference import compare_grad
+
+PATHS = [("rowblock", {}), ("online", {"block_n": 64}), ("split", {"block_n": 64})]
+FNS = {False: fs.softmax, True: fs.log_softmax}
+BWD = {False: fs.softmax_backward, True: fs.log_softmax_backward}
+
+
+def assert_grad(dx, dy, y, dim, log, out_dtype=None):
+    err, problem = compare_grad(dx, dy, y, dim, log, out_dtype)
+    assert problem is None, problem
+    return err
+
+
+def forward_backward(x, dy, dim, log, backend="triton", **force):
+    """y = f(x) and dx from autograd, outputs poisoned, path forced; returns (y, dx, backward plan)."""
+    x = x.detach().requires_grad_()
+    with heuristics.force(poison=True, **force):
+        y = FNS[log](x, dim, backend=backend)
+        (dx,) = torch.autograd.grad(y, x, dy)
+    return y.detach(), dx, heuristics.last_plan()
+
+
+@pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n", [7, 513, 1000])
+@pytest.mark.parametrize("path,force", PATHS, ids=[p for p, _ in PATHS])
+def test_paths_against_oracle(device, path, force, n, dtype, log):
+    gen = torch.Generator().manual_seed(n)
+    x = torch.cat([random_logits((5, n), dtype, gen), special_rows(n, dtype, gen)]).to(device)
+    dy = random_logits(x.shape, dtype, gen, scale=1.0).to(device)
+    y, dx, plan = forward_backward(x, dy, -1, log, path=path, **force)
+    assert (plan.backend, plan.path) == ("triton", path)
+    assert dx.dtype == dtype
+    assert_grad(dx, dy, y, -1, log)
+    assert (dx[5] == 0).all() and dx[9].isnan().all()  # special rows: 0 fully masked, 4 NaN among -inf
+
+
+@pytest.mark.parametrize("log", [False, True])
+@pytest.mark.parametrize("path,force", PATHS, ids=[p for p, _ in PATHS])
+def test_nan_in_dy(device, path, force, log):
+    gen = torch.Generator().manual_seed(1)
+    x = random_logits((4, 100), torch.float32, gen).to(device)
+    x[1] = float("-inf")  # fully masked
+    dy = torch.randn(4, 100, generator=gen).to(device)
+    dy[0, 5] = float("nan")  # propagates through the row sum
+    dy[1, 7] = float("nan")  # a fully masked row still gets 0
+    y, dx, plan = forward_backward(x, dy, -1, log, path=path, **force)
+    assert plan.path == path
+    assert dx[0].isnan().any() and (dx[1] == 0).all() and not dx[2:].isnan().any()
+    assert_grad(dx, dy, y, -1, log)
+
+
+@pytest.mark.parametrize("path,force", PATHS, ids=[p for p, _ in PATHS])
+@pytest.mark.parametrize(
+    "make_dy",
+    [lambda d: d.t().contiguous().t(), lambda d: torch.cat([d, d], -1)[:, : d.shape[1]], lambda d: d.to(torch.float32)],
+    ids=["transposed_dy", "sliced_dy", "fp32_dy"],
+)
+def test_non_contiguous_and_other_dtype_dy(device, path, force, make_dy):
+    gen = torch.Generator().manual_seed(2)
+    x = random_logits((8, 300), torch.bfloat16, gen).to(device)
+    dy = make_dy(torch.randn(8, 300, generator=gen).to(torch.bfloat16).to(device))
+    y = fs.softmax(x)
+    with heuristics.force(poison=True, path=path, **force):
+        dx = fs.softmax_backward(dy, y, backend="triton")  # dy reaches the kernel as given (autograd would cast)
+    plan = heuristics.last_plan()
+    # dy in another layout is copied into y's; dy in another dtype is read as it is
+    assert plan.path == path and plan.copied == (dy.dtype == torch.bfloat16)
+    assert_grad(dx, dy, y, -1, False)
+
+
+@pytest.mark.parametrize("path,force", PATHS, ids=[p for p, _ in PATHS])
+@pytest.mark.parametrize(
+    "shape,dim,make", [((24, 64), 0, None), ((6, 40, 5), 1, None), ((30, 64), -1, lambda t: t[:, 3:50])]
+)
+def test_layouts(device, path, force, shape, dim, make):
+    gen = torch.Generator().manual_seed(3)
+    x = random_logits(shape, torch.float32, gen).to(device)
+    x = make(x) if make else x
+    dy = torch.randn(x.shape, generator=gen).to(device)
+    for log in (False, True):
+        y, dx, plan = forward_backward(x, dy, dim, log, path=path, **force)
+        assert plan.path == path
+        assert_grad(dx, dy, y, dim, log)
+
+
+@pytest.mark.parametrize("log", [False, True])
+def test_public_backward_functions(device, log):
+    gen = torch.Generator().manual_seed(4)
+    x = random_logits((6, 77), torch.bfloat16, gen).to(device)
+    y = FNS[log](x, dtype=torch.float32)  # fp32 output of a bf16 input
+    dy = torch.randn(6, 77, generator=gen).to(device)
+    for backend in ("triton", "torch"):
+        with heuristics.force(poison=True):
+            dx = BWD[log](dy, y, -1, dtype=torch.bfloat16, backend=backend)
+        assert heuristics.last_plan().backend == backend
+        assert_grad(dx, dy, y, -1, log, torch.bfloat16)
+    with pytest.raises(ValueError, match="shape"):
+        BWD[log](dy[:, :5], y)
+    with pytest.raises(TypeError, match="dy must be floating"):
+        BWD[log](dy.to(torch.int32), y)
+    with pytest.raises(IndexError):
+        BWD[log](dy, y, 2)
+
+
+def test_backward_edge_shapes(device):
+    for shape in [(0, 5), (3, 0), ()]:
+        x = torch.randn(shape, device=device, requires_grad=True)
+        y = fs.softmax(x, -1 if shape else 0)
+        (g,) = torch.autograd.grad(y.sum(), x)
+        assert g.shape == x.shape and (g == 0).all()
+
+
+def test_gradcheck_and_double_backward():
+    # float64 takes the torch path inside the same custom op; autograd formula and double backward checked.
+    gen = torch.Generator().manual_seed(5)
+    for shape, dim in [((3, 7), -1), ((4, 5, 3), 1), ((5,), 0)]:
+        for log in (False, True):
+            x = torch.randn(shape, generator=gen, dtype=torch.float64, requires_grad=True)
+            f = lambda t, d=dim, lg=log: FNS[lg](t, d)  # noqa: E731
+            assert torch.autograd.gradcheck(f, (x,))
+            assert torch.autograd.gradgradcheck(f, (x,))
+
+
+def test_only_the_output_is_saved(device):
+    x = torch.randn(4, 9, device=device, requires_grad=True)
+    y = fs.softmax(x)
+    saved = y.grad_fn._saved_tensors if hasattr(y.grad_fn, "_saved_tensors") else None
+    packed = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
+        y = fs.softmax(x)
+    assert len(packed) == 1 and packed[0].data_ptr() == y.data_ptr(), saved
+
+
+@pytest.mark.parametrize("log", [False, True])
+def test_opcheck(device, log):
+    x = torch.randn(3, 33, device=device, requires_grad=True)
+    torch.library.opcheck(torch.ops.fastsoftmax.softmax.default, (x, -1, log, None, "auto"))
+    y = fs.softmax(x.detach(), dtype=torch.float32)
+    dy = torch.randn_like(y)
+    torch.library.opcheck(torch.ops.fastsoftmax.softmax_backward.default, (dy, y, -1, log, torch.float32, "auto"))
+
+
+def test_torch_compile_fullgraph(device):
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(16, 32)
+            self.sm = fs.LogSoftmax(dim=-1)
+
+        def forward(self, t):
+            return fs.softmax(self.lin(t), -1).sum(-1) + self.sm(self.lin(t)).mean(-1)
+
+    torch.manual_seed(6)
+    model = Model().to(device)
+    x = torch.randn(8, 16, device=device)
+    ref = model(x)
+    (g_ref,) = torch.autograd.grad(ref.sum(), model.lin.weight)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager" if device == "cpu" else "inductor")
+    out = compiled(x)  # fullgraph=True raises on any graph break
+    (g,) = torch.autograd.grad(out.sum(), model.lin.weight)
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(g, g_ref)
