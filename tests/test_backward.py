@@ -10,7 +10,8 @@ import fastsoftmax as fs
 from fastsoftmax import heuristics
 from fastsoftmax.reference import compare_grad
 
-PATHS = [("rowblock", {}), ("online", {"block_n": 64}), ("split", {"block_n": 64})]
+# online and split with chunks of 256: rows of 513 and 1000 loop over 3-4 chunks (and segments)
+PATHS = [("rowblock", {}), ("online", {"block_n": 256}), ("split", {"block_n": 256})]
 FNS = {False: fs.softmax, True: fs.log_softmax}
 BWD = {False: fs.softmax_backward, True: fs.log_softmax_backward}
 

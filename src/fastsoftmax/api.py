@@ -145,6 +145,13 @@ KERNEL_FAMILIES = {
         "accumulation": "fp32",
         "build_flags": "Triton defaults (no fast-math flag; exp/log are the approximate units above)",
     },
+    "triton.softmax_bwd": {
+        "paths": list(heuristics.PATHS),
+        "exp": "log_softmax only: exp2(y * log2(e)), ex2.approx.f32",
+        "division": "none",
+        "accumulation": "fp32 (sum(y*dy) or sum(dy) per row)",
+        "build_flags": "Triton defaults (no fast-math flag)",
+    },
     "torch": {
         "exp": "torch.exp in fp32 (fp64 for fp64)",
         "division": "true division per element",

@@ -22,6 +22,8 @@ Measured on an NVIDIA H200 on 2026-11-29 (dev/sweep_forward.py, triton 3.6, torc
     256 rows it ties online (bf16 1,992 vs 2,009), at 512 rows it is within 4% either way, so rows split
     below 2 per SM. Timed eagerly, small shapes measure host launch overhead instead (split's two
     launches: 25 GB/s at 8x131072), which the benchmark issue addresses.
+Backward (inputs=2: y and dy held per element): the same rules with half the row per thread and rowblock
+up to N = 16384. Not yet measured on the H200 (2026-11-29: the session's device time was spent).
 ptxas reports no spills for any rowblock shape this table produces (tests/test_snapshot.py).
 """
 
