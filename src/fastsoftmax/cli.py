@@ -31,6 +31,8 @@ GPU_CASES = [
     ("online", (16, 131072), -1, {"path": "online"}),
     ("online", (2, 1 << 20), -1, {"path": "online"}),
     ("online", (512, 4096), 0, {"path": "online"}),
+    ("split", (8, 131072), -1, {"path": "split"}),
+    ("split", (4, 50257), -1, {"path": "split"}),
 ]
 CPU_CASES = [
     ("rowblock", (16, 1024), -1, {"path": "rowblock"}),
@@ -39,6 +41,7 @@ CPU_CASES = [
     ("online", (4, 2053), -1, {"path": "online", "block_n": 512}),
     ("online", (8, 1000), -1, {"path": "online", "block_n": 256}),
     ("online", (200, 40), 0, {"path": "online", "block_n": 16}),
+    ("split", (4, 2053), -1, {"path": "split", "block_n": 512}),
 ]
 
 
@@ -50,7 +53,7 @@ def check(args) -> int:
 
     import fastsoftmax as fs
     from fastsoftmax import heuristics
-    from fastsoftmax.reference import compare, random_logits, special_rows
+    from fastsoftmax.reference import compare, compare_grad, random_logits, special_rows
 
     info = fs.info()
     where = (
@@ -76,20 +79,23 @@ def check(args) -> int:
             if dim in (-1, len(shape) - 1):
                 x[: min(9, shape[0])] = special_rows(n, dtype, gen)[: shape[0]]
             x = x.to(device)
+            dy = torch.randn(shape, generator=gen).to(dtype).to(device)
             for log in (False, True):
                 backend = "torch" if force is None else "triton"
+                name = "log_softmax" if log else "softmax"
                 with heuristics.force(poison=True, **(force or {})):
                     y = (fs.log_softmax if log else fs.softmax)(x, dim, backend=backend)
-                plan = heuristics.last_plan()
-                err, problem = compare(y, x, dim, log)
-                ran = f"{plan.backend}/{plan.path}"
-                ok = problem is None and (force is None or plan.path == force["path"])
-                failed += not ok
-                name = "log_softmax" if log else "softmax"
-                rows.append((ran, str(dtype).replace("torch.", ""), f"{shape} dim={dim}", name, err, ok, problem))
-    print(f"\n{'path':18} {'dtype':9} {'shape':22} {'op':12} {'err/tol':>9}  result")
+                    fwd = heuristics.last_plan(), compare(y, x, dim, log)
+                    dx = (fs.log_softmax_backward if log else fs.softmax_backward)(dy, y, dim, backend=backend)
+                    bwd = heuristics.last_plan(), compare_grad(dx, dy, y, dim, log)
+                for op, (plan, (err, problem)) in ((name, fwd), (name + "_bwd", bwd)):
+                    ok = problem is None and (force is None or plan.path == force["path"])
+                    failed += not ok
+                    dt = str(dtype).replace("torch.", "")
+                    rows.append((f"{plan.backend}/{plan.path}", dt, f"{shape} dim={dim}", op, err, ok, problem))
+    print(f"\n{'path':18} {'dtype':9} {'shape':22} {'op':16} {'err/tol':>9}  result")
     for ran, dt, shp, name, err, ok, problem in rows:
-        print(f"{ran:18} {dt:9} {shp:22} {name:12} {err:9.3f}  {'pass' if ok else 'FAIL: ' + str(problem)}")
+        print(f"{ran:18} {dt:9} {shp:22} {name:16} {err:9.3f}  {'pass' if ok else 'FAIL: ' + str(problem)}")
     print(f"\n{len(rows) - failed}/{len(rows)} passed in {time.time() - t0:.1f} s; err/tol is the worst error as a "
           "fraction of the tolerance (fastsoftmax.reference.TOLERANCE), <= 1 passes")  # fmt: skip
     for dt in sorted({r[1] for r in rows}):
