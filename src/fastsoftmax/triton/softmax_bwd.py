@@ -20,7 +20,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .softmax_fwd import _body, _edges, _exp, _rows
+from .softmax_fwd import _edges, _exp, _prologue
 
 
 @triton.jit
@@ -75,16 +75,12 @@ def softmax_bwd_rowblock(
 ):  # fmt: skip
     """ROWS rows per program, y and dy held whole in registers. Strides: sx* of y and dy, sy* of dx.
     Precondition: BLOCK_N >= n."""
-    bx, by, ox, oy, row, row_ok = _rows(
-        tl.program_id(0), n_b, n_i, tiles_i, sxb, sxi, syb, syi, x_mis, ROWS, INNER, VEC, EDGES, Y_VEC, IDX64
+    bx, by, ox, oy, xs, ys, h, length, c, row, row_ok = _prologue(
+        n_b, n, n_i, tiles_i, sxb, sxi, syb, syi, x_mis, ROWS, BLOCK_N, VEC, INNER, EDGES, Y_VEC, IDX64
     )
     y_ptr += bx
     dy_ptr += bx
     dx_ptr += by
-    xs, ys, h, length = _body(ox, oy, n, VEC, EDGES, Y_VEC)
-    c = tl.arange(0, BLOCK_N)[None, :]
-    if IDX64:
-        c = c.to(tl.int64)
     body = row_ok[:, None] & (c < length)
     a, f = _load_terms(y_ptr, dy_ptr, xs[:, None] + c * sxn, body, LOG)
     s = tl.sum(a, axis=1)
@@ -108,16 +104,12 @@ def softmax_bwd_online(
     EDGES: tl.constexpr, Y_VEC: tl.constexpr, IDX64: tl.constexpr, LOG: tl.constexpr,
 ):  # fmt: skip
     """Rows of any length in BLOCK_N chunks: pass 1 sums (s, t), pass 2 writes dx."""
-    bx, by, ox, oy, row, row_ok = _rows(
-        tl.program_id(0), n_b, n_i, tiles_i, sxb, sxi, syb, syi, x_mis, ROWS, INNER, VEC, EDGES, Y_VEC, IDX64
+    bx, by, ox, oy, xs, ys, h, length, c, row, row_ok = _prologue(
+        n_b, n, n_i, tiles_i, sxb, sxi, syb, syi, x_mis, ROWS, BLOCK_N, VEC, INNER, EDGES, Y_VEC, IDX64
     )
     y_ptr += bx
     dy_ptr += bx
     dx_ptr += by
-    xs, ys, h, length = _body(ox, oy, n, VEC, EDGES, Y_VEC)
-    c = tl.arange(0, BLOCK_N)[None, :]
-    if IDX64:
-        c = c.to(tl.int64)
     s = tl.zeros([ROWS], tl.float32)
     t = tl.zeros([ROWS], tl.float32)
     if EDGES:
@@ -144,15 +136,11 @@ def softmax_bwd_split_sums(
     """Split path, step 1 of 2: program (rows, split) writes (s, t) of its segment to ws[row, split, 0:2].
     Split 0 also takes the edges."""
     split = tl.program_id(1)
-    bx, by, ox, oy, row, row_ok = _rows(
-        tl.program_id(0), n_b, n_i, tiles_i, sxb, sxi, 0, 0, x_mis, ROWS, INNER, VEC, EDGES, False, IDX64
+    bx, by, ox, oy, xs, ys, h, length, c, row, row_ok = _prologue(
+        n_b, n, n_i, tiles_i, sxb, sxi, 0, 0, x_mis, ROWS, BLOCK_N, VEC, INNER, EDGES, False, IDX64
     )
     y_ptr += bx
     dy_ptr += bx
-    xs, ys, h, length = _body(ox, oy, n, VEC, EDGES, False)
-    c = tl.arange(0, BLOCK_N)[None, :]
-    if IDX64:
-        c = c.to(tl.int64)
     s = tl.zeros([ROWS], tl.float32)
     t = tl.zeros([ROWS], tl.float32)
     if EDGES:
@@ -180,21 +168,17 @@ def softmax_bwd_split_write(
     """Split path, step 2 of 2: program (rows, split) adds the row's per-split (s, t) and writes dx for
     its segment."""
     split = tl.program_id(1)
-    bx, by, ox, oy, row, row_ok = _rows(
-        tl.program_id(0), n_b, n_i, tiles_i, sxb, sxi, syb, syi, x_mis, ROWS, INNER, VEC, EDGES, Y_VEC, IDX64
+    bx, by, ox, oy, xs, ys, h, length, c, row, row_ok = _prologue(
+        n_b, n, n_i, tiles_i, sxb, sxi, syb, syi, x_mis, ROWS, BLOCK_N, VEC, INNER, EDGES, Y_VEC, IDX64
     )
     y_ptr += bx
     dy_ptr += bx
     dx_ptr += by
-    xs, ys, h, length = _body(ox, oy, n, VEC, EDGES, Y_VEC)
     k = tl.arange(0, SPLITS)[None, :]
     ws_ok = row_ok[:, None] & (k < n_splits)
     ws = ws_ptr + (row[:, None] * n_splits + k) * 2
     s = tl.sum(tl.load(ws, mask=ws_ok, other=0.0), axis=1)
     t = tl.sum(tl.load(ws + 1, mask=ws_ok, other=0.0), axis=1)
-    c = tl.arange(0, BLOCK_N)[None, :]
-    if IDX64:
-        c = c.to(tl.int64)
     if EDGES:
         e_idx, e_ok = _edges(h, length, n, VEC)
         e_ok = e_ok & row_ok[:, None] & (split == 0)

@@ -94,6 +94,24 @@ def _body(ox, oy, n, VEC: tl.constexpr, EDGES: tl.constexpr, Y_VEC: tl.constexpr
 
 
 @triton.jit
+def _prologue(
+    n_b, n, n_i, tiles_i, sxb, sxi, syb, syi, x_mis,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, VEC: tl.constexpr, INNER: tl.constexpr, EDGES: tl.constexpr,
+    Y_VEC: tl.constexpr, IDX64: tl.constexpr,
+):  # fmt: skip
+    """Every kernel's start: this program's rows (_rows), their aligned bodies (_body) and the column
+    offsets of a chunk. Returns (bx, by, ox, oy, xs, ys, h, length, c, row, row_ok)."""
+    bx, by, ox, oy, row, row_ok = _rows(
+        tl.program_id(0), n_b, n_i, tiles_i, sxb, sxi, syb, syi, x_mis, ROWS, INNER, VEC, EDGES, Y_VEC, IDX64
+    )
+    xs, ys, h, length = _body(ox, oy, n, VEC, EDGES, Y_VEC)
+    c = tl.arange(0, BLOCK_N)[None, :]
+    if IDX64:
+        c = c.to(tl.int64)
+    return bx, by, ox, oy, xs, ys, h, length, c, row, row_ok
+
+
+@triton.jit
 def _edges(h, length, n, VEC: tl.constexpr):
     """Row-relative indices of the edge elements: lanes [0, VEC) are the head, [VEC, 2·VEC) the tail."""
     j = tl.arange(0, 2 * VEC)[None, :]
@@ -154,15 +172,11 @@ def softmax_fwd_rowblock(
     WRITE_LSE: tl.constexpr,
 ):  # fmt: skip
     """ROWS rows per program, each held whole in registers. Precondition: BLOCK_N >= n."""
-    bx, by, ox, oy, row, row_ok = _rows(
-        tl.program_id(0), n_b, n_i, tiles_i, sxb, sxi, syb, syi, x_mis, ROWS, INNER, VEC, EDGES, Y_VEC, IDX64
+    bx, by, ox, oy, xs, ys, h, length, c, row, row_ok = _prologue(
+        n_b, n, n_i, tiles_i, sxb, sxi, syb, syi, x_mis, ROWS, BLOCK_N, VEC, INNER, EDGES, Y_VEC, IDX64
     )
     x_ptr += bx
     y_ptr += by
-    xs, ys, h, length = _body(ox, oy, n, VEC, EDGES, Y_VEC)
-    c = tl.arange(0, BLOCK_N)[None, :]
-    if IDX64:
-        c = c.to(tl.int64)
     body = row_ok[:, None] & (c < length)
     x = _load_logits(x_ptr + xs[:, None] + c * sxn, body)
     m = tl.max(x, axis=1)
@@ -238,15 +252,11 @@ def softmax_fwd_online(
     WRITE_LSE: tl.constexpr,
 ):  # fmt: skip
     """Rows of any length in BLOCK_N chunks: pass 1 carries (max, rescaled sum), pass 2 normalises."""
-    bx, by, ox, oy, row, row_ok = _rows(
-        tl.program_id(0), n_b, n_i, tiles_i, sxb, sxi, syb, syi, x_mis, ROWS, INNER, VEC, EDGES, Y_VEC, IDX64
+    bx, by, ox, oy, xs, ys, h, length, c, row, row_ok = _prologue(
+        n_b, n, n_i, tiles_i, sxb, sxi, syb, syi, x_mis, ROWS, BLOCK_N, VEC, INNER, EDGES, Y_VEC, IDX64
     )
     x_ptr += bx
     y_ptr += by
-    xs, ys, h, length = _body(ox, oy, n, VEC, EDGES, Y_VEC)
-    c = tl.arange(0, BLOCK_N)[None, :]
-    if IDX64:
-        c = c.to(tl.int64)
     m = tl.full([ROWS], float("-inf"), tl.float32)
     s = tl.zeros([ROWS], tl.float32)
     if EDGES:
@@ -277,14 +287,10 @@ def softmax_fwd_split_stats(
     """Split path, step 1 of 2: program (rows, split) writes (max, sum) of its segment of the row to the
     fp32 workspace ws[row, split, 0:2]. Split 0 also takes the edges."""
     split = tl.program_id(1)
-    bx, by, ox, oy, row, row_ok = _rows(
-        tl.program_id(0), n_b, n_i, tiles_i, sxb, sxi, 0, 0, x_mis, ROWS, INNER, VEC, EDGES, False, IDX64
+    bx, by, ox, oy, xs, ys, h, length, c, row, row_ok = _prologue(
+        n_b, n, n_i, tiles_i, sxb, sxi, 0, 0, x_mis, ROWS, BLOCK_N, VEC, INNER, EDGES, False, IDX64
     )
     x_ptr += bx
-    xs, ys, h, length = _body(ox, oy, n, VEC, EDGES, False)
-    c = tl.arange(0, BLOCK_N)[None, :]
-    if IDX64:
-        c = c.to(tl.int64)
     m = tl.full([ROWS], float("-inf"), tl.float32)
     s = tl.zeros([ROWS], tl.float32)
     if EDGES:
@@ -311,12 +317,11 @@ def softmax_fwd_split_write(
     """Split path, step 2 of 2: program (rows, split) merges the row's per-split statistics (the same
     merge crosses GPUs for a vocabulary split across ranks) and normalises its segment."""
     split = tl.program_id(1)
-    bx, by, ox, oy, row, row_ok = _rows(
-        tl.program_id(0), n_b, n_i, tiles_i, sxb, sxi, syb, syi, x_mis, ROWS, INNER, VEC, EDGES, Y_VEC, IDX64
+    bx, by, ox, oy, xs, ys, h, length, c, row, row_ok = _prologue(
+        n_b, n, n_i, tiles_i, sxb, sxi, syb, syi, x_mis, ROWS, BLOCK_N, VEC, INNER, EDGES, Y_VEC, IDX64
     )
     x_ptr += bx
     y_ptr += by
-    xs, ys, h, length = _body(ox, oy, n, VEC, EDGES, Y_VEC)
     k = tl.arange(0, SPLITS)[None, :]
     ws_ok = row_ok[:, None] & (k < n_splits)
     ws = ws_ptr + (row[:, None] * n_splits + k) * 2
@@ -326,9 +331,6 @@ def softmax_fwd_split_write(
     s = tl.sum(s_k * _exp(m_k - _safe_max(m)[:, None]), axis=1)
     m_safe = _safe_max(m)
     f = _row_factor(s, LOG)
-    c = tl.arange(0, BLOCK_N)[None, :]
-    if IDX64:
-        c = c.to(tl.int64)
     if EDGES:
         e_idx, e_ok = _edges(h, length, n, VEC)
         e_ok = e_ok & row_ok[:, None] & (split == 0)
