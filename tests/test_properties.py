@@ -1,5 +1,5 @@
-"""Property tests (hypothesis) over shapes, dims, dtypes, layouts and special values, on every path.
-Sized for CI on the interpreter: small shapes, a bounded number of examples."""
+"""Property tests (hypothesis) over shapes, dims, dtypes, layouts and special values, on every path,
+forward and backward. Sized for CI on the interpreter: small shapes, a bounded number of examples."""
 
 import pytest
 import torch
@@ -7,8 +7,11 @@ from helpers import DTYPES, assert_close
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import fastsoftmax as fs
 from fastsoftmax import heuristics
 from fastsoftmax.api import forward
+
+FNS = {False: fs.softmax, True: fs.log_softmax}
 
 SPECIALS = [float("-inf"), float("inf"), float("nan"), 0.0, 1e4, -1e4]
 
@@ -62,3 +65,24 @@ def test_matches_oracle(device, backend, problem):
     if path and x.numel() and backend == "triton":
         assert plan.path == path
     assert_close(y, x, dim, log, out_dtype)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(problem=problems())
+def test_gradients_match_oracle(device, problem):
+    """Gradients through the custom op, every path, against the float64 oracle of the backward."""
+    from fastsoftmax.reference import compare_grad
+
+    x, dim, path, log, out_dtype = problem
+    x = x.to(device).requires_grad_()
+    dy = torch.randn(x.shape).to(out_dtype or x.dtype).to(device)
+    force = {"path": path} if path else {}
+    if path in ("online", "split"):
+        force["block_n"] = 16
+    with heuristics.force(poison=True, **force):
+        y = forward(x.detach(), dim, log=log, dtype=out_dtype, backend="triton")[0]
+        (dx,) = torch.autograd.grad(FNS[log](x, dim, dtype=out_dtype, backend="triton"), x, dy)
+    if path and x.numel():
+        assert heuristics.last_plan().path == path
+    err, problem_text = compare_grad(dx, dy, y, dim, log, x.dtype)
+    assert problem_text is None, problem_text
