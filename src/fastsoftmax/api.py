@@ -51,8 +51,9 @@ def forward(x, dim=-1, *, log=False, dtype=None, backend="auto", want_lse=False,
         return y.reshape(()), (lse.reshape(()) if lse is not None else None)
     if x.numel() == 0:
         heuristics.record(heuristics.Plan(impl.name, "empty"))
-        lse = torch.empty(x.shape[:dim] + x.shape[dim + 1 :], dtype=torch.float32, device=x.device)
-        lse = lse.fill_(float("-inf")) if want_lse else None  # an empty row is fully masked
+        lse = None
+        if want_lse:  # an empty row is fully masked: lse = -inf
+            lse = torch.full(x.shape[:dim] + x.shape[dim + 1 :], float("-inf"), device=x.device)
         return torch.empty_like(x, dtype=out_dtype), lse
     return impl.forward(x, dim, out_dtype, log, want_lse)
 

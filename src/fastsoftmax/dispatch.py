@@ -11,6 +11,7 @@ run them, everything else takes torch ops).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import os
@@ -72,6 +73,13 @@ def triton_interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def _on_device(t: torch.Tensor):
+    """Triton launches on the current CUDA device: make it t's for the launch when it is not already."""
+    if t.is_cuda and t.device.index != torch.cuda.current_device():
+        return torch.cuda.device(t.device)
+    return contextlib.nullcontext()
+
+
 class TritonBackend:
     """The Triton kernels: CUDA tensors, and CPU tensors under Triton's interpreter."""
 
@@ -96,21 +104,14 @@ class TritonBackend:
         return None
 
     def forward(self, x, dim, out_dtype, log, want_lse):
-        kernels = _kernels("softmax_fwd")
         y = alloc(x, out_dtype)
-        if x.is_cuda and x.device.index != torch.cuda.current_device():
-            with torch.cuda.device(x.device):
-                return y, kernels.forward(x, y, dim, log, want_lse)[1]
-        return y, kernels.forward(x, y, dim, log, want_lse)[1]
+        with _on_device(x):
+            return y, _kernels("softmax_fwd").forward(x, y, dim, log, want_lse)[1]
 
     def backward(self, dy, y, dim, out_dtype, log):
-        kernels = _kernels("softmax_bwd")
         dx = alloc(y, out_dtype)
-        if y.is_cuda and y.device.index != torch.cuda.current_device():
-            with torch.cuda.device(y.device):
-                kernels.backward(dy, y, dx, dim, log)
-        else:
-            kernels.backward(dy, y, dx, dim, log)
+        with _on_device(y):
+            _kernels("softmax_bwd").backward(dy, y, dx, dim, log)
         return dx
 
 

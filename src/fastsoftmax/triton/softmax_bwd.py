@@ -86,8 +86,7 @@ def softmax_bwd_rowblock(
     s = tl.sum(a, axis=1)
     t = tl.sum(f, axis=1)
     if EDGES:
-        e_idx, e_ok = _edges(h, length, n, VEC)
-        e_ok = e_ok & row_ok[:, None]
+        e_idx, e_ok = _edges(h, length, n, row_ok, VEC)
         ae, fe = _load_terms(y_ptr, dy_ptr, ox[:, None] + e_idx, e_ok, LOG)
         s += tl.sum(ae, axis=1)
         t += tl.sum(fe, axis=1)
@@ -113,8 +112,7 @@ def softmax_bwd_online(
     s = tl.zeros([ROWS], tl.float32)
     t = tl.zeros([ROWS], tl.float32)
     if EDGES:
-        e_idx, e_ok = _edges(h, length, n, VEC)
-        e_ok = e_ok & row_ok[:, None]
+        e_idx, e_ok = _edges(h, length, n, row_ok, VEC)
         ae, fe = _load_terms(y_ptr, dy_ptr, ox[:, None] + e_idx, e_ok, LOG)
         s += tl.sum(ae, axis=1)
         t += tl.sum(fe, axis=1)
@@ -144,8 +142,8 @@ def softmax_bwd_split_sums(
     s = tl.zeros([ROWS], tl.float32)
     t = tl.zeros([ROWS], tl.float32)
     if EDGES:
-        e_idx, e_ok = _edges(h, length, n, VEC)
-        ae, fe = _load_terms(y_ptr, dy_ptr, ox[:, None] + e_idx, e_ok & row_ok[:, None] & (split == 0), LOG)
+        e_idx, e_ok = _edges(h, length, n, row_ok, VEC)
+        ae, fe = _load_terms(y_ptr, dy_ptr, ox[:, None] + e_idx, e_ok & (split == 0), LOG)
         s += tl.sum(ae, axis=1)
         t += tl.sum(fe, axis=1)
     j0 = split * chunks_per_split
@@ -180,8 +178,8 @@ def softmax_bwd_split_write(
     s = tl.sum(tl.load(ws, mask=ws_ok, other=0.0), axis=1)
     t = tl.sum(tl.load(ws + 1, mask=ws_ok, other=0.0), axis=1)
     if EDGES:
-        e_idx, e_ok = _edges(h, length, n, VEC)
-        e_ok = e_ok & row_ok[:, None] & (split == 0)
+        e_idx, e_ok = _edges(h, length, n, row_ok, VEC)
+        e_ok = e_ok & (split == 0)
         ae, fe = _load_terms(y_ptr, dy_ptr, ox[:, None] + e_idx, e_ok, LOG)
         tl.store(dx_ptr + oy[:, None] + e_idx, _grad(ae, fe, s, t).to(dx_ptr.dtype.element_ty), mask=e_ok)
     j0 = split * chunks_per_split

@@ -112,13 +112,14 @@ def _prologue(
 
 
 @triton.jit
-def _edges(h, length, n, VEC: tl.constexpr):
-    """Row-relative indices of the edge elements: lanes [0, VEC) are the head, [VEC, 2·VEC) the tail."""
+def _edges(h, length, n, row_ok, VEC: tl.constexpr):
+    """Row-relative indices of the edge elements (lanes [0, VEC) the head, [VEC, 2·VEC) the tail) and
+    which exist, rows outside the tensor excluded."""
     j = tl.arange(0, 2 * VEC)[None, :]
     head = j < VEC
     idx = tl.where(head, j, h[:, None] + length + (j - VEC))
     ok = tl.where(head, j < h[:, None], idx < n)
-    return idx, ok
+    return idx, ok & row_ok[:, None]
 
 
 @triton.jit
@@ -181,8 +182,7 @@ def softmax_fwd_rowblock(
     x = _load_logits(x_ptr + xs[:, None] + c * sxn, body)
     m = tl.max(x, axis=1)
     if EDGES:
-        e_idx, e_ok = _edges(h, length, n, VEC)
-        e_ok = e_ok & row_ok[:, None]
+        e_idx, e_ok = _edges(h, length, n, row_ok, VEC)
         xe = _load_logits(x_ptr + ox[:, None] + e_idx, e_ok)
         m = tl.maximum(m, tl.max(xe, axis=1))
     m_safe = _safe_max(m)
@@ -260,8 +260,7 @@ def softmax_fwd_online(
     m = tl.full([ROWS], float("-inf"), tl.float32)
     s = tl.zeros([ROWS], tl.float32)
     if EDGES:
-        e_idx, e_ok = _edges(h, length, n, VEC)
-        e_ok = e_ok & row_ok[:, None]
+        e_idx, e_ok = _edges(h, length, n, row_ok, VEC)
         xe = _load_logits(x_ptr + ox[:, None] + e_idx, e_ok)
         m, s = _chunk_stats(xe)
     n_chunks = tl.cdiv(n, BLOCK_N)
@@ -294,8 +293,8 @@ def softmax_fwd_split_stats(
     m = tl.full([ROWS], float("-inf"), tl.float32)
     s = tl.zeros([ROWS], tl.float32)
     if EDGES:
-        e_idx, e_ok = _edges(h, length, n, VEC)
-        xe = _load_logits(x_ptr + ox[:, None] + e_idx, e_ok & row_ok[:, None] & (split == 0))
+        e_idx, e_ok = _edges(h, length, n, row_ok, VEC)
+        xe = _load_logits(x_ptr + ox[:, None] + e_idx, e_ok & (split == 0))
         m, s = _chunk_stats(xe)
     j0 = split * chunks_per_split
     j1 = tl.minimum(j0 + chunks_per_split, tl.cdiv(n, BLOCK_N))
@@ -332,8 +331,8 @@ def softmax_fwd_split_write(
     m_safe = _safe_max(m)
     f = _row_factor(s, LOG)
     if EDGES:
-        e_idx, e_ok = _edges(h, length, n, VEC)
-        e_ok = e_ok & row_ok[:, None] & (split == 0)
+        e_idx, e_ok = _edges(h, length, n, row_ok, VEC)
+        e_ok = e_ok & (split == 0)
         ze = _load_logits(x_ptr + ox[:, None] + e_idx, e_ok) - m_safe[:, None]
         tl.store(y_ptr + oy[:, None] + e_idx, _normalise(ze, _exp(ze), f, LOG).to(y_ptr.dtype.element_ty), mask=e_ok)
     j0 = split * chunks_per_split
