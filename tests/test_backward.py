@@ -173,3 +173,37 @@ def test_torch_compile_fullgraph(device):
     (g,) = torch.autograd.grad(out.sum(), model.lin.weight)
     torch.testing.assert_close(out, ref)
     torch.testing.assert_close(g, g_ref)
+
+
+@pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_gradient_tolerance_catches_bugs(log, dtype):
+    """The gradient tolerance (which allows for the fp32 accumulation of the row sum) still rejects the
+    bugs a backward kernel could have: the row sum accumulated in a 16-bit input dtype, the sum off by
+    1e-4 (fp32) or 2^-5 (bf16) relative, one element off by 4 times that. The gradient from an fp32 sum passes."""
+    gen = torch.Generator().manual_seed(5)
+    n = 50257
+    y = torch.softmax(random_logits((4, n), torch.float32, gen), -1)
+    y = (y.log() if log else y).to(dtype)
+    dy = torch.randn(4, n, generator=gen).to(dtype)
+    a = dy.float() if log else y.float() * dy.float()
+    f = y.float().exp() if log else y.float()
+
+    def grad(s):
+        return (a - f * s).to(dtype)
+
+    s = a.sum(-1, keepdim=True)
+    assert compare_grad(grad(s), dy, y, -1, log)[1] is None
+    off = 1e-4 if dtype == torch.float32 else 2**-5  # relative: well under fp32 output's tolerance, 4 bf16 ulp
+    wrong = {"sum off": grad(s * (1 + off) + off)}
+    if dtype != torch.float32:  # a tree sum rounded to the input dtype at every level
+        t = torch.nn.functional.pad(a, (0, (1 << (n - 1).bit_length()) - n)).to(dtype)
+        while t.shape[-1] > 1:
+            t = t[:, 0::2] + t[:, 1::2]
+        wrong["sum in input dtype"] = grad(t.float())
+    one = grad(s)
+    i = (f * s).abs().argmax()  # an element where the sum term matters
+    one.view(-1)[i] = (one.view(-1)[i].float() * (1 + 4 * off) + off).to(dtype)
+    wrong["one element off"] = one
+    for name, dx in wrong.items():
+        assert compare_grad(dx, dy, y, -1, log)[1] is not None, name

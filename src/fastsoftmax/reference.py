@@ -5,6 +5,8 @@ NaN); NaN or +inf in a row gives NaN across it. It runs on any device torch runs
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -112,9 +114,11 @@ def compare(y: torch.Tensor, x: torch.Tensor, dim: int, log: bool, out_dtype=Non
 
 
 def compare_grad(dx: torch.Tensor, dy: torch.Tensor, y: torch.Tensor, dim: int, log: bool, out_dtype=None):
-    """(worst err/tol, problem or None) of a gradient against the float64 oracle. Per element:
-    |err| <= atol + rtol·|ref| + 2·(error of fp32 torch ops on that element), since sum(y·dy) cancels and
-    fp32 accumulation over long rows is itself the accuracy limit; NaN and infinities exactly."""
+    """(worst err/tol, problem or None) of a gradient against the float64 oracle. dx = a - f·sum(a) with
+    a = y·dy, f = y (softmax) or a = dy, f = exp(y) (log_softmax). Per element:
+    |err| <= atol + rtol·|ref| + 2·(error of fp32 torch ops on that element) + |f|·sum|a|·u·(log2 N + 2),
+    u = 2^-24: the row sum cancels (ref can be far smaller than its terms) and its fp32 accumulation, in any
+    order, is the accuracy limit; the last term bounds a tree sum's rounding. NaN and infinities exactly."""
     out_dtype = out_dtype or y.dtype
     if dx.dtype != out_dtype or dx.shape != y.shape:
         return float("nan"), f"got {dx.dtype} {tuple(dx.shape)}, expected {out_dtype} {tuple(y.shape)}"
@@ -132,7 +136,13 @@ def compare_grad(dx: torch.Tensor, dy: torch.Tensor, y: torch.Tensor, dim: int, 
     t32 = softmax_backward_torch(dy.detach(), y.detach(), dim, log, torch.float32, torch.float32).to(torch.float64)
     rtol, atol = TOLERANCE[out_dtype]
     err = (got - ref).abs()[fin]
-    bound = atol + rtol * ref.abs()[fin] + 2 * (t32 - ref).abs()[fin]
+    y64, dy64 = y.detach().to(ref.device, torch.float64), dy.detach().to(ref.device, torch.float64)
+    a, f = (dy64, y64.exp()) if log else (y64 * dy64, y64)
+    n = y.shape[dim] if y.dim() else 1
+    row_abs = a.abs().sum(dim, keepdim=True) if y.dim() else a.abs()
+    accum = f.abs() * row_abs * 2.0**-24 * (math.log2(max(n, 1)) + 2)
+    accum = torch.where(accum.isfinite(), accum, 0.0)  # rows holding inf or NaN: exact checks above
+    bound = atol + rtol * ref.abs()[fin] + 2 * (t32 - ref).abs()[fin] + accum[fin]
     ratio = (err / bound).max().item()
     if ratio > 1:
         i = (err - bound).argmax()

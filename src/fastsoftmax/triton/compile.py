@@ -55,23 +55,26 @@ def compile_forward(
 
 
 def ptxas_report(ptx: str, arch: str = "sm_90a") -> dict:
-    """Registers, spill bytes and stack frame of PTX, from ``ptxas -v`` (the one in Triton's wheel)."""
+    """Registers, spill bytes and stack frame of PTX, from ``ptxas -v``: the ptxas Triton itself uses (its
+    wheel's, or TRITON_PTXAS_PATH, which torch.compile may set), whose version decided the PTX ISA."""
     import os
     import re
     import subprocess
     import tempfile
 
-    import triton.backends.nvidia as nv
+    from triton.backends.nvidia.compiler import get_ptxas
 
-    ptxas = os.path.join(os.path.dirname(nv.__file__), "bin", "ptxas")
+    ptxas = get_ptxas(int(re.sub(r"\D", "", arch))).path
     with tempfile.TemporaryDirectory() as d:
         src = os.path.join(d, "k.ptx")
         with open(src, "w") as f:
             f.write(ptx)
-        out = subprocess.run(
-            [ptxas, "-v", f"--gpu-name={arch}", src, "-o", os.path.join(d, "k.cubin")],
-            capture_output=True, text=True, check=True,
-        ).stderr  # fmt: skip
+        run = subprocess.run(
+            [ptxas, "-v", f"--gpu-name={arch}", src, "-o", os.path.join(d, "k.cubin")], capture_output=True, text=True
+        )
+        if run.returncode != 0:
+            raise RuntimeError(f"{ptxas} failed (exit {run.returncode}) on {arch}:\n{run.stderr[-3000:]}")
+        out = run.stderr
 
     def num(pattern):
         m = re.search(pattern, out)
