@@ -37,7 +37,7 @@ def test_bad_arguments(device):
         fs.softmax(x, dtype=torch.int32)
     with pytest.raises(TypeError, match="torch.Tensor"):
         fs.softmax([1.0, 2.0])
-    with pytest.raises(ValueError, match="'auto', 'triton', 'torch'"):
+    with pytest.raises(ValueError, match="'auto', 'triton', 'cuda', 'torch'"):
         fs.softmax(x, backend="cuda-magic")
 
 
@@ -76,7 +76,7 @@ def test_auto_dispatch(device):
 def test_requires_grad_goes_through_the_custom_op(device):
     x = torch.randn(4, 10, device=device, requires_grad=True)
     w = torch.arange(10.0, device=device)
-    for backend in ("auto", "triton", "torch"):
+    for backend in ("auto", "triton", "torch") + (("cuda",) if device == "cuda" else ()):
         y = fs.softmax(x, backend=backend)
         assert y.grad_fn is not None and "fastsoftmax" in y.grad_fn.name()
         (g,) = torch.autograd.grad((y * w).sum(), x)
@@ -86,8 +86,10 @@ def test_requires_grad_goes_through_the_custom_op(device):
         assert fs.softmax(x).grad_fn is None
 
 
-@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("backend", ["triton", "cuda", "torch"])
 def test_zero_dim(device, backend):
+    if backend == "cuda" and device == "cpu":
+        pytest.skip("the CUDA backend runs CUDA tensors only (tests/test_cuda_build.py checks its CPU error)")
     for v, sm, lsm in [(3.0, 1.0, 0.0), (float("-inf"), 0.0, float("-inf"))]:
         x = torch.tensor(v, device=device)
         y = fs.softmax(x, 0, backend=backend)
@@ -97,17 +99,21 @@ def test_zero_dim(device, backend):
         assert fs.softmax(torch.tensor(v, device=device), backend=backend).isnan()
 
 
-@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("backend", ["triton", "cuda", "torch"])
 @pytest.mark.parametrize("shape,dim", [((0,), 0), ((3, 0), -1), ((0, 5), -1), ((2, 0, 4), 1), ((2, 0, 4), 2)])
 def test_empty(device, backend, shape, dim):
+    if backend == "cuda" and device == "cpu":
+        pytest.skip("the CUDA backend runs CUDA tensors only (tests/test_cuda_build.py checks its CPU error)")
     x = torch.randn(shape, device=device, dtype=torch.bfloat16)
     y = fs.softmax(x, dim, backend=backend, dtype=torch.float32)
     assert y.shape == x.shape and y.dtype == torch.float32
     assert heuristics.last_plan().path == "empty"
 
 
-@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("backend", ["triton", "cuda", "torch"])
 def test_n_equals_one(device, backend):
+    if backend == "cuda" and device == "cpu":
+        pytest.skip("the CUDA backend runs CUDA tensors only (tests/test_cuda_build.py checks its CPU error)")
     x = torch.tensor([[2.0], [float("-inf")], [float("nan")], [float("inf")], [-1e30]], device=device)
     y = fs.softmax(x, backend=backend)
     assert y[:, 0].tolist()[:2] == [1.0, 0.0] and y[2:4].isnan().all() and y[4].item() == 1.0
@@ -127,7 +133,7 @@ def test_modules(device):
 def test_info_reports_versions_backends_and_math():
     info = fs.info()
     assert info["torch"] == torch.__version__ and info["fastsoftmax"] == fs.__version__
-    assert set(info["backends"]) == {"triton", "torch"}
+    assert set(info["backends"]) == {"triton", "cuda", "torch"}
     fam = info["kernels"]["triton.softmax_fwd"]
     assert "ex2.approx" in fam["exp"] and "div.rn" in fam["division"] and "build_flags" in fam
     assert info["backends"]["torch"]["cpu"] is True

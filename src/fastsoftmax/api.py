@@ -153,6 +153,16 @@ KERNEL_FAMILIES = {
         "accumulation": "fp32 (sum(y*dy) or sum(dy) per row)",
         "build_flags": "Triton defaults (no fast-math flag)",
     },
+    "cuda.softmax": {
+        "paths": list(heuristics.CUDA_PATHS),
+        "exp": "__expf (ex2.approx.f32 of x*log2(e)), fp32",
+        "log": "logf (IEEE), once per row",
+        "division": "one IEEE division 1/sum per row, then a multiply per element",
+        "accumulation": "fp32",
+        "build_flags": "NVRTC --std=c++17, no -use_fast_math (fast_math: False); compiled to a cubin for the GPU",
+        "fast_math": False,
+        "fast_exp": True,
+    },
     "torch": {
         "exp": "torch.exp in fp32 (fp64 for fp64)",
         "division": "true division per element",
@@ -160,6 +170,17 @@ KERNEL_FAMILIES = {
         "build_flags": "PyTorch's own build",
     },
 }
+
+
+def _nvrtc_version() -> str | None:
+    if dispatch.cuda_import_error():
+        return None
+    from .cuda.build import nvrtc_version
+
+    try:
+        return ".".join(map(str, nvrtc_version()))
+    except Exception:  # the bindings import but libnvrtc is missing
+        return None
 
 
 def info() -> dict:
@@ -186,7 +207,9 @@ def info() -> dict:
                 "cuda": bool(cuda and triton_version and not interp),
                 "cpu": bool(triton_version and interp),
             },
+            "cuda": {"cuda": bool(cuda and not dispatch.cuda_import_error()), "cpu": False},
             "torch": {"cuda": cuda, "cpu": True},
         },
+        "nvrtc": _nvrtc_version(),
         "kernels": KERNEL_FAMILIES,
     }

@@ -104,14 +104,17 @@ def check(args) -> int:
 
 
 def asm(args) -> int:
-    if args.backend != "triton":
-        print("fastsoftmax asm: only --backend triton exists so far", file=sys.stderr)
+    if args.backend == "cuda":
+        return _asm_cuda(args)
+    args.variant = args.variant or "rowblock"
+    if args.variant not in ("rowblock", "online", "split"):
+        print(f"fastsoftmax asm: the Triton backend has no variant {args.variant!r}", file=sys.stderr)
         return 2
     os.environ.pop("TRITON_INTERPRET", None)  # compiling needs the real JIT functions
     from fastsoftmax.triton.compile import compile_forward, ptxas_report
 
     arch = int(args.arch.removeprefix("sm_").rstrip("a"))
-    for k in compile_forward(args.variant, args.dtype, args.n, log=args.log, arch=arch):
+    for k in compile_forward(args.variant, args.dtype, args.n, log=args.log, arch=arch, backward=args.backward):
         code = k.asm[args.stage]
         print(f"// kernel {k.name}")
         print(code if isinstance(code, str) else code.hex())
@@ -124,13 +127,45 @@ def asm(args) -> int:
     return 0
 
 
+def _asm_cuda(args) -> int:
+    from fastsoftmax.cuda import build
+    from fastsoftmax.cuda.kernels import VARIANTS, config_for
+
+    if args.variant not in (None, *VARIANTS):
+        print(f"fastsoftmax asm: the CUDA backend's variants are {', '.join(VARIANTS)}", file=sys.stderr)
+        return 2
+    if args.stage != "ptx":
+        print("fastsoftmax asm: the CUDA backend shows --stage ptx (NVRTC has no Triton IR)", file=sys.stderr)
+        return 2
+    cc = int(args.arch.removeprefix("sm_").rstrip("a"))
+    try:
+        shape, cfg = config_for(args.variant, args.dtype, args.n, backward=args.backward, n_rows=args.rows, cc=cc)
+    except ValueError as e:
+        print(f"fastsoftmax asm: {e}", file=sys.stderr)
+        return 2
+    ptx = build.compile_kernel(cfg, args.arch, "ptx").binary.decode()
+    facts = build.ptxas_facts(build.compile_kernel(cfg, args.arch).log)
+    nvrtc = ".".join(map(str, build.nvrtc_version()))
+    print(f"// kernel {cfg.entry}: {shape}; NVRTC {nvrtc} {' '.join(build.OPTIONS)}")
+    print(f"// exp: {build.EXP}; -use_fast_math: {'on' if build.FAST_MATH else 'off'}")
+    print(ptx)
+    print(
+        f"// ptxas: {facts['registers']} registers, {facts['spill_stores']} B spill stores, "
+        f"{facts['spill_loads']} B spill loads, {facts['stack_bytes']} B stack"
+    )
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="fastsoftmax", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("check", help="every kernel path against the float64 oracle").set_defaults(fn=check)
     a = sub.add_parser("asm", help="compiled code of a kernel variant (no GPU needed)")
     a.add_argument("--backend", default="triton", choices=["triton", "cuda"])
-    a.add_argument("--variant", default="rowblock", choices=["rowblock", "online", "split"])
+    a.add_argument("--variant", default=None, help="triton: rowblock|online|split (default rowblock); "
+                   "cuda: three_pass|warp|block|cluster|online (default: what auto picks)")  # fmt: skip
+    a.add_argument("--rows", type=int, default=4096, help="rows of the (rows, n) problem the launch is planned for")
+    a.add_argument("--backward", action="store_true", help="the backward kernel")
     a.add_argument("--dtype", default="bfloat16", choices=["float16", "bfloat16", "float32"])
     a.add_argument("--n", type=int, default=4096)
     a.add_argument("--arch", default="sm_90a")

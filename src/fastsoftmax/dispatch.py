@@ -1,6 +1,6 @@
-"""The one dispatch point. Every backend registers in BACKENDS with the same two methods, and select()
-is the only place that chooses between them (``auto``: CUDA tensors take the Triton kernels when they can
-run them, everything else takes torch ops).
+"""The one dispatch point. Every backend registers in BACKENDS with the same methods, and select() is
+the only place that chooses between them (``auto``: CUDA tensors take the Triton kernels when they can
+run them, everything else takes torch ops; ``cuda``: the CUDA C kernels, only when named).
 
     unavailable(x, out_dtype, dy=None) -> str | None   why this backend cannot run x (None: it can)
     forward(x, dim, out_dtype, log, want_lse) -> (y, lse | None)
@@ -115,7 +115,57 @@ class TritonBackend:
         return dx
 
 
-BACKENDS = {b.name: b for b in (TritonBackend(), TorchBackend())}
+@functools.cache
+def cuda_import_error() -> str | None:
+    """Why the CUDA backend's Python dependencies cannot be imported here (None: they can)."""
+    try:
+        from cuda.bindings import driver, nvrtc  # noqa: F401
+    except ImportError as e:
+        return (
+            f"cuda-python's bindings cannot be imported ({e}); pip install 'cuda-bindings>=13' 'nvidia-cuda-nvrtc>=13'"
+        )
+    return None
+
+
+def _cuda_kernels():
+    return importlib.import_module(".cuda.kernels", __package__)
+
+
+class CudaBackend:
+    """CUDA C kernels (fastsoftmax/cuda/softmax.cu) compiled by NVRTC at first use: CUDA tensors on sm_80+."""
+
+    name = "cuda"
+
+    def unavailable(self, x, out_dtype, dy=None):
+        dtypes = (x.dtype, out_dtype) + ((dy.dtype,) if dy is not None else ())
+        if any(d not in KERNEL_DTYPES for d in dtypes):
+            return (
+                f"the CUDA kernels take float16, bfloat16 and float32 (got {', '.join(map(str, dtypes))}); "
+                "float64 runs on backend='torch', which 'auto' picks"
+            )
+        if x.device.type != "cuda":
+            return f"the CUDA kernels run on CUDA tensors only (got a {x.device.type} tensor)"
+        if cuda_import_error():
+            return cuda_import_error()
+        index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+        cc = _cuda_kernels()._device_facts(index)[1]
+        if cc < 80:
+            return f"the CUDA kernels need compute capability 8.0 or newer (this GPU: {cc // 10}.{cc % 10})"
+        return None
+
+    def forward(self, x, dim, out_dtype, log, want_lse):
+        y = alloc(x, out_dtype)
+        with _on_device(x):
+            return y, _cuda_kernels().forward(x, y, dim, log, want_lse)
+
+    def backward(self, dy, y, dim, out_dtype, log):
+        dx = alloc(y, out_dtype)
+        with _on_device(y):
+            _cuda_kernels().backward(dy, y, dx, dim, log)
+        return dx
+
+
+BACKENDS = {b.name: b for b in (TritonBackend(), CudaBackend(), TorchBackend())}
 NAMES = ("auto", *BACKENDS)
 
 

@@ -23,7 +23,11 @@ Measured on an NVIDIA H200 on 2026-11-29 (dev/sweep_forward.py, triton 3.6, torc
     below 2 per SM. Timed eagerly, small shapes measure host launch overhead instead (split's two
     launches: 25 GB/s at 8x131072), which the benchmark issue addresses.
 Backward (inputs=2: y and dy held per element): the same rules with half the row per thread and rowblock
-up to N = 16384. Not yet measured on the H200 (2026-11-29: the session's device time was spent).
+up to N = 16384. Measured 2026-11-29 (dev/sweep_forward.py bwd, bench_quick.py bwd; copy 4,223 GB/s):
+rowblock 4,220-4,335 GB/s for N = 256..16384 (bf16 N = 513: 3,476), online 2,550-2,900 (5 units of
+traffic: the 3/5 ceiling), split best for few long rows in GPU time (bf16 8x131072 612 vs torch 248).
+Not taken (they spill, see test_no_spills): bf16 rowblock at N = 32000 (3,722 vs online 2,844), bf16
+N = 16384 with 4 warps (4,180 vs 3,914).
 ptxas reports no spills for any rowblock shape this table produces (tests/test_snapshot.py).
 """
 
@@ -34,7 +38,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import NamedTuple
 
-PATHS = ("rowblock", "online", "split")
+PATHS = ("rowblock", "online", "split")  # the Triton backend's
+CUDA_PATHS = ("three_pass", "warp", "block", "cluster", "online")  # the CUDA backend's variants
 
 ROWBLOCK_MAX_N = 32768  # longest row one program holds in registers (elements)
 BYTES_PER_THREAD = 128  # row bytes each thread of a rowblock program holds
@@ -144,8 +149,9 @@ def force(*, poison: bool = False, **overrides):
             raise ValueError(f"{k} must be a power of two, got {v!r}")
     if "splits" in overrides and not (isinstance(overrides["splits"], int) and overrides["splits"] >= 1):
         raise ValueError(f"splits must be a positive int, got {overrides['splits']!r}")
-    if "path" in overrides and overrides["path"] not in PATHS:
-        raise ValueError(f"unknown path {overrides['path']!r}; valid: {', '.join(PATHS)}")
+    if "path" in overrides and overrides["path"] not in PATHS + CUDA_PATHS:
+        valid = ", ".join(dict.fromkeys(PATHS + CUDA_PATHS))
+        raise ValueError(f"unknown path {overrides['path']!r}; valid: {valid} (Triton: {', '.join(PATHS)})")
     old = getattr(_state, "force", None), getattr(_state, "poison", False)
     _state.force, _state.poison = overrides, poison
     try:

@@ -75,6 +75,10 @@ def prepare(x: torch.Tensor, y: torch.Tensor, lay: Layout, inputs: int = 1) -> L
     n, inner, n_rows = lay.N, lay.I > 1, lay.B * lay.I
     rows_contiguous = (sxi == 1) if inner else (sxb == 1 and sxn != 1)
     overrides = heuristics.forced() or {}
+    if overrides.get("path", "rowblock") not in heuristics.PATHS:
+        raise ValueError(
+            f"the Triton backend has no path {overrides['path']!r}; its paths: {', '.join(heuristics.PATHS)}"
+        )
     sms = sm_count(x)
     shape = heuristics.launch_shape(
         n, n_rows, x.element_size(), rows_contiguous, sms, overrides.get("path"), inputs=inputs

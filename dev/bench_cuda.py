@@ -1,0 +1,95 @@
+"""CUDA backend variants vs the Triton backend (auto) vs torch eager, forward and backward, GB/s (forward
+2 bytes moved per element byte, backward 3), do_bench medians with L2 flushed; copy bandwidth first.
+Each implementation is checked against the float64 oracle on a few rows before it is timed.
+Usage: bench_cuda.py [fwd|bwd|all] [graph] [quick] (quick: six shapes, no three_pass)."""
+
+import sys
+
+import torch
+import triton.testing
+
+import fastsoftmax as fs
+from fastsoftmax import heuristics
+from fastsoftmax.cuda import build
+from fastsoftmax.reference import compare, compare_grad
+
+SHAPES = [(524288, 256), (262144, 513), (131072, 1024), (32768, 4096), (8192, 16384), (4096, 32000),
+          (8192, 50257), (2048, 65536), (1024, 131072), (512, 262144), (8, 131072), (64, 131072),
+          (128, 262144)]  # fmt: skip
+VARIANTS = ["warp", "block", "cluster", "online", "three_pass"]
+QUICK = [(131072, 1024), (32768, 4096), (4096, 32000), (2048, 65536), (512, 262144), (8, 131072)]
+
+
+def graphed(fn):
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g.replay
+
+
+def gbps(fn, nbytes, graph):
+    return nbytes / triton.testing.do_bench(graphed(fn) if graph else fn, return_mode="median") / 1e6
+
+
+def row(p, x, graph):
+    """One table line: torch, Triton auto, CUDA auto, each CUDA variant that holds the row; checked first."""
+    y, dy = torch.softmax(x, -1), torch.randn_like(x)
+    nbytes = (2 if p == "fwd" else 3) * x.numel() * x.element_size()
+
+    def fn(backend):
+        if p == "fwd":
+            return lambda: fs.softmax(x, backend=backend)
+        return lambda: fs.softmax_backward(dy, y, backend=backend)
+
+    def ok(backend):
+        if p == "fwd":
+            return compare(fs.softmax(x[:4], backend=backend), x[:4], -1, False)[1] is None
+        dx = fs.softmax_backward(dy[:4], y[:4], backend=backend)
+        return compare_grad(dx, dy[:4], y[:4], -1, False)[1] is None
+
+    if p == "fwd":
+        torch_fn = lambda: torch.softmax(x, -1)  # noqa: E731
+    else:
+        torch_fn = lambda: torch.ops.aten._softmax_backward_data(dy, y, -1, y.dtype)  # noqa: E731
+    cols = [f"torch={gbps(torch_fn, nbytes, graph):.0f}"]
+    assert ok("cuda") and ok("triton")
+    cols.append(f"triton={gbps(fn('triton'), nbytes, graph):.0f}({heuristics.last_plan().path})")
+    cols.append(f"cuda={gbps(fn('cuda'), nbytes, graph):.0f}({heuristics.last_plan().path})")
+    for v in VARIANTS:
+        try:
+            with heuristics.force(path=v):
+                assert ok("cuda")
+                cols.append(f"{v}={gbps(fn('cuda'), nbytes, graph):.0f}")
+        except ValueError:
+            pass  # the variant does not hold this row length
+    return " ".join(cols)
+
+
+def main():
+    which = sys.argv[1] if len(sys.argv) > 1 else "all"
+    graph = "graph" in sys.argv
+    quick = "quick" in sys.argv
+    if quick:
+        VARIANTS.remove("three_pass")
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    copy = gbps(lambda: dst.copy_(src), 2 * src.numel(), False)
+    fast = "on" if build.FAST_MATH else "off"
+    print(f"{torch.cuda.get_device_name()}: copy {copy:.0f} GB/s; NVRTC {build.nvrtc_version()}, exp {build.EXP}, "
+          f"-use_fast_math {fast}; timing: {'CUDA graph replay' if graph else 'eager'}")  # fmt: skip
+    for p in ("fwd", "bwd"):
+        if which not in (p, "all"):
+            continue
+        for dtype in (torch.bfloat16, torch.float32):
+            for m, n in QUICK if quick else SHAPES:
+                x = torch.randn(m, n, device="cuda", dtype=dtype)
+                print(f"{p} {str(dtype)[6:]:9} {m}x{n:<8} {row(p, x, graph)}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,40 @@
+"""Every CUDA variant, forward (softmax, log_softmax, with logsumexp) and backward, on small odd shapes with
+unaligned rows, for compute-sanitizer: `compute-sanitizer --tool {memcheck,racecheck,synccheck}
+--error-exitcode 1 python dev/sanitize_cuda.py`."""
+
+import torch
+
+import fastsoftmax as fs
+from fastsoftmax import heuristics
+from fastsoftmax.api import forward
+
+CASES = {
+    "three_pass": [1, 513, 4099],
+    "warp": [7, 513, 1000],
+    "block": [4099, 12289],
+    "cluster": [513, 12289, 50257],
+    "online": [7, 4099, 50257],
+}
+
+
+def main():
+    runs = 0
+    for variant, ns in CASES.items():
+        for n in ns:
+            for dtype in (torch.bfloat16, torch.float32):
+                x = torch.randn(9, n + 3, device="cuda", dtype=dtype)[:, 3:]  # rows off 16-byte boundaries
+                x[0] = float("-inf")
+                with heuristics.force(path=variant):
+                    for log in (False, True):
+                        y, lse = forward(x, -1, log=log, backend="cuda", want_lse=True)
+                        assert heuristics.last_plan().path == variant
+                        bwd = fs.log_softmax_backward if log else fs.softmax_backward
+                        dx = bwd(torch.randn_like(y), y, backend="cuda")
+                        runs += 2
+    torch.cuda.synchronize()
+    assert not dx.isnan().all()
+    print(f"sanitize_cuda: {runs} launches over {len(CASES)} variants ok")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,195 @@
+"""Compile softmax.cu with NVRTC (cuda-python's cuda.bindings.nvrtc), cached in memory and on disk.
+
+Output is a cubin for the GPU's exact architecture (sm_90a on an H100/H200), never PTX for the driver to
+JIT: NVRTC writes PTX in its own ISA version (NVRTC 13.5: ISA 9.5) and a driver older than that NVRTC
+rejects it, while a cubin from any NVRTC of the driver's CUDA major version loads (CUDA minor-version
+compatibility). A driver of an older major version than NVRTC (say driver 12.x with NVRTC 13) cannot load
+either, and the launch error says so. PTX is produced only for reading (``fastsoftmax asm``).
+
+Cache key: sha256 of the source, the NVRTC version, the target, the -D configuration and the options.
+Disk cache: $FASTSOFTMAX_CACHE_DIR, else ~/.cache/fastsoftmax/cuda; written to a temporary file and renamed
+into place, so two threads or processes compiling the same kernel at once both end with a whole file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import tempfile
+import threading
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+OPTIONS = ("--std=c++17", "-Xptxas=-v")  # no -use_fast_math: exp is __expf by choice, division is IEEE
+FAST_MATH = False
+EXP = "__expf (ex2.approx.f32 of x*log2(e))"
+
+KINDS = {"fwd": 1, "bwd": 2, "fwd3": 3, "bwd3": 4}
+ENTRY = {"fwd": "fs_fwd", "bwd": "fs_bwd", "fwd3": "fs_fwd3", "bwd3": "fs_bwd3"}
+TYPE_CODES = {"float32": 0, "bfloat16": 1, "float16": 2}
+
+
+class CompileError(RuntimeError):
+    """NVRTC rejected the source; the message carries the compiler log."""
+
+
+@dataclass(frozen=True)
+class Config:
+    """One compiled kernel: softmax.cu's -D configuration (see the header of softmax.cu)."""
+
+    kind: str  # fwd, bwd, fwd3, bwd3
+    in_t: str  # x (forward) or y (backward): float32, bfloat16, float16
+    out_t: str
+    d_t: str = "float32"  # dy (backward)
+    group: int = 256
+    rows: int = 1
+    cluster: int = 1
+    k: int = 1
+    stream: bool = False
+
+    def defines(self) -> dict[str, int]:
+        return {
+            "FS_KIND": KINDS[self.kind], "IN_T": TYPE_CODES[self.in_t], "OUT_T": TYPE_CODES[self.out_t],
+            "D_T": TYPE_CODES[self.d_t], "GROUP": self.group, "ROWS": self.rows, "CLUSTER": self.cluster,
+            "K": self.k, "STREAM": int(self.stream),
+        }  # fmt: skip
+
+    @property
+    def entry(self) -> str:
+        return ENTRY[self.kind]
+
+
+@dataclass(frozen=True)
+class Compiled:
+    binary: bytes  # cubin, or PTX text as bytes
+    log: str  # NVRTC's log, with ptxas -v lines (registers, spills) when compiled to a cubin
+    key: str
+
+
+def source() -> bytes:
+    return resources.files(__package__).joinpath("softmax.cu").read_bytes()
+
+
+def nvrtc():
+    """cuda.bindings.nvrtc, or an ImportError that says what to install."""
+    try:
+        from cuda.bindings import nvrtc as mod
+    except ImportError as e:
+        raise ImportError(
+            f"the CUDA backend needs cuda-python's bindings and NVRTC ({e}); pip install 'cuda-bindings>=13' "
+            "'nvidia-cuda-nvrtc>=13' (fastsoftmax's default dependencies on Linux x86_64)"
+        ) from e
+    return mod
+
+
+def nvrtc_version() -> tuple[int, int]:
+    err, major, minor = nvrtc().nvrtcVersion()
+    _check(err, "nvrtcVersion")
+    return major, minor
+
+
+def _check(err, what: str, log: str = ""):
+    if int(err) != 0:
+        raise CompileError(f"{what} failed: {err}" + (f"\n{log}" if log else ""))
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("FASTSOFTMAX_CACHE_DIR") or Path.home() / ".cache" / "fastsoftmax" / "cuda")
+
+
+_memory: dict[str, Compiled] = {}
+_locks: dict[str, threading.Lock] = {}
+_guard = threading.Lock()
+
+
+def compile_kernel(cfg: Config, arch: str, output: str = "cubin") -> Compiled:
+    """The cubin (``output="cubin"``) or PTX of ``cfg`` for ``arch`` (e.g. "sm_90a"), from the memory
+    cache, the disk cache, or NVRTC, in that order."""
+    if output not in ("cubin", "ptx"):
+        raise ValueError(f"output must be 'cubin' or 'ptx', got {output!r}")
+    src = source()
+    opts = [f"--gpu-architecture={arch}", *OPTIONS, *(f"-D{k}={v}" for k, v in sorted(cfg.defines().items()))]
+    ident = repr((nvrtc_version(), output, opts)).encode()
+    key = hashlib.sha256(src + b"\0" + ident).hexdigest()[:32]
+    hit = _memory.get(key)
+    if hit is not None:
+        return hit
+    with _guard:
+        lock = _locks.setdefault(key, threading.Lock())
+    with lock:
+        hit = _memory.get(key)
+        if hit is None:
+            hit = _load_disk(key, output) or _store_disk(_nvrtc(src, opts, output, key), output)
+            _memory[key] = hit
+    return hit
+
+
+def _nvrtc(src: bytes, opts: list[str], output: str, key: str) -> Compiled:
+    mod = nvrtc()
+    err, prog = mod.nvrtcCreateProgram(src, b"softmax.cu", 0, [], [])
+    _check(err, "nvrtcCreateProgram")
+    try:
+        (err,) = mod.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])
+        e2, size = mod.nvrtcGetProgramLogSize(prog)
+        buf = b" " * size
+        mod.nvrtcGetProgramLog(prog, buf)
+        log = buf.rstrip(b"\0 ").decode(errors="replace")
+        _check(err, f"NVRTC compile of softmax.cu with {' '.join(opts)}", log)
+        if output == "cubin":
+            e2, size = mod.nvrtcGetCUBINSize(prog)
+            _check(e2, "nvrtcGetCUBINSize")
+            out = b" " * size
+            _check(mod.nvrtcGetCUBIN(prog, out)[0], "nvrtcGetCUBIN")
+        else:
+            e2, size = mod.nvrtcGetPTXSize(prog)
+            _check(e2, "nvrtcGetPTXSize")
+            out = b" " * size
+            _check(mod.nvrtcGetPTX(prog, out)[0], "nvrtcGetPTX")
+            out = out.rstrip(b"\0")
+        return Compiled(out, log, key)
+    finally:
+        mod.nvrtcDestroyProgram(prog)
+
+
+def _paths(key: str, output: str) -> tuple[Path, Path]:
+    d = cache_dir()
+    return d / f"{key}.{output}", d / f"{key}.log"
+
+
+def _load_disk(key: str, output: str) -> Compiled | None:
+    binary, log = _paths(key, output)
+    try:
+        return Compiled(binary.read_bytes(), log.read_text(), key)
+    except OSError:
+        return None
+
+
+def _store_disk(c: Compiled, output: str) -> Compiled:
+    """Write atomically (temporary file, then rename); a read-only or missing home only loses the cache."""
+    binary, log = _paths(c.key, output)
+    try:
+        binary.parent.mkdir(parents=True, exist_ok=True)
+        for path, data in ((log, c.log.encode()), (binary, c.binary)):  # the log first: binary marks done
+            with tempfile.NamedTemporaryFile(dir=path.parent, delete=False) as f:
+                f.write(data)
+            os.replace(f.name, path)
+    except OSError:
+        pass
+    return c
+
+
+def ptxas_facts(log: str) -> dict:
+    """Registers, spills and stack frame from the ptxas -v lines of an NVRTC log."""
+
+    def num(pattern):
+        m = re.search(pattern, log)
+        return int(m.group(1)) if m else 0
+
+    return {
+        "registers": num(r"Used (\d+) registers"),
+        "stack_bytes": num(r"(\d+) bytes stack frame"),
+        "spill_stores": num(r"(\d+) bytes spill stores"),
+        "spill_loads": num(r"(\d+) bytes spill loads"),
+    }

@@ -1,0 +1,306 @@
+"""The CUDA backend's launcher: picks a variant of softmax.cu for a problem, compiles it (build.py),
+loads the cubin into the current CUDA context once per device, and launches it on torch's current stream
+through cuda.bindings.driver.
+
+Variants (forward and backward share them; `heuristics.force(path=...)` picks one for tests):
+  three_pass  the seed kernel: one 256-thread CTA per row, shared-memory tree max, barrier, tree sum,
+              barrier, write; scalar accesses; reads the row three times (backward: twice). Any N, any
+              strides. Reference only: `auto` never picks it.
+  warp        a warp or sub-warp (8, 16, 32 threads) per row, several rows per 128-thread CTA, the row in
+              registers: one read. Short rows.
+  block       a CTA (64-512 threads) per row, the row in registers: one read.
+  cluster     sm_90: a row across 2-16 CTAs of a thread-block cluster, each holding its slice in
+              registers; one (max, sum) pair (backward: (sum a, sum f)) per CTA exchanged through
+              distributed shared memory: one read, up to 65536 16-byte vectors per row (262144 fp32,
+              524288 bf16 elements; the backward holds half as many 16-bit vectors per thread, so
+              262144 bf16). Also spreads few rows over many SMs.
+  online      any length: the same CTA (or cluster) sweeps the row twice, the first pass keeping a
+              running max and rescaled sum: two reads.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from .. import heuristics
+from ..layout import alloc, plan_layout
+from . import build
+
+VARIANTS = ("three_pass", "warp", "block", "cluster", "online")
+
+K_MAX_FWD = 8  # 16-byte vectors a thread holds (128 bytes, as the Triton rowblock table found best)
+WARP_CTA = 128  # threads of a CTA of warp (or sub-warp) rows
+BLOCK_MAX = 512  # threads of a CTA holding one row (8 * 512 vectors: 16384 fp32 / 32768 bf16 elements)
+CLUSTER_MAX = 16  # CTAs per row (16 is a non-portable cluster size: allowed on H100/H200)
+STREAM_GROUP = 512
+
+_DTYPE = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+@dataclass(frozen=True)
+class Shape:
+    variant: str
+    group: int  # threads per row in one CTA
+    rows: int  # rows per CTA
+    cluster: int  # CTAs per row
+    k: int  # vectors per thread held in registers (0: streaming)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _clamp(v: int, lo: int, hi: int) -> int:
+    return max(lo, min(hi, v))
+
+
+def launch_shape(
+    n: int, n_rows: int, elsize: int, sm_count: int, cc: int, variant: str | None = None, inputs: int = 1
+) -> Shape:
+    """The variant and launch shape for n_rows rows of n elements of elsize bytes on a GPU of sm_count SMs
+    and compute capability cc (major * 10 + minor); ``variant`` forces one. ``inputs``: 2 for the backward
+    (y and dy held), which holds half as many 16-bit vectors per thread (ptxas spills at 8)."""
+    vec = 16 // elsize
+    k_max = K_MAX_FWD if inputs == 1 or elsize == 4 else K_MAX_FWD // 2
+    nvec = -(-n // vec)  # 16-byte vectors a row spans, at most (head and tail are scalars)
+    if variant is None:
+        if nvec <= 32 * k_max:
+            variant = "warp"
+        elif nvec <= BLOCK_MAX * k_max and (n_rows >= sm_count or cc < 90):
+            variant = "block"
+        elif cc >= 90 and nvec <= BLOCK_MAX * k_max * CLUSTER_MAX:
+            variant = "cluster"
+        else:
+            variant = "online"
+    if variant == "three_pass":
+        return Shape(variant, 256, 1, 1, 0)
+    if variant == "warp":
+        group = _clamp(_pow2(-(-nvec // k_max)), 8, 32)
+        k = _pow2(-(-nvec // group))
+        if k > k_max:
+            raise ValueError(f"the warp variant holds at most {32 * k_max * vec} elements per row, got N={n}")
+        return Shape(variant, group, WARP_CTA // group, 1, k)
+    if variant == "block":
+        group = _clamp(_pow2(-(-nvec // k_max)), 64, BLOCK_MAX)
+        k = _pow2(-(-nvec // group))
+        if k > k_max:
+            raise ValueError(f"the block variant holds at most {BLOCK_MAX * k_max * vec} elements per row, got N={n}")
+        return Shape(variant, group, 1, 1, k)
+    if variant == "cluster" and cc < 90:
+        raise ValueError(f"the cluster variant needs sm_90 or newer (this GPU: sm_{cc})")
+    if variant == "cluster":
+        group = _clamp(_pow2(-(-nvec // k_max)), 64, BLOCK_MAX)
+        cluster = _pow2(-(-nvec // (group * k_max)))
+        while cluster < CLUSTER_MAX and n_rows * cluster < sm_count and nvec >= 2 * group * cluster:
+            cluster *= 2  # few rows: spread each over more SMs
+        cluster = _clamp(cluster, 2, CLUSTER_MAX)
+        k = _pow2(-(-nvec // (group * cluster)))
+        if k > k_max:
+            cap = BLOCK_MAX * k_max * CLUSTER_MAX * vec
+            raise ValueError(f"the cluster variant holds at most {cap} elements per row, got N={n}")
+        return Shape(variant, group, 1, cluster, k)
+    if variant == "online":
+        cluster = 1
+        if cc >= 90:
+            while cluster < CLUSTER_MAX and n_rows * cluster < sm_count and nvec >= 2 * STREAM_GROUP * cluster:
+                cluster *= 2
+        return Shape(variant, STREAM_GROUP, 1, cluster, 0)
+    raise ValueError(f"unknown CUDA variant {variant!r}; valid: {', '.join(VARIANTS)}")
+
+
+def config_for(
+    variant: str | None, dtype: str, n: int, *, backward: bool = False, n_rows: int = 4096, cc: int = 90,
+    sm_count: int = 132, out_dtype: str | None = None,
+) -> tuple[Shape, build.Config]:  # fmt: skip
+    """The launch shape and compile configuration the launcher would use for a contiguous (n_rows, n)
+    tensor of ``dtype`` (a torch dtype name) on a GPU like this (default: an H200): for ``fastsoftmax asm``
+    and the compile snapshot tests, which need no GPU."""
+    elsize = 4 if dtype == "float32" else 2
+    shape = launch_shape(n, n_rows, elsize, sm_count, cc, variant, 2 if backward else 1)
+    kind = ("bwd" if backward else "fwd") + ("3" if shape.variant == "three_pass" else "")
+    cfg = build.Config(
+        kind=kind, in_t=dtype, out_t=out_dtype or dtype, d_t=dtype if backward else "float32",
+        group=shape.group, rows=shape.rows, cluster=shape.cluster, k=max(shape.k, 1), stream=shape.variant == "online",
+    )  # fmt: skip
+    return shape, cfg
+
+
+class _Params(ctypes.Structure):
+    """softmax.cu's struct Params, field for field."""
+
+    _fields_ = [
+        ("x", ctypes.c_void_p), ("y", ctypes.c_void_p), ("d", ctypes.c_void_p), ("lse", ctypes.c_void_p),
+        ("rows", ctypes.c_int64), ("n_i", ctypes.c_int64),
+        *[(f, ctypes.c_int64) for f in ("sxb", "sxi", "sxn", "syb", "syi", "syn", "sdb", "sdi", "sdn", "slb", "sli")],
+        ("n", ctypes.c_int32), ("log", ctypes.c_int32),
+    ]  # fmt: skip
+
+
+def driver():
+    from cuda.bindings import driver as cu
+
+    return cu
+
+
+def _ok(result, what: str):
+    """Unpack a cuda.bindings result tuple, raising with the driver's error name and text."""
+    err, *rest = result if isinstance(result, tuple) else (result,)
+    if int(err) != 0:
+        cu = driver()
+        name = cu.cuGetErrorName(err)[1]
+        text = cu.cuGetErrorString(err)[1]
+        name = name.decode() if isinstance(name, bytes) else name
+        text = text.decode() if isinstance(text, bytes) else text
+        raise RuntimeError(f"{what} failed: {name}: {text}")
+    return rest[0] if len(rest) == 1 else rest
+
+
+@functools.cache
+def _device_facts(index: int) -> tuple[int, int, str]:
+    """(sm_count, cc, arch) of a device, read once."""
+    p = torch.cuda.get_device_properties(index)
+    cc = p.major * 10 + p.minor
+    return p.multi_processor_count, cc, f"sm_{cc}a" if cc >= 90 else f"sm_{cc}"
+
+
+_functions: dict = {}
+_lock = threading.Lock()
+
+
+def _ensure_context(index: int):
+    """Make torch's (primary) context of device ``index`` current on this thread for the driver API."""
+    cu = driver()
+    ctx = _ok(cu.cuCtxGetCurrent(), "cuCtxGetCurrent")
+    if int(ctx) == 0:
+        dev = _ok(cu.cuDeviceGet(index), "cuDeviceGet")
+        _ok(cu.cuCtxSetCurrent(_ok(cu.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")), "cuCtxSetCurrent")
+
+
+def function(cfg: build.Config, index: int):
+    """The loaded kernel of ``cfg`` on device ``index`` (compiled and loaded once)."""
+    key = (cfg, index)
+    fn = _functions.get(key)
+    if fn is not None:
+        return fn
+    with _lock:
+        fn = _functions.get(key)
+        if fn is None:
+            cu = driver()
+            _ok(cu.cuInit(0), "cuInit")
+            _ensure_context(index)
+            binary = build.compile_kernel(cfg, _device_facts(index)[2]).binary
+            module = _ok(cu.cuModuleLoadData(binary), f"loading the cubin of {cfg}")
+            fn = _ok(cu.cuModuleGetFunction(module, cfg.entry.encode()), "cuModuleGetFunction")
+            if cfg.cluster > 8:
+                attr = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED
+                _ok(cu.cuFuncSetAttribute(fn, attr, 1), "cuFuncSetAttribute(non-portable cluster size)")
+            _functions[key] = fn
+    return fn
+
+
+def _launch(fn, grid: int, block: int, cluster: int, params: _Params, stream: int):
+    cu = driver()
+    args = (ctypes.c_void_p * 1)(ctypes.addressof(params))
+    if cluster == 1:
+        _ok(cu.cuLaunchKernel(fn, grid, 1, 1, block, 1, 1, 0, cu.CUstream(stream), ctypes.addressof(args), 0), "launch")
+        return
+    cfg = cu.CUlaunchConfig()
+    cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = grid, 1, 1
+    cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = block, 1, 1
+    cfg.sharedMemBytes = 0
+    cfg.hStream = cu.CUstream(stream)
+    attr = cu.CUlaunchAttribute()
+    attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+    attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = cluster, 1, 1
+    cfg.attrs = [attr]
+    cfg.numAttrs = 1
+    _ok(cu.cuLaunchKernelEx(cfg, fn, ctypes.addressof(args), 0), f"cluster launch ({cluster} CTAs per cluster)")
+
+
+def _plan(x: torch.Tensor, lay, inputs: int) -> tuple[Shape, int]:
+    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    sms, cc, _ = _device_facts(index)
+    forced = heuristics.forced() or {}
+    variant = forced.get("path")
+    if variant is not None and variant not in VARIANTS:
+        raise ValueError(f"the CUDA backend has no path {variant!r}; its variants: {', '.join(VARIANTS)}")
+    shape = launch_shape(lay.N, lay.B * lay.I, x.element_size(), sms, cc, variant, inputs)
+    return shape, index
+
+
+def _config(kind: str, shape: Shape, x, out, d=None) -> build.Config:
+    three = shape.variant == "three_pass"
+    return build.Config(
+        kind=kind + ("3" if three else ""), in_t=_DTYPE[x.dtype], out_t=_DTYPE[out.dtype],
+        d_t=_DTYPE[d.dtype] if d is not None else "float32",
+        group=shape.group, rows=shape.rows, cluster=shape.cluster, k=max(shape.k, 1),
+        stream=shape.variant == "online",
+    )  # fmt: skip
+
+
+def _record(shape: Shape, x: torch.Tensor, lay, copied: bool):
+    vec = 16 // x.element_size() if lay.sx[1] == 1 and shape.variant != "three_pass" else 1
+    plan = heuristics.Plan(
+        "cuda", shape.variant, block_n=shape.group * shape.cluster * shape.k * vec, rows=shape.rows,
+        num_warps=max(1, shape.group * shape.rows // 32), vec=vec, copied=copied, splits=shape.cluster,
+    )  # fmt: skip
+    heuristics.record(plan)
+
+
+def _grid(shape: Shape, n_rows: int) -> int:
+    if shape.variant == "three_pass":
+        return n_rows
+    return -(-n_rows // shape.rows) * shape.cluster
+
+
+def forward(x: torch.Tensor, y: torch.Tensor, dim: int, log: bool, want_lse: bool):
+    """Write softmax (log_softmax) of x along dim into y; returns the fp32 logsumexp per row or None."""
+    xk, lay = plan_layout(x, y, dim)
+    shape, index = _plan(xk, lay, 1)
+    lse = None
+    if want_lse:
+        lse = alloc(x, torch.float32, x.shape[:dim] + x.shape[dim + 1 :], lay.stat_strides)
+    (sxb, sxn, sxi), (syb, syn, syi) = lay.sx, lay.sy
+    params = _Params(
+        xk.data_ptr(), y.data_ptr(), None, lse.data_ptr() if lse is not None else None,
+        lay.B * lay.I, lay.I, sxb, sxi, sxn, syb, syi, syn, 0, 0, 0, lay.I, 1, lay.N, int(log),
+    )  # fmt: skip
+    cfg = _config("fwd", shape, xk, y)
+    fn = function(cfg, index)
+    _record(shape, xk, lay, lay.copied)
+    _ensure_context(index)
+    _launch(fn, _grid(shape, lay.B * lay.I), shape.group * shape.rows, shape.cluster, params, _stream(y))
+    return lse
+
+
+def backward(dy: torch.Tensor, y: torch.Tensor, dx: torch.Tensor, dim: int, log: bool):
+    """Write the gradient of softmax (log_softmax) along dim into dx, from y and dy."""
+    copied = False
+    if dy.stride() != y.stride():
+        d = torch.empty_like(y, dtype=dy.dtype).copy_(dy)  # y's strides when y is dense
+        if d.stride() != y.stride():
+            y, d = y.contiguous(), dy.contiguous()
+        dy, copied = d, True
+    yk, lay = plan_layout(y, dx, dim)
+    if lay.copied:
+        dy = dy.contiguous()
+    shape, index = _plan(yk, lay, 2)
+    (sxb, sxn, sxi), (syb, syn, syi) = lay.sx, lay.sy
+    params = _Params(
+        yk.data_ptr(), dx.data_ptr(), dy.data_ptr(), None,
+        lay.B * lay.I, lay.I, sxb, sxi, sxn, syb, syi, syn, sxb, sxi, sxn, lay.I, 1, lay.N, int(log),
+    )  # fmt: skip
+    cfg = _config("bwd", shape, yk, dx, dy)
+    fn = function(cfg, index)
+    _record(shape, yk, lay, copied or lay.copied)
+    _ensure_context(index)
+    _launch(fn, _grid(shape, lay.B * lay.I), shape.group * shape.rows, shape.cluster, params, _stream(dx))
+
+
+def _stream(t: torch.Tensor) -> int:
+    return torch.cuda.current_stream(t.device).cuda_stream

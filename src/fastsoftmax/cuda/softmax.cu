@@ -1,0 +1,557 @@
+// fastsoftmax CUDA kernels, compiled at run time by NVRTC (fastsoftmax/cuda/build.py) to a cubin for the
+// GPU's exact architecture. No headers: conversions, the NaN-propagating max and the cluster operations
+// are inline PTX, so the same source compiles in CI with nothing but the NVRTC wheel.
+//
+// Configuration, from -D options (one compile per distinct set):
+//   FS_KIND   1 on-chip / streaming forward, 2 backward, 3 three-pass forward (the seed), 4 three-pass backward
+//   IN_T      element type of x (forward) or y (backward): 0 fp32, 1 bf16, 2 fp16
+//   OUT_T     element type of the output (y or dx)
+//   D_T       element type of dy (backward)
+//   GROUP     threads of one CTA that share a row; ROWS rows per CTA (GROUP * ROWS threads, ROWS > 1 only
+//             when GROUP <= 32: a warp or sub-warp per row)
+//   CLUSTER   CTAs of a thread-block cluster that share a row (sm_90); 1 = no cluster
+//   K         16-byte vectors of the row each thread holds in registers (STREAM 0)
+//   STREAM    1: loop over the row twice instead of holding it (any length)
+//
+// Semantics (as every fastsoftmax backend): the row max is subtracted before exp; a row that is all -inf
+// gives zeros (softmax) / -inf (log_softmax) and logsumexp -inf; NaN anywhere in a row, or +inf, gives NaN
+// across the row; the backward gives dx = 0 on fully masked rows (sum f == 0) whatever dy holds.
+// exp is __expf (ex2.approx.f32 of x*log2(e)); the per-row 1/sum is an IEEE division; no -use_fast_math.
+//
+// Row geometry: row r = (b, i) starts at b*sxb + i*sxi elements; element j of it at j*sxn. With sxn == 1
+// the row is cut into h scalar head elements (up to x's first 16-byte boundary), nv vectors of VEC
+// elements, and t < VEC scalar tail elements; other tensors (y, dy) use 16-byte accesses for the same
+// vectors when their own addresses allow it, scalar accesses otherwise. Nothing outside a row is touched.
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned long long u64;
+typedef long long i64;
+
+#define NEG_INF __int_as_float(0xff800000)
+
+struct Params {
+    const char* x;  // forward: x; backward: y
+    char* y;        // forward: y; backward: dx
+    const char* d;  // backward: dy
+    float* lse;     // forward: per-row logsumexp, or null
+    i64 rows, n_i;  // rows = n_b * n_i, row r = (r / n_i, r % n_i)
+    i64 sxb, sxi, sxn, syb, syi, syn, sdb, sdi, sdn, slb, sli;  // element strides
+    int n;          // row length
+    int log;        // log_softmax
+};
+
+template <int T> struct Ty { enum { SZ = T == 0 ? 4 : 2 }; };
+
+constexpr int VEC = 16 / Ty<IN_T>::SZ;  // elements per vector: one 16-byte access of x
+// CTAs per SM ptxas must leave room for: at least 512 threads, at most 128 registers each
+constexpr int MIN_CTAS = GROUP * ROWS >= 512 ? 1 : 512 / (GROUP * ROWS) > 8 ? 8 : 512 / (GROUP * ROWS);
+
+__device__ __forceinline__ float maxnan(float a, float b) {
+    float r;
+    asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+}
+
+template <int T> __device__ __forceinline__ float to_float(u32 bits) {
+    if (T == 0) return __uint_as_float(bits);
+    if (T == 1) return __uint_as_float(bits << 16);
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"((u16)bits));
+    return f;
+}
+
+template <int T> __device__ __forceinline__ u32 from_float(float f) {
+    if (T == 0) return __float_as_uint(f);
+    u16 h;
+    if (T == 1) asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    else asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+// A vector of VEC elements of type T as raw 32-bit words (2, 4 or 8 of them).
+template <int T> struct Raw { u32 w[VEC * Ty<T>::SZ / 4]; };
+
+template <int T> __device__ __forceinline__ float elem(const Raw<T>& r, int j) {
+    if (Ty<T>::SZ == 4) return to_float<T>(r.w[j]);
+    return to_float<T>((j & 1) ? (r.w[j >> 1] >> 16) : (r.w[j >> 1] & 0xffffu));
+}
+
+// Load VEC elements at p: wide accesses when `wide` (unit stride, aligned), else one by one at `stride` bytes.
+template <int T> __device__ __forceinline__ void load(Raw<T>& r, const char* p, bool wide, i64 stride) {
+    constexpr int BYTES = VEC * Ty<T>::SZ;
+    if (wide) {
+        if (BYTES == 8) {
+            uint2 q = *reinterpret_cast<const uint2*>(p);
+            r.w[0] = q.x; r.w[1] = q.y;
+        } else {
+#pragma unroll
+            for (int k = 0; k < BYTES / 16; ++k) {
+                uint4 q = reinterpret_cast<const uint4*>(p)[k];
+                r.w[4 * k] = q.x; r.w[4 * k + 1] = q.y; r.w[4 * k + 2] = q.z; r.w[4 * k + 3] = q.w;
+            }
+        }
+    } else {
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+            if (Ty<T>::SZ == 4) {
+                r.w[j] = *reinterpret_cast<const u32*>(p + j * stride);
+            } else {
+                u32 h = *reinterpret_cast<const u16*>(p + j * stride);
+                r.w[j >> 1] = (j & 1) ? (r.w[j >> 1] | (h << 16)) : h;
+            }
+        }
+    }
+}
+
+template <int T> __device__ __forceinline__ void store(char* p, const float (&f)[VEC], bool wide, i64 stride) {
+    constexpr int BYTES = VEC * Ty<T>::SZ;
+    if (wide) {
+        Raw<T> r;
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+            u32 b = from_float<T>(f[j]);
+            if (Ty<T>::SZ == 4) r.w[j] = b;
+            else r.w[j >> 1] = (j & 1) ? (r.w[j >> 1] | (b << 16)) : b;
+        }
+        if (BYTES == 8) {
+            *reinterpret_cast<uint2*>(p) = make_uint2(r.w[0], r.w[1]);
+        } else {
+#pragma unroll
+            for (int k = 0; k < BYTES / 16; ++k)
+                reinterpret_cast<uint4*>(p)[k] = make_uint4(r.w[4 * k], r.w[4 * k + 1], r.w[4 * k + 2], r.w[4 * k + 3]);
+        }
+    } else {
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+            u32 b = from_float<T>(f[j]);
+            if (Ty<T>::SZ == 4) *reinterpret_cast<u32*>(p + j * stride) = b;
+            else *reinterpret_cast<u16*>(p + j * stride) = (u16)b;
+        }
+    }
+}
+
+template <int T> __device__ __forceinline__ float load1(const char* p) {
+    return to_float<T>(Ty<T>::SZ == 4 ? *reinterpret_cast<const u32*>(p) : *reinterpret_cast<const u16*>(p));
+}
+
+template <int T> __device__ __forceinline__ void store1(char* p, float f) {
+    u32 b = from_float<T>(f);
+    if (Ty<T>::SZ == 4) *reinterpret_cast<u32*>(p) = b;
+    else *reinterpret_cast<u16*>(p) = (u16)b;
+}
+
+// Whether a vector access of T at p (and every VEC elements after it) can be one wide access.
+template <int T> __device__ __forceinline__ bool wide_ok(const char* p, i64 stride_elems) {
+    constexpr int BYTES = VEC * Ty<T>::SZ;
+    return stride_elems == 1 && (reinterpret_cast<u64>(p) % (BYTES < 16 ? BYTES : 16)) == 0;
+}
+
+// ---- row geometry ----------------------------------------------------------------------------------
+
+__device__ __forceinline__ void row_of(const Params& p, i64 row, i64& b, i64& i) {
+    if (p.n_i == 1) { b = row; i = 0; }
+    else { b = row / p.n_i; i = row - b * p.n_i; }
+}
+
+struct Row {
+    const char* x;  // row start of x (forward) / y (backward)
+    char* y;
+    const char* d;
+    int h, nv, t;   // head scalars, body vectors, tail scalars
+};
+
+template <int TX, int TY, int TD>
+__device__ __forceinline__ Row row_geometry(const Params& p, i64 row) {
+    Row R;
+    i64 b, i;
+    row_of(p, row, b, i);
+    R.x = p.x + (b * p.sxb + i * p.sxi) * Ty<TX>::SZ;
+    R.y = p.y + (b * p.syb + i * p.syi) * Ty<TY>::SZ;
+    R.d = p.d ? p.d + (b * p.sdb + i * p.sdi) * Ty<TD>::SZ : nullptr;
+    int h = 0;
+    if (p.sxn == 1) {
+        h = (int)(((16 - (reinterpret_cast<u64>(R.x) & 15)) & 15) / Ty<TX>::SZ);
+        if (h > p.n) h = p.n;
+    }
+    R.h = h;
+    R.nv = (p.n - h) / VEC;
+    R.t = p.n - h - R.nv * VEC;
+    return R;
+}
+
+// ---- reductions -------------------------------------------------------------------------------------
+
+// (max, sum of exp(x - max)) pairs, merged; NaN and +inf poison the sum, all -inf stays (-inf, 0).
+__device__ __forceinline__ void merge(float& m, float& s, float m2, float s2) {
+    float mx = maxnan(m, m2);
+    float base = mx == NEG_INF ? 0.f : mx;
+    s = s * __expf(m - base) + s2 * __expf(m2 - base);
+    m = mx;
+}
+
+struct Pair { float a, b; };
+
+template <bool MS> __device__ __forceinline__ void combine(Pair& u, Pair v) {
+    if (MS) merge(u.a, u.b, v.a, v.b);
+    else { u.a += v.a; u.b += v.b; }
+}
+
+__device__ __forceinline__ u32 cluster_rank() {
+    u32 r = 0;
+    if (CLUSTER > 1) asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+}
+
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+__device__ __forceinline__ float cluster_load(const float* local, u32 rank) {
+    u32 a = (u32)__cvta_generic_to_shared(local), remote;
+    float v;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(a), "r"(rank));
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+    return v;
+}
+
+// Reduce a pair over the GROUP threads of a row in this CTA, then over the CLUSTER CTAs of the row. Every
+// thread of the row ends with the same bits (xor butterflies are symmetric; smem and cluster partials are
+// merged in rank order by every thread). Called once per kernel, by every thread of the CTA.
+template <bool MS> __device__ __forceinline__ Pair reduce(Pair v) {
+    constexpr int W = GROUP < 32 ? GROUP : 32;
+#pragma unroll
+    for (int off = W / 2; off > 0; off /= 2) {
+        Pair o = {__shfl_xor_sync(0xffffffffu, v.a, off), __shfl_xor_sync(0xffffffffu, v.b, off)};
+        combine<MS>(v, o);
+    }
+    if (GROUP > 32) {
+        __shared__ Pair warps[GROUP > 32 ? GROUP / 32 : 1];
+        if (threadIdx.x % 32 == 0) warps[threadIdx.x / 32] = v;
+        __syncthreads();
+        v = warps[0];
+#pragma unroll
+        for (int w = 1; w < GROUP / 32; ++w) combine<MS>(v, warps[w]);
+    }
+    if (CLUSTER > 1) {
+        __shared__ float part[2];
+        if (threadIdx.x == 0) { part[0] = v.a; part[1] = v.b; }
+        cluster_sync();  // every CTA's partial is written and visible cluster-wide
+        v = {cluster_load(&part[0], 0), cluster_load(&part[1], 0)};
+#pragma unroll
+        for (u32 r = 1; r < CLUSTER; ++r) combine<MS>(v, {cluster_load(&part[0], r), cluster_load(&part[1], r)});
+        cluster_sync();  // no CTA leaves (its shared memory) while another still reads it
+    }
+    return v;
+}
+
+// Raw words of VEC elements that all read as -inf (pad = true) or +0 (pad = false) in type T: padding
+// that every reduction ignores (max: -inf; sum of exp: exp(-inf) = 0; backward: a = f = 0).
+template <int T> __device__ __forceinline__ void fill(Raw<T>& r, bool neg_inf) {
+    const u32 bits = !neg_inf ? 0u : T == 0 ? 0xff800000u : T == 1 ? 0xff80ff80u : 0xfc00fc00u;
+#pragma unroll
+    for (int w = 0; w < VEC * Ty<T>::SZ / 4; ++w) r.w[w] = bits;
+}
+
+// Load vector v of the body when v < nv, else padding: every load of a batch is issued before any is used.
+template <int T> __device__ __forceinline__ void load_or_pad(Raw<T>& r, int v, int nv, const char* base, i64 vstride,
+                                                             bool wide, i64 stride, bool neg_inf) {
+    if (v < nv) load<T>(r, base + v * vstride, wide, stride);
+    else fill<T>(r, neg_inf);
+}
+
+constexpr int BATCH = 4;  // vectors per thread in flight per step of the streaming loops
+
+#if FS_KIND == 1
+// ---- forward: on chip (STREAM 0: one read) or streaming (STREAM 1: two reads) ----------------------
+
+__device__ __forceinline__ float out_value(float x, float m, float inv, float logs, int log) {
+    if (m == NEG_INF) return log ? NEG_INF : 0.f;
+    return log ? (x - m) - logs : __expf(x - m) * inv;
+}
+
+// Fold VEC elements of each of N vectors into the running (max, sum of exp(x - max)).
+template <int N> __device__ __forceinline__ void fold(float& m, float& s, const Raw<IN_T> (&r)[N]) {
+    float mv = m;
+#pragma unroll
+    for (int k = 0; k < N; ++k)
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) mv = maxnan(mv, elem<IN_T>(r[k], j));
+    const float base = mv == NEG_INF ? 0.f : mv;  // all -inf so far: exp(-inf - 0) = 0, never NaN
+    float acc = 0.f;
+#pragma unroll
+    for (int k = 0; k < N; ++k)
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) acc += __expf(elem<IN_T>(r[k], j) - base);
+    s = s * __expf(m - base) + acc;
+    m = mv;
+}
+
+template <int N> __device__ __forceinline__ void write(const Raw<IN_T> (&r)[N], int v0, int step, int nv, char* yb,
+                                                       i64 vy, bool ywide, i64 ys, float m, float inv, float logs,
+                                                       int log) {
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+        int v = v0 + k * step;
+        if (v < nv) {
+            float f[VEC];
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) f[j] = out_value(elem<IN_T>(r[k], j), m, inv, logs, log);
+            store<OUT_T>(yb + v * vy, f, ywide, ys);
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(GROUP * ROWS, MIN_CTAS) fs_fwd(const Params p) {
+    const int lane = threadIdx.x % GROUP;
+    const u32 rank = cluster_rank();
+    const int G = GROUP * CLUSTER, g = rank * GROUP + lane;
+    i64 row = (i64)(blockIdx.x / CLUSTER) * ROWS + threadIdx.x / GROUP;
+    const bool row_ok = row < p.rows;
+    if (!row_ok) row = p.rows - 1;  // compute on a real row and store nothing: barriers need every thread
+    const Row R = row_geometry<IN_T, OUT_T, IN_T>(p, row);
+    const i64 xs = p.sxn * Ty<IN_T>::SZ, ys = p.syn * Ty<OUT_T>::SZ;
+    const char* xb = R.x + R.h * xs;
+    char* yb = R.y + R.h * ys;
+    const bool xwide = p.sxn == 1, ywide = wide_ok<OUT_T>(yb, p.syn);
+    const i64 vx = VEC * xs, vy = VEC * ys;
+
+    float hv = NEG_INF, tv = NEG_INF;
+    if (g < R.h) hv = load1<IN_T>(R.x + g * xs);
+    if (g < R.t) tv = load1<IN_T>(xb + ((i64)R.nv * VEC + g) * xs);
+    float m = maxnan(hv, tv), s;
+    {
+        const float base = m == NEG_INF ? 0.f : m;
+        s = __expf(hv - base) + __expf(tv - base);
+    }
+#if STREAM
+    for (int v0 = g; v0 < R.nv; v0 += BATCH * G) {
+        Raw<IN_T> r[BATCH];
+#pragma unroll
+        for (int k = 0; k < BATCH; ++k) load_or_pad<IN_T>(r[k], v0 + k * G, R.nv, xb, vx, xwide, xs, true);
+        fold<BATCH>(m, s, r);
+    }
+#else
+    Raw<IN_T> r[K];
+#pragma unroll
+    for (int k = 0; k < K; ++k) load_or_pad<IN_T>(r[k], k * G + g, R.nv, xb, vx, xwide, xs, true);
+    fold<K>(m, s, r);
+#endif
+    Pair ms = reduce<true>({m, s});
+    m = ms.a;
+    const float inv = 1.0f / ms.b, logs = logf(ms.b);
+    if (!row_ok) return;
+    if (p.lse && g == 0) {
+        i64 b, i;
+        row_of(p, row, b, i);
+        p.lse[b * p.slb + i * p.sli] = m == NEG_INF ? NEG_INF : m + logs;
+    }
+    if (g < R.h) store1<OUT_T>(R.y + g * ys, out_value(hv, m, inv, logs, p.log));
+    if (g < R.t) store1<OUT_T>(yb + ((i64)R.nv * VEC + g) * ys, out_value(tv, m, inv, logs, p.log));
+#if STREAM
+    for (int v0 = g; v0 < R.nv; v0 += BATCH * G) {
+        Raw<IN_T> r2[BATCH];
+#pragma unroll
+        for (int k = 0; k < BATCH; ++k) load_or_pad<IN_T>(r2[k], v0 + k * G, R.nv, xb, vx, xwide, xs, true);
+        write<BATCH>(r2, v0, G, R.nv, yb, vy, ywide, ys, m, inv, logs, p.log);
+    }
+#else
+    write<K>(r, g, G, R.nv, yb, vy, ywide, ys, m, inv, logs, p.log);
+#endif
+}
+#endif
+
+#if FS_KIND == 2
+// ---- backward: dx = a - f * sum(a), a = y*dy, f = y (softmax) / a = dy, f = exp(y) (log_softmax) ------
+
+__device__ __forceinline__ void terms(float y, float dy, int log, float& a, float& f) {
+    if (log) { a = dy; f = __expf(y); }
+    else { a = y * dy; f = y; }
+}
+
+__device__ __forceinline__ float grad(float y, float dy, float s, float t, int log) {
+    float a, f;
+    terms(y, dy, log, a, f);
+    return t == 0.f ? 0.f : a - f * s;
+}
+
+template <int N> __device__ __forceinline__ void sums(float& s, float& t, const Raw<IN_T> (&ry)[N],
+                                                      const Raw<D_T> (&rd)[N], int log) {
+#pragma unroll
+    for (int k = 0; k < N; ++k)
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+            float a, f;
+            terms(elem<IN_T>(ry[k], j), elem<D_T>(rd[k], j), log, a, f);
+            s += a;
+            t += f;
+        }
+}
+
+template <int N> __device__ __forceinline__ void write_grad(const Raw<IN_T> (&ry)[N], const Raw<D_T> (&rd)[N], int v0,
+                                                            int step, int nv, char* yb, i64 vy, bool ywide, i64 ys,
+                                                            float s, float t, int log) {
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+        int v = v0 + k * step;
+        if (v < nv) {
+            float o[VEC];
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) o[j] = grad(elem<IN_T>(ry[k], j), elem<D_T>(rd[k], j), s, t, log);
+            store<OUT_T>(yb + v * vy, o, ywide, ys);
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(GROUP * ROWS, MIN_CTAS) fs_bwd(const Params p) {
+    const int lane = threadIdx.x % GROUP;
+    const u32 rank = cluster_rank();
+    const int G = GROUP * CLUSTER, g = rank * GROUP + lane;
+    i64 row = (i64)(blockIdx.x / CLUSTER) * ROWS + threadIdx.x / GROUP;
+    const bool row_ok = row < p.rows;
+    if (!row_ok) row = p.rows - 1;
+    const Row R = row_geometry<IN_T, OUT_T, D_T>(p, row);
+    const i64 xs = p.sxn * Ty<IN_T>::SZ, ys = p.syn * Ty<OUT_T>::SZ, ds = p.sdn * Ty<D_T>::SZ;
+    const char* xb = R.x + R.h * xs;
+    const char* db = R.d + R.h * ds;
+    char* yb = R.y + R.h * ys;
+    const bool xwide = p.sxn == 1, dwide = wide_ok<D_T>(db, p.sdn), ywide = wide_ok<OUT_T>(yb, p.syn);
+    const i64 vx = VEC * xs, vd = VEC * ds, vy = VEC * ys;
+    const bool ypad = p.log;  // padding y: -inf for log_softmax (f = exp(y) = 0), 0 for softmax; dy: 0
+
+    float hy = ypad ? NEG_INF : 0.f, hd = 0.f, ty = hy, td = 0.f;
+    if (g < R.h) { hy = load1<IN_T>(R.x + g * xs); hd = load1<D_T>(R.d + g * ds); }
+    if (g < R.t) {
+        i64 j = (i64)R.nv * VEC + g;
+        ty = load1<IN_T>(xb + j * xs); td = load1<D_T>(db + j * ds);
+    }
+    float s = 0.f, t = 0.f, a, f;
+    terms(hy, hd, p.log, a, f); s += a; t += f;
+    terms(ty, td, p.log, a, f); s += a; t += f;
+#if STREAM
+    for (int v0 = g; v0 < R.nv; v0 += BATCH * G) {
+        Raw<IN_T> ry[BATCH];
+        Raw<D_T> rd[BATCH];
+#pragma unroll
+        for (int k = 0; k < BATCH; ++k) {
+            load_or_pad<IN_T>(ry[k], v0 + k * G, R.nv, xb, vx, xwide, xs, ypad);
+            load_or_pad<D_T>(rd[k], v0 + k * G, R.nv, db, vd, dwide, ds, false);
+        }
+        sums<BATCH>(s, t, ry, rd, p.log);
+    }
+#else
+    Raw<IN_T> ry[K];
+    Raw<D_T> rd[K];
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+        load_or_pad<IN_T>(ry[k], k * G + g, R.nv, xb, vx, xwide, xs, ypad);
+        load_or_pad<D_T>(rd[k], k * G + g, R.nv, db, vd, dwide, ds, false);
+    }
+    sums<K>(s, t, ry, rd, p.log);
+#endif
+    Pair st = reduce<false>({s, t});
+    s = st.a; t = st.b;
+    if (!row_ok) return;
+    if (g < R.h) store1<OUT_T>(R.y + g * ys, grad(hy, hd, s, t, p.log));
+    if (g < R.t) store1<OUT_T>(yb + ((i64)R.nv * VEC + g) * ys, grad(ty, td, s, t, p.log));
+#if STREAM
+    for (int v0 = g; v0 < R.nv; v0 += BATCH * G) {
+        Raw<IN_T> ry2[BATCH];
+        Raw<D_T> rd2[BATCH];
+#pragma unroll
+        for (int k = 0; k < BATCH; ++k) {
+            load_or_pad<IN_T>(ry2[k], v0 + k * G, R.nv, xb, vx, xwide, xs, ypad);
+            load_or_pad<D_T>(rd2[k], v0 + k * G, R.nv, db, vd, dwide, ds, false);
+        }
+        write_grad<BATCH>(ry2, rd2, v0, G, R.nv, yb, vy, ywide, ys, s, t, p.log);
+    }
+#else
+    write_grad<K>(ry, rd, g, G, R.nv, yb, vy, ywide, ys, s, t, p.log);
+#endif
+}
+#endif
+
+#if FS_KIND == 3
+// ---- the seed kernel: three passes, one CTA of 256 threads per row, shared-memory tree reductions -----
+
+extern "C" __global__ void __launch_bounds__(256) fs_fwd3(const Params p) {
+    __shared__ float red[256];
+    const int tid = threadIdx.x;
+    const i64 row = blockIdx.x;
+    i64 b, i;
+    row_of(p, row, b, i);
+    const char* x = p.x + (b * p.sxb + i * p.sxi) * Ty<IN_T>::SZ;
+    char* y = p.y + (b * p.syb + i * p.syi) * Ty<OUT_T>::SZ;
+    const i64 xs = p.sxn * Ty<IN_T>::SZ, ys = p.syn * Ty<OUT_T>::SZ;
+
+    // pass 1: block max (NaN-propagating)
+    float m = NEG_INF;
+    for (int j = tid; j < p.n; j += 256) m = maxnan(m, load1<IN_T>(x + j * xs));
+    red[tid] = m;
+    __syncthreads();
+    for (int s = 128; s > 0; s /= 2) {
+        if (tid < s) red[tid] = maxnan(red[tid], red[tid + s]);
+        __syncthreads();
+    }
+    m = red[0];
+    __syncthreads();  // everyone has read the max before red is reused for the sum
+    const float base = m == NEG_INF ? 0.f : m;  // an all -inf row: exp(-inf - 0) = 0, not NaN
+
+    // pass 2: block sum of exp(x - max)
+    float sum = 0.f;
+    for (int j = tid; j < p.n; j += 256) sum += __expf(load1<IN_T>(x + j * xs) - base);
+    red[tid] = sum;
+    __syncthreads();
+    for (int s = 128; s > 0; s /= 2) {
+        if (tid < s) red[tid] += red[tid + s];
+        __syncthreads();
+    }
+    sum = red[0];
+
+    // pass 3: write
+    const float inv = 1.0f / sum, logs = logf(sum);
+    if (p.lse && tid == 0) p.lse[b * p.slb + i * p.sli] = m == NEG_INF ? NEG_INF : m + logs;
+    for (int j = tid; j < p.n; j += 256) {
+        float v = load1<IN_T>(x + j * xs), o;
+        if (m == NEG_INF) o = p.log ? NEG_INF : 0.f;
+        else o = p.log ? (v - m) - logs : __expf(v - m) * inv;
+        store1<OUT_T>(y + j * ys, o);
+    }
+}
+#endif
+
+#if FS_KIND == 4
+// ---- three-pass backward: sums of a and f by a shared-memory tree, then the write (y, dy read twice) ---
+
+extern "C" __global__ void __launch_bounds__(256) fs_bwd3(const Params p) {
+    __shared__ float red_a[256], red_f[256];
+    const int tid = threadIdx.x;
+    const i64 row = blockIdx.x;
+    i64 b, i;
+    row_of(p, row, b, i);
+    const char* y = p.x + (b * p.sxb + i * p.sxi) * Ty<IN_T>::SZ;
+    const char* d = p.d + (b * p.sdb + i * p.sdi) * Ty<D_T>::SZ;
+    char* dx = p.y + (b * p.syb + i * p.syi) * Ty<OUT_T>::SZ;
+    const i64 xs = p.sxn * Ty<IN_T>::SZ, ds = p.sdn * Ty<D_T>::SZ, ys = p.syn * Ty<OUT_T>::SZ;
+    float sa = 0.f, sf = 0.f;
+    for (int j = tid; j < p.n; j += 256) {
+        float yv = load1<IN_T>(y + j * xs), dv = load1<D_T>(d + j * ds);
+        sa += p.log ? dv : yv * dv;
+        sf += p.log ? __expf(yv) : yv;
+    }
+    red_a[tid] = sa;
+    red_f[tid] = sf;
+    __syncthreads();
+    for (int s = 128; s > 0; s /= 2) {
+        if (tid < s) { red_a[tid] += red_a[tid + s]; red_f[tid] += red_f[tid + s]; }
+        __syncthreads();
+    }
+    sa = red_a[0];
+    sf = red_f[0];
+    for (int j = tid; j < p.n; j += 256) {
+        float yv = load1<IN_T>(y + j * xs), dv = load1<D_T>(d + j * ds);
+        float a = p.log ? dv : yv * dv, f = p.log ? __expf(yv) : yv;
+        store1<OUT_T>(dx + j * ys, sf == 0.f ? 0.f : a - f * sa);
+    }
+}
+#endif

@@ -1,0 +1,186 @@
+"""backend="cuda" on a GPU: every variant forced, forward and backward, against the float64 oracle, on odd
+shapes, special-value rows, unaligned and strided layouts, a different output dtype; autograd, logsumexp,
+CUDA graphs, side streams, 64-bit offsets. Run with `pytest --device cuda tests/test_cuda.py`."""
+
+import pytest
+import torch
+from helpers import DTYPES, assert_close, random_logits, special_rows
+
+import fastsoftmax as fs
+from fastsoftmax import heuristics
+from fastsoftmax.api import forward
+from fastsoftmax.reference import compare_grad, oracle, oracle_lse
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+# (variant, N): each variant on lengths it holds, odd ones first; the cluster and online lengths cross
+# 16-byte vectors, CTAs of a cluster and (online) several sweeps per thread.
+CASES = [
+    ("three_pass", 1), ("three_pass", 513), ("three_pass", 4099),
+    ("warp", 1), ("warp", 7), ("warp", 33), ("warp", 513), ("warp", 1000),
+    ("block", 513), ("block", 4099), ("block", 12289),
+    ("cluster", 513), ("cluster", 12289), ("cluster", 50257), ("cluster", 131072),
+    ("online", 7), ("online", 4099), ("online", 50257),
+]  # fmt: skip
+FNS = {False: fs.softmax, True: fs.log_softmax}
+
+
+def logits(rows, n, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.cat([random_logits((rows, n), dtype, gen), special_rows(n, dtype, gen)])
+    return x.cuda()
+
+
+def run_forward(x, dim, log, variant, out_dtype=None):
+    with heuristics.force(poison=True, path=variant):
+        y, lse = forward(x, dim, log=log, dtype=out_dtype, backend="cuda", want_lse=True)
+    plan = heuristics.last_plan()
+    assert plan.backend == "cuda" and plan.path == variant, plan
+    return y, lse
+
+
+@pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("variant,n", CASES)
+def test_forward(variant, n, dtype, log):
+    x = logits(7, n, dtype, n)
+    y, lse = run_forward(x, -1, log, variant)
+    assert_close(y, x, -1, log)
+    torch.testing.assert_close(lse.double(), oracle_lse(x), rtol=2e-6, atol=2e-6, equal_nan=True)
+
+
+@pytest.mark.parametrize("variant", ["three_pass", "warp", "block", "cluster", "online"])
+@pytest.mark.parametrize(
+    "make,dim",
+    [
+        (lambda b: b[:, 3:], -1),  # rows start off 16-byte boundaries, each differently
+        (lambda b: b.t(), 0),  # the softmax dim is contiguous, rows are not
+        (lambda b: b.t(), -1),  # the softmax dim is strided: scalar accesses
+        (lambda b: b.view(4, 8, -1).permute(1, 0, 2), -1),  # two row groups
+    ],
+    ids=["sliced", "transposed_dim0", "strided_dim", "two_groups"],
+)
+def test_forward_layouts(variant, make, dim):
+    x = make(logits(23, 1024, torch.bfloat16, 3))
+    for log in (False, True):
+        y, _ = run_forward(x, dim, log, variant)
+        assert_close(y, x, dim, log)
+
+
+@pytest.mark.parametrize("variant", ["warp", "block", "cluster", "online", "three_pass"])
+def test_forward_out_dtype(variant):
+    x = logits(9, 1000, torch.bfloat16, 4)
+    y, _ = run_forward(x, -1, True, variant, torch.float32)
+    assert y.dtype == torch.float32
+    assert_close(y, x, -1, True, torch.float32)
+
+
+def run_backward(x, dy, dim, log, variant):
+    x = x.detach().requires_grad_()
+    with heuristics.force(poison=True, path=variant):
+        y = FNS[log](x, dim, backend="cuda")
+        (dx,) = torch.autograd.grad(y, x, dy)
+    plan = heuristics.last_plan()
+    assert plan.backend == "cuda" and plan.path == variant, plan
+    return y.detach(), dx
+
+
+@pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("variant,n", CASES)
+def test_backward(variant, n, dtype, log):
+    x = logits(7, n, dtype, n + 1)
+    gen = torch.Generator().manual_seed(n)
+    dy = torch.randn(x.shape, generator=gen).to(dtype).cuda()
+    dy[-3, : min(n, 5)] = float("nan")  # a NaN in dy poisons its row (that row of x is finite-valued)
+    y, dx = run_backward(x, dy, -1, log, variant)
+    err, problem = compare_grad(dx, dy, y, -1, log)
+    assert problem is None, problem
+
+
+@pytest.mark.parametrize("variant", ["three_pass", "warp", "block", "cluster", "online"])
+def test_backward_layouts(variant):
+    x = logits(23, 1000, torch.float32, 5)
+    dy = torch.randn(1000, x.shape[0], device="cuda").t()  # dy strided unlike y: copied into y's layout
+    for log in (False, True):
+        y, dx = run_backward(x[:, 3:], dy[:, 3:], -1, log, variant)
+        err, problem = compare_grad(dx, dy[:, 3:], y, -1, log)
+        assert problem is None, problem
+    y, dx = run_backward(x.t(), dy.t(), 0, False, variant)  # softmax along dim 0
+    assert compare_grad(dx, dy.t(), y, 0, False)[1] is None
+
+
+@pytest.mark.parametrize("variant,bwd_variant,shape,dtype", [
+    ("cluster", "cluster", (8, 262144), torch.float32), ("cluster", "online", (64, 524288), torch.bfloat16),
+    ("cluster", "cluster", (64, 262144), torch.bfloat16), ("cluster", "cluster", (8, 131072), torch.bfloat16),
+    ("online", "online", (4, 1 << 20), torch.float32), ("online", "online", (300, 1 << 19), torch.bfloat16),
+    ("block", "block", (4096, 16384), torch.float32), ("warp", "block", (65536, 2048), torch.bfloat16),
+])  # fmt: skip
+def test_large(variant, bwd_variant, shape, dtype):
+    """The longest rows each variant holds (the backward holds half as many bf16 elements per thread)."""
+    gen = torch.Generator().manual_seed(shape[1])
+    x = random_logits(shape, dtype, gen)
+    x[:3] = special_rows(shape[1], dtype, gen)[:3]
+    x = x.cuda()
+    y, _ = run_forward(x, -1, False, variant)
+    if variant == "cluster":
+        assert heuristics.last_plan().splits >= 2  # CTAs per row
+    assert_close(y, x, -1, False)
+    dy = torch.randn(shape, generator=gen).to(dtype).cuda()
+    with heuristics.force(poison=True, path=bwd_variant):
+        dx = fs.softmax_backward(dy, y, backend="cuda")
+    assert heuristics.last_plan().path == bwd_variant
+    assert compare_grad(dx, dy, y, -1, False)[1] is None
+
+
+def test_auto_picks_by_length():
+    """With no forcing, backend="cuda" picks warp / block / cluster / online by N and row count."""
+    seen = {}
+    for shape in [(4096, 513), (4096, 8192), (16, 65536), (8, 1 << 21)]:
+        x = torch.randn(shape, device="cuda")
+        y = fs.softmax(x, backend="cuda")
+        seen[shape] = heuristics.last_plan().path
+        torch.testing.assert_close(y, torch.softmax(x, -1), rtol=2e-5, atol=1e-6)
+    assert list(seen.values()) == ["warp", "block", "cluster", "online"], seen
+
+
+def test_more_than_2_pow_31_elements():
+    n = 1024
+    rows = (1 << 31) // n + 3
+    x = torch.empty(rows, n, device="cuda", dtype=torch.bfloat16).normal_(0, 3)
+    x[-1] = float("-inf")
+    with heuristics.force(poison=True):
+        y = fs.softmax(x, backend="cuda")
+    assert not y.isnan().any() and (y[-1] == 0).all()
+    for r in (0, (1 << 31) // n, rows - 2):
+        ref = oracle(x[r])
+        assert (y[r].double() - ref).abs().max().item() <= 2**-7 * ref.abs().max().item() + 1e-6
+
+
+def test_side_stream_and_graph():
+    x = torch.randn(2048, 4096, device="cuda")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        y = fs.softmax(x, backend="cuda")
+        dx = fs.softmax_backward(x, y, backend="cuda")
+    s.synchronize()
+    assert_close(y, x, -1, False)
+    g = torch.cuda.CUDAGraph()
+    static = torch.randn(64, 131072, device="cuda")
+    with torch.cuda.stream(s):
+        fs.softmax(static, backend="cuda")  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    with torch.cuda.graph(g):
+        out = fs.softmax(static, backend="cuda")
+        grad = fs.softmax_backward(static, out, backend="cuda")
+    for _ in range(2):
+        static.copy_(torch.randn_like(static))
+        g.replay()
+        torch.cuda.synchronize()
+        assert_close(out, static, -1, False)
+        assert compare_grad(grad, static, out, -1, False)[1] is None
+    assert dx.shape == x.shape

@@ -1,0 +1,176 @@
+"""The CUDA backend without a GPU: every variant compiles with NVRTC (sm_90a, and sm_80 where it applies)
+and its code has the facts it promises; the compile cache (memory, disk, threads, processes); compiler
+errors reach Python with the log; variant selection; clear errors before any launch."""
+
+import os
+import re
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+
+import fastsoftmax as fs
+from fastsoftmax import heuristics
+from fastsoftmax.cuda import build
+from fastsoftmax.cuda.kernels import VARIANTS, config_for, launch_shape
+
+pytest.importorskip("cuda.bindings.nvrtc", reason="the CUDA backend's NVRTC bindings are a default dependency")
+
+CASES = [  # (variant, dtype, n, rows): what each variant runs on an H200
+    ("three_pass", "float32", 513, 4096),
+    ("warp", "bfloat16", 513, 4096),
+    ("warp", "float32", 1024, 4096),
+    ("block", "bfloat16", 8192, 4096),
+    ("block", "float32", 16384, 4096),
+    ("cluster", "bfloat16", 262144, 128),
+    ("cluster", "float32", 262144, 8),
+    ("cluster", "float16", 65536, 64),
+    ("online", "bfloat16", 1 << 21, 512),
+    ("online", "float32", 1 << 20, 4),
+]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    d = tmp_path_factory.mktemp("cubins")
+    old = os.environ.get("FASTSOFTMAX_CACHE_DIR")
+    os.environ["FASTSOFTMAX_CACHE_DIR"] = str(d)
+    yield d
+    if old is None:
+        os.environ.pop("FASTSOFTMAX_CACHE_DIR")
+    else:
+        os.environ["FASTSOFTMAX_CACHE_DIR"] = old
+
+
+def compiled(variant, dtype, n, rows, backward, arch="sm_90a"):
+    shape, cfg = config_for(variant, dtype, n, backward=backward, n_rows=rows, cc=int(arch[3:5]))
+    ptx = build.compile_kernel(cfg, arch, "ptx").binary.decode()
+    facts = build.ptxas_facts(build.compile_kernel(cfg, arch).log)
+    return shape, cfg, ptx, facts
+
+
+@pytest.mark.parametrize("backward", [False, True], ids=["fwd", "bwd"])
+@pytest.mark.parametrize("variant,dtype,n,rows", CASES)
+def test_variant_compiles_with_its_facts(cache, variant, dtype, n, rows, backward):
+    shape, cfg, ptx, facts = compiled(variant, dtype, n, rows, backward)
+    assert shape.variant == variant
+    assert (shape.cluster > 1) == (variant == "cluster" or (variant, rows) == ("online", 4))
+    assert f".entry {cfg.entry}(" in ptx
+    log = build.compile_kernel(cfg, "sm_90a").log
+    assert facts["registers"] > 0, f"no ptxas -v lines in the NVRTC log of {cfg}:\n{log}"
+    assert facts["spill_stores"] == facts["spill_loads"] == facts["stack_bytes"] == 0, facts
+    if variant == "three_pass":
+        # the seed kernel: scalar accesses, shared-memory trees with barriers between the passes
+        assert "ld.global.v4" not in ptx and ptx.count("bar.sync") >= 2
+    else:
+        # 16-byte accesses for the row body (scalar code stays for edges and strided rows)
+        assert re.search(r"ld\.global(\.nc)?\.v4\.[ubf]32", ptx) and re.search(r"st\.global\.v4\.[ubf]32", ptx)
+    if shape.cluster > 1:  # the cluster variant, and the online one spreading few rows
+        assert "barrier.cluster.arrive" in ptx and "barrier.cluster.wait" in ptx and "mapa.shared::cluster" in ptx
+        assert "ld.shared::cluster" in ptx
+    else:
+        assert "barrier.cluster" not in ptx
+    if not backward:
+        assert "ex2.approx" in ptx  # __expf, as fs.info() says
+        assert "rcp.rn.f32" in ptx or "div.rn.f32" in ptx  # one IEEE (correctly rounded) 1/sum per row
+
+
+@pytest.mark.parametrize("backward", [False, True], ids=["fwd", "bwd"])
+@pytest.mark.parametrize("variant", ["three_pass", "warp", "block", "online"])
+def test_sm80_variants_compile(cache, variant, backward):
+    n = {"three_pass": 4096, "warp": 1000, "block": 8192, "online": 1 << 20}[variant]
+    shape, cfg, ptx, facts = compiled(variant, "bfloat16", n, 4096, backward, arch="sm_80")
+    assert ".target sm_80" in ptx and facts["spill_stores"] == 0
+
+
+def test_cluster_needs_sm90():
+    with pytest.raises(ValueError, match="sm_90"):
+        launch_shape(65536, 8, 2, 108, 80, "cluster")
+    assert launch_shape(65536, 8, 2, 108, 80).variant == "online"  # auto on an A100
+
+
+def test_auto_variants():
+    h200 = dict(sm_count=132, cc=90)
+    assert launch_shape(513, 1 << 16, 2, **h200).variant == "warp"
+    assert launch_shape(2048, 1 << 16, 2, **h200).variant == "warp"
+    assert launch_shape(4096, 1 << 16, 2, **h200).variant == "block"
+    assert launch_shape(32768, 4096, 2, **h200).variant == "block"
+    assert launch_shape(32768, 16, 2, **h200).variant == "cluster"  # few rows: spread
+    assert launch_shape(65536, 4096, 2, **h200).variant == "cluster"
+    assert launch_shape(262144, 512, 4, **h200).variant == "cluster"
+    assert launch_shape(524288, 512, 2, **h200).variant == "cluster"
+    assert launch_shape(524289, 512, 4, **h200).variant == "online"
+    assert launch_shape(262144, 512, 2, inputs=2, **h200).variant == "cluster"  # backward: half the bf16
+    assert launch_shape(262145, 512, 2, inputs=2, **h200).variant == "online"
+    few = launch_shape(131072, 8, 2, **h200)
+    assert few.variant == "cluster" and few.cluster == 16  # 8 rows x 16 CTAs: the whole GPU works
+    assert launch_shape(1 << 20, 4, 4, **h200).cluster == 16  # online spreads too
+    with pytest.raises(ValueError, match="at most"):
+        launch_shape(4096, 64, 4, 132, 90, "warp")
+
+
+def test_memory_and_disk_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("FASTSOFTMAX_CACHE_DIR", str(tmp_path))
+    cfg = build.Config("fwd", "float32", "bfloat16", group=32, rows=4, k=2)  # a config no other test uses
+    calls = []
+    real = build._nvrtc
+    monkeypatch.setattr(build, "_nvrtc", lambda *a: calls.append(a) or real(*a))
+
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(build.compile_kernel(cfg, "sm_90a"))) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1 and len({r.binary for r in results}) == 1  # four threads, one compile
+    files = sorted(p.suffix for p in tmp_path.iterdir())
+    assert files == [".cubin", ".log"]
+    build._memory.clear()  # a new process: the disk cache answers, NVRTC is not called
+    again = build.compile_kernel(cfg, "sm_90a")
+    assert len(calls) == 1 and again.binary == results[0].binary
+
+
+def test_two_processes_compile_at_once(tmp_path):
+    code = (
+        "from fastsoftmax.cuda import build; "
+        "c = build.compile_kernel(build.Config('bwd', 'float16', 'float32', 'bfloat16', group=64, k=4), 'sm_90a'); "
+        "print(len(c.binary))"
+    )
+    env = {**os.environ, "FASTSOFTMAX_CACHE_DIR": str(tmp_path)}
+    cmd = [sys.executable, "-c", code]
+    procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    sizes = [p.communicate(timeout=300)[0].strip() for p in procs]
+    assert all(p.returncode == 0 for p in procs) and sizes[0] == sizes[1]
+    (cubin,) = tmp_path.glob("*.cubin")
+    assert str(cubin.stat().st_size) == sizes[0] and not list(tmp_path.glob("tmp*"))
+
+
+def test_compile_error_carries_the_log(tmp_path, monkeypatch):
+    monkeypatch.setenv("FASTSOFTMAX_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(build, "source", lambda: b"this is not CUDA;\n")
+    with pytest.raises(build.CompileError, match="error") as e:
+        build.compile_kernel(build.Config("fwd", "float32", "float32"), "sm_90a")
+    assert "softmax.cu" in str(e.value)
+
+
+def test_every_variant_is_named():
+    assert set(VARIANTS) == set(heuristics.CUDA_PATHS)
+
+
+def test_clear_errors_before_launch():
+    x = torch.randn(4, 8)
+    with pytest.raises(RuntimeError, match="CUDA tensors only"):
+        fs.softmax(x, backend="cuda")
+    with pytest.raises(RuntimeError, match="float16, bfloat16 and float32"):
+        fs.softmax(x.double(), backend="cuda")
+    with pytest.raises(ValueError, match="unknown path"):
+        with heuristics.force(path="warps"):
+            pass
+
+
+def test_info_records_fast_math():
+    k = fs.info()["kernels"]["cuda.softmax"]
+    assert k["fast_math"] is False and k["fast_exp"] is True and "__expf" in k["exp"]
+    assert fs.info()["nvrtc"] == ".".join(map(str, build.nvrtc_version()))
