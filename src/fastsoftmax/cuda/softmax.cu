@@ -44,8 +44,6 @@ struct Params {
 template <int T> struct Ty { enum { SZ = T == 0 ? 4 : 2 }; };
 
 constexpr int VEC = 16 / Ty<IN_T>::SZ;  // elements per vector: one 16-byte access of x
-// CTAs per SM ptxas must leave room for: at least 512 threads, at most 128 registers each
-constexpr int MIN_CTAS = GROUP * ROWS >= 512 ? 1 : 512 / (GROUP * ROWS) > 8 ? 8 : 512 / (GROUP * ROWS);
 
 __device__ __forceinline__ float maxnan(float a, float b) {
     float r;
@@ -260,7 +258,13 @@ template <int T> __device__ __forceinline__ void load_or_pad(Raw<T>& r, int v, i
     else fill<T>(r, neg_inf);
 }
 
+#if FS_KIND == 1 || FS_KIND == 2
+// CTAs per SM ptxas must leave room for: at least 512 threads, at most 128 registers each
+constexpr int MIN_CTAS = GROUP * ROWS >= 512 ? 1 : 512 / (GROUP * ROWS) > 8 ? 8 : 512 / (GROUP * ROWS);
+#endif
+#if STREAM
 constexpr int BATCH = 4;  // vectors per thread in flight per step of the streaming loops
+#endif
 
 #if FS_KIND == 1
 // ---- forward: on chip (STREAM 0: one read) or streaming (STREAM 1: two reads) ----------------------
