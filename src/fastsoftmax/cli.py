@@ -3,7 +3,7 @@
 fastsoftmax check   every kernel path against the float64 oracle on representative shapes and
                     special-value rows; a table; exit status 1 on any failure. Without a GPU the Triton
                     kernels run in Triton's interpreter on small shapes (said in the first line).
-fastsoftmax asm     the compiled code of a Triton kernel variant, without a GPU.
+fastsoftmax asm     the compiled code of a kernel variant (Triton or CUDA), without a GPU.
 """
 
 from __future__ import annotations
@@ -33,6 +33,15 @@ GPU_CASES = [
     ("online", (512, 4096), 0, {"path": "online"}),
     ("split", (8, 131072), -1, {"path": "split"}),
     ("split", (4, 50257), -1, {"path": "split"}),
+]
+# The CUDA C backend's variants (GPU only), each forced.
+CUDA_CASES = [
+    ("three_pass", (2048, 513), -1, {"path": "three_pass"}),
+    ("warp", (4096, 1000), -1, {"path": "warp"}),
+    ("block", (1024, 12289), -1, {"path": "block"}),
+    ("cluster", (16, 131072), -1, {"path": "cluster"}),
+    ("online", (4, 1 << 20), -1, {"path": "online"}),
+    ("warp", (1024, 2048), 0, {"path": "warp"}),
 ]
 CPU_CASES = [
     ("rowblock", (16, 1024), -1, {"path": "rowblock"}),
@@ -66,13 +75,19 @@ def check(args) -> int:
     print(f"  fastsoftmax {info['fastsoftmax']}, torch {info['torch']}, triton {info['triton']}")
     print(f"  exp: {fam['exp']}; division: {fam['division']}; flags: {fam['build_flags']}")
     device = "cuda" if gpu else "cpu"
-    cases = list(GPU_CASES if gpu else CPU_CASES)
-    cases += [("reference", shape, dim, None) for (_, shape, dim, _) in cases[:2]]
+    cases = [(*c, "triton") for c in (GPU_CASES if gpu else CPU_CASES)]
+    cases += [("reference", shape, dim, None, "torch") for (_, shape, dim, _, _) in cases[:2]]
+    if gpu and info["backends"]["cuda"]["cuda"]:
+        cuda = info["kernels"]["cuda.softmax"]
+        print(f"  CUDA backend: NVRTC {info['nvrtc']}; exp: {cuda['exp']}; flags: {cuda['build_flags']}")
+        cases += [(*c, "cuda") for c in CUDA_CASES]
+    elif gpu:
+        print("  CUDA backend: not available here (cuda-python's bindings or NVRTC missing): not checked")
     dtypes = [torch.float32, torch.bfloat16, torch.float16]
     rows, failed = [], 0
     gen = torch.Generator().manual_seed(0)
     t0 = time.time()
-    for _label, shape, dim, force in cases:
+    for _label, shape, dim, force, backend in cases:
         for dtype in dtypes:
             n = shape[dim]
             x = random_logits(shape, dtype, gen)
@@ -81,7 +96,6 @@ def check(args) -> int:
             x = x.to(device)
             dy = torch.randn(shape, generator=gen).to(dtype).to(device)
             for log in (False, True):
-                backend = "torch" if force is None else "triton"
                 name = "log_softmax" if log else "softmax"
                 with heuristics.force(poison=True, **(force or {})):
                     y = (fs.log_softmax if log else fs.softmax)(x, dim, backend=backend)
