@@ -4,6 +4,7 @@ fastsoftmax check   every kernel path against the float64 oracle on representati
                     special-value rows; a table; exit status 1 on any failure. Without a GPU the Triton
                     kernels run in Triton's interpreter on small shapes (said in the first line).
 fastsoftmax asm     the compiled code of a kernel variant (Triton or CUDA), without a GPU.
+fastsoftmax bench   GB/s of fastsoftmax and its peers on the shape suite (a GPU; --device cpu: smoke run).
 """
 
 from __future__ import annotations
@@ -170,6 +171,14 @@ def _asm_cuda(args) -> int:
     return 0
 
 
+def bench(args) -> int:
+    if args.device == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"  # the Triton kernels in the interpreter (before their import)
+    from fastsoftmax import bench as b
+
+    return b.main(args)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="fastsoftmax", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -186,5 +195,16 @@ def main(argv=None) -> int:
     a.add_argument("--stage", default="ptx", choices=["ttir", "ttgir", "llir", "ptx"])
     a.add_argument("--log", action="store_true", help="log_softmax instead of softmax")
     a.set_defaults(fn=asm)
+    b = sub.add_parser("bench", help="GB/s against torch, torch.compile, Liger and QuACK (GPU)")
+    b.add_argument("--shapes", default="suite", help="suite (../shared/BENCHING.md), quick, or MxN,MxN,...")
+    b.add_argument("--dtypes", default="bfloat16,float32")
+    b.add_argument("--passes", default="fwd,bwd")
+    b.add_argument("--impls", default=None, help="comma list; default all (peers that cannot import: unsupported)")
+    b.add_argument("--graph", default="auto", choices=["auto", "always", "never"],
+                   help="CUDA-graph timing too: auto = shapes under 2^24 elements")  # fmt: skip
+    b.add_argument("--json", default=None, help="write every record to this JSON file")
+    b.add_argument("--plot", default=None, help="write GB/s against N to this PNG (needs matplotlib)")
+    b.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke run of the harness")
+    b.set_defaults(fn=bench)
     args = p.parse_args(argv)
     return args.fn(args)

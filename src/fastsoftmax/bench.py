@@ -1,0 +1,425 @@
+"""`fastsoftmax bench`: fastsoftmax against its peers, in one process on one GPU.
+
+Order of work: the device-to-device copy bandwidth first (the ceiling), then for every (pass, dtype, shape)
+every implementation is run once and checked against the float64 oracle on its first and last rows, then
+timed: `triton.testing.do_bench` median with L2 flushed between runs, plus CUDA-graph replay timing for
+small shapes (where eager timing measures the host). GB/s counts bytes read + written: forward 2 bytes
+moved per element byte (x, y), backward 3 (y, dy, dx). An implementation that refuses or breaks on a shape
+is recorded as unsupported with its error, never skipped silently. Host overhead: wall time per eager call
+on 1x4096 fp32, fastsoftmax and torch.
+
+Peers: torch eager, torch.compile, Liger-Kernel and QuACK when they can be imported (see
+../shared/BENCHING.md for carrying them to the device).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+
+# ../shared/BENCHING.md's shape suite: 2^27 elements as MxN, odd and real vocabularies, few long rows,
+# latency.
+SUITE = [((1 << 27) // n, n) for n in (256, 1024, 4096, 16384, 32768, 65536, 131072, 262144)]
+SUITE += [(262144, 513), (4096, 32000), (8192, 50257), (16384, 37984)]
+SUITE += [(8, 131072), (64, 131072), (128, 262144), (1, 4096)]
+QUICK = [(131072, 1024), (262144, 513), (8192, 50257), (1024, 131072), (8, 131072), (1, 4096)]
+GRAPH_BELOW = 1 << 24  # elements: shapes smaller than this are also timed as CUDA-graph replays
+IMPLS = ("fastsoftmax", "fastsoftmax-triton", "fastsoftmax-cuda", "torch", "torch.compile", "liger", "quack")
+PEERS = ("torch", "torch.compile", "liger", "quack")
+
+
+@dataclass
+class Record:
+    impl: str
+    backend: str | None
+    dtype: str
+    M: int
+    N: int
+    pass_: str
+    ms: float | None
+    gbps: float | None
+    ok: bool
+    error: str | None
+    graph_ms: float | None = None
+    graph_gbps: float | None = None
+
+    def json(self) -> dict:
+        d = asdict(self)
+        d["pass"] = d.pop("pass_")
+        return d
+
+
+class Unsupported(Exception):
+    """The implementation cannot run this problem (its own refusal, an import error, a failed check)."""
+
+
+# ---- implementations: name -> (fwd(x) -> fn, bwd(dy, y) -> fn), each fn a no-argument callable ---------
+
+
+def _fastsoftmax(backend: str):
+    import fastsoftmax as fs
+
+    def fwd(x):
+        return lambda: fs.softmax(x, backend=backend)
+
+    def bwd(dy, y):
+        return lambda: fs.softmax_backward(dy, y, backend=backend)
+
+    return fwd, bwd
+
+
+def _torch():
+    def fwd(x):
+        return lambda: torch.softmax(x, -1)
+
+    def bwd(dy, y):
+        return lambda: torch.ops.aten._softmax_backward_data(dy, y, -1, y.dtype)
+
+    return fwd, bwd
+
+
+def _torch_compile():
+    f = torch.compile(lambda x: torch.softmax(x, -1), dynamic=False)
+    b = torch.compile(
+        lambda dy, y: (y.float() * (dy.float() - (y.float() * dy.float()).sum(-1, keepdim=True))).to(y.dtype),
+        dynamic=False,
+    )
+
+    def fwd(x):
+        return lambda: f(x)
+
+    def bwd(dy, y):
+        return lambda: b(dy, y)
+
+    return fwd, bwd
+
+
+def _liger():
+    from liger_kernel.ops.softmax import _softmax_backward, _softmax_forward
+
+    def fwd(x):
+        return lambda: _softmax_forward(x)[0]
+
+    def bwd(dy, y):
+        _, block, warps, multi = _softmax_forward(y)  # the launch settings its forward picks for this N
+        return lambda: _softmax_backward(dy, y, block, warps, multi)
+
+    return fwd, bwd
+
+
+def _quack():
+    from quack.softmax import softmax_bwd, softmax_fwd
+
+    def fwd(x):
+        return lambda: softmax_fwd(x)
+
+    def bwd(dy, y):
+        return lambda: softmax_bwd(dy, y)
+
+    return fwd, bwd
+
+
+BUILDERS: dict[str, tuple[Callable, str | None]] = {
+    "fastsoftmax": (lambda: _fastsoftmax("auto"), "auto"),
+    "fastsoftmax-triton": (lambda: _fastsoftmax("triton"), "triton"),
+    "fastsoftmax-cuda": (lambda: _fastsoftmax("cuda"), "cuda"),
+    "torch": (_torch, None),
+    "torch.compile": (_torch_compile, None),
+    "liger": (_liger, None),
+    "quack": (_quack, None),
+}
+
+
+# ---- measurement --------------------------------------------------------------------------------------
+
+
+def _sync(device: str):
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_ms(fn, device: str) -> float:
+    """Median milliseconds per call: do_bench (L2 flushed) on a GPU; on a CPU (smoke runs only), the
+    median wall time of a few calls."""
+    if device == "cuda":
+        import triton.testing
+
+        return triton.testing.do_bench(fn, return_mode="median")
+    times = []
+    for _ in range(3):
+        t = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t) * 1e3)
+    return sorted(times)[1]
+
+
+def graphed(fn):
+    """fn captured in a CUDA graph (warmed up on a side stream first); returns the replay."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g.replay
+
+
+def copy_gbps(device: str) -> float:
+    n = (1 << 30) if device == "cuda" else (1 << 24)
+    src = torch.empty(n, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    return 2 * n / time_ms(lambda: dst.copy_(src), device) / 1e6
+
+
+def host_us(fn, device: str, calls: int = 2000) -> float:
+    """Wall time per eager call, the GPU kept ahead of the host (the kernel is far shorter than the call)."""
+    for _ in range(20):
+        fn()
+    _sync(device)
+    t = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    _sync(device)
+    return (time.perf_counter() - t) / calls * 1e6
+
+
+def _check(out: torch.Tensor, x, y, dy, pass_: str) -> str | None:
+    """The first and last rows of an implementation's output against the float64 oracle."""
+    from .reference import compare, compare_grad
+
+    rows = sorted({0, 1, x.shape[0] - 1})
+    if pass_ == "fwd":
+        err, problem = compare(out[rows], x[rows], -1, False)
+    else:
+        err, problem = compare_grad(out[rows], dy[rows], y[rows], -1, False)
+    return problem
+
+
+def measure(name: str, built, pass_: str, x, y, dy, nbytes: int, device: str, graph: bool) -> Record:
+    dtype = str(x.dtype).removeprefix("torch.")
+    m, n = x.shape
+    rec = Record(name, BUILDERS[name][1], dtype, m, n, pass_, None, None, False, None)
+    try:
+        if isinstance(built, Exception):
+            raise Unsupported(f"{type(built).__name__}: {built}")
+        fwd, bwd = built
+        fn = fwd(x) if pass_ == "fwd" else bwd(dy, y)
+        problem = _check(fn(), x, y, dy, pass_)
+        if problem:
+            raise Unsupported(f"wrong result: {problem}")
+        rec.ms = time_ms(fn, device)
+        rec.gbps = nbytes / rec.ms / 1e6
+        if graph:
+            rec.graph_ms = time_ms(graphed(fn), device)
+            rec.graph_gbps = nbytes / rec.graph_ms / 1e6
+        rec.ok = True
+    except Exception as e:  # a peer's refusal is a result: recorded with its message
+        msg = str(e).strip().splitlines()
+        rec.error = f"{type(e).__name__}: {msg[0] if msg else ''}"[:300]
+    return rec
+
+
+def parse_shapes(spec: str) -> list[tuple[int, int]]:
+    if spec == "suite":
+        return list(SUITE)
+    if spec == "quick":
+        return list(QUICK)
+    out = []
+    for part in spec.split(","):
+        m, n = part.lower().split("x")
+        out.append((int(m), int(n)))
+    return out
+
+
+def run(
+    shapes, dtypes, passes, impls, device: str = "cuda", graph: str = "auto", out=sys.stdout, progress=sys.stderr
+) -> dict:
+    """Every measurement, as the JSON document (see the README's schema)."""
+    import triton
+
+    copy = copy_gbps(device)
+    built = {}
+    for name in impls:
+        try:
+            built[name] = BUILDERS[name][0]()
+        except Exception as e:  # not importable here: unsupported on every shape, with the reason
+            built[name] = e
+    records = []
+    total = len(shapes) * len(dtypes) * len(passes) * len(impls)
+    done = 0
+    t0 = time.time()
+    for pass_ in passes:
+        for dt in dtypes:
+            dtype = getattr(torch, dt)
+            for m, n in shapes:
+                gen = torch.Generator(device=device).manual_seed(m * 31 + n)
+                x = torch.randn(m, n, device=device, dtype=dtype, generator=gen) * 3
+                y = torch.softmax(x, -1)
+                dy = torch.randn(m, n, device=device, dtype=dtype, generator=gen)
+                nbytes = (2 if pass_ == "fwd" else 3) * x.numel() * x.element_size()
+                use_graph = device == "cuda" and (graph == "always" or (graph == "auto" and m * n < GRAPH_BELOW))
+                for name in impls:
+                    done += 1
+                    if progress is not None and (progress.isatty() or done % max(1, total // 10) == 0):
+                        bar = "#" * (30 * done // total)
+                        end = "\r" if progress.isatty() else "\n"
+                        progress.write(f"[{bar:30}] {done}/{total} {pass_} {dt} {m}x{n} {name:20}"[:110] + end)
+                        progress.flush()
+                    records.append(measure(name, built[name], pass_, x, y, dy, nbytes, device, use_graph))
+                del x, y, dy
+    if progress is not None:
+        progress.write(f"done: {total} measurements in {time.time() - t0:.0f} s{' ' * 60}\n")
+    host = {}
+    xs = torch.randn(1, 4096, device=device)
+    import fastsoftmax as fs
+
+    host["fastsoftmax"] = host_us(lambda: fs.softmax(xs), device)
+    host["torch"] = host_us(lambda: torch.softmax(xs, -1), device)
+    doc = {
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu (smoke run: wall-clock timing)",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "copy_gbps": copy,
+        "records": [r.json() for r in records],
+        "host_us": host,
+        "method": "do_bench median, L2 flushed; graph_* columns: CUDA-graph replay"
+        if device == "cuda"
+        else "wall clock, CPU",
+    }
+    if out is not None:
+        print_tables(doc, out)
+    return doc
+
+
+def _num(v: float) -> str:
+    return f"{v:.0f}" if v >= 10 else f"{v:.2g}"
+
+
+def _best(r: dict) -> float:
+    """GB/s of a record: the CUDA-graph figure where measured (GPU time without the host), else eager."""
+    return max(r["gbps"], r["graph_gbps"] or 0)
+
+
+def _geomean(values):
+    values = [v for v in values if v]
+    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
+
+
+def print_tables(doc: dict, out=sys.stdout):
+    """A table per pass: GB/s per implementation (graph-replay GB/s in brackets where measured), % of copy
+    for fastsoftmax auto, and its speed-up over each peer; geometric means at the end."""
+    copy = doc["copy_gbps"]
+    recs = doc["records"]
+    impls = list(dict.fromkeys(r["impl"] for r in recs))
+    peers = [p for p in PEERS if p in impls]
+    print(f"{doc['device']}: copy {copy:.0f} GB/s; torch {doc['torch']}, triton {doc['triton']}; {doc['method']}",
+          file=out)  # fmt: skip
+    for pass_ in dict.fromkeys(r["pass"] for r in recs):
+        print(f"\n{pass_}: GB/s (read + written){' [CUDA graph]' if any(r['graph_gbps'] for r in recs) else ''}",
+              file=out)  # fmt: skip
+        head = f"{'dtype':9} {'shape':14}" + "".join(f" {i[:18]:>18}" for i in impls) + f" {'%copy':>6}"
+        head += "".join(f" {'x' + p[:9]:>10}" for p in peers)
+        print(head, file=out)
+        speedups = {p: [] for p in peers}
+        for dt in dict.fromkeys(r["dtype"] for r in recs):
+            for m, n in dict.fromkeys((r["M"], r["N"]) for r in recs):
+                key = (pass_, dt, m, n)
+                row = {r["impl"]: r for r in recs if (r["pass"], r["dtype"], r["M"], r["N"]) == key}
+                if not row:
+                    continue
+                cells = []
+                for i in impls:
+                    r = row.get(i)
+                    if r is None or not r["ok"]:
+                        cells.append(f" {'unsupported':>18}")
+                    else:
+                        cell = _num(r["gbps"]) + (f" [{_num(r['graph_gbps'])}]" if r["graph_gbps"] else "")
+                        cells.append(f" {cell:>18}")
+                fs_rec = row.get("fastsoftmax")
+                line = f"{dt:9} {f'{m}x{n}':14}" + "".join(cells)
+                line += f" {100 * fs_rec['gbps'] / copy:5.0f}%" if fs_rec and fs_rec["ok"] else f" {'-':>6}"
+                for p in peers:
+                    pr = row.get(p)
+                    if fs_rec and fs_rec["ok"] and pr and pr["ok"]:
+                        s = _best(fs_rec) / _best(pr)
+                        speedups[p].append(s)
+                        line += f" {s:10.2f}"
+                    else:
+                        line += f" {'-':>10}"
+                print(line, file=out)
+        means = "  ".join(f"x{p} {_geomean(v):.2f}" for p, v in speedups.items() if v)
+        print(f"geometric-mean speed-up of fastsoftmax ({pass_}): {means}", file=out)
+    failures: dict[tuple, list] = {}
+    for r in recs:
+        if not r["ok"]:
+            failures.setdefault((r["impl"], r["error"]), []).append(f"{r['pass']} {r['dtype']} {r['M']}x{r['N']}")
+    if failures:
+        print("\nunsupported (implementation: error, on which problems):", file=out)
+    for (impl, error), where in failures.items():
+        shown = ", ".join(where[:4]) + (f" and {len(where) - 4} more" if len(where) > 4 else "")
+        print(f"  {impl}: {error} ({shown})", file=out)
+    h = doc["host_us"]
+    print(f"\nhost overhead per eager call, 1x4096 fp32: fastsoftmax {h['fastsoftmax']:.1f} us, torch "
+          f"{h['torch']:.1f} us", file=out)  # fmt: skip
+
+
+def plot(doc: dict, path: str):
+    """GB/s against N per implementation, one panel per (pass, dtype), the copy bandwidth as a line."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise RuntimeError(f"--plot needs matplotlib ({e}); pip install 'fastsoftmax[bench]'") from e
+    recs = [r for r in doc["records"] if r["ok"]]
+    panels = list(dict.fromkeys((r["pass"], r["dtype"]) for r in doc["records"]))
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False)
+    for ax, (pass_, dt) in zip(axes[0], panels, strict=True):
+        for impl in dict.fromkeys(r["impl"] for r in doc["records"]):
+            widest = {}  # per N, the shape with the most rows (the bandwidth shape, not the few-rows one)
+            for r in recs:
+                mine = (r["impl"], r["pass"], r["dtype"]) == (impl, pass_, dt)
+                if mine and r["M"] > widest.get(r["N"], {"M": 0})["M"]:
+                    widest[r["N"]] = r
+            pts = sorted((n, _best(r)) for n, r in widest.items())
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=impl)
+        ax.axhline(doc["copy_gbps"], color="k", linestyle="--", label="copy")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("N (row length)")
+        ax.set_ylabel("GB/s (read + written)")
+        ax.set_title(f"{pass_} {dt} - {doc['device']}")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(args) -> int:
+    device = args.device
+    if device == "cuda" and not torch.cuda.is_available():
+        print("fastsoftmax bench: no CUDA device (use --device cpu for a smoke run)", file=sys.stderr)
+        return 2
+    impls = args.impls.split(",") if args.impls else list(IMPLS)
+    bad = [i for i in impls if i not in BUILDERS]
+    if bad:
+        print(f"fastsoftmax bench: unknown implementations {bad}; valid: {', '.join(IMPLS)}", file=sys.stderr)
+        return 2
+    doc = run(parse_shapes(args.shapes), args.dtypes.split(","), args.passes.split(","), impls, device, args.graph)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=1)
+    if args.plot:
+        plot(doc, args.plot)
+    return 0

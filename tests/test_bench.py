@@ -1,0 +1,61 @@
+"""`fastsoftmax bench`: the harness on the CPU (a smoke run: JSON schema, plot, peers that cannot import
+shown as unsupported with their error), and the table arithmetic on known records. Its GPU figures come
+from the H200 (bench/results/)."""
+
+import io
+import json
+import os
+import subprocess
+import sys
+
+from fastsoftmax import bench
+
+KEYS = {"impl", "backend", "dtype", "M", "N", "pass", "ms", "gbps", "ok", "error", "graph_ms", "graph_gbps"}
+
+
+def test_cpu_smoke_run(tmp_path):
+    out_json, out_png = tmp_path / "b.json", tmp_path / "b.png"
+    cmd = [sys.executable, "-m", "fastsoftmax", "bench", "--device", "cpu", "--shapes", "4x33,3x1000",
+           "--dtypes", "float32,bfloat16", "--impls", "fastsoftmax,fastsoftmax-triton,torch,quack",
+           "--json", str(out_json), "--plot", str(out_png)]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    doc = json.loads(out_json.read_text())
+    assert {"device", "date", "torch", "triton", "copy_gbps", "records", "host_us"} <= set(doc)
+    assert doc["copy_gbps"] > 0 and doc["host_us"]["fastsoftmax"] > 0 and doc["host_us"]["torch"] > 0
+    recs = doc["records"]
+    assert len(recs) == 2 * 2 * 2 * 4 and all(set(r) == KEYS for r in recs)
+    for r in recs:
+        if r["impl"] == "quack":  # not importable here: unsupported, with the reason
+            assert not r["ok"] and "quack" in r["error"] and r["gbps"] is None
+        else:
+            assert r["ok"] and r["error"] is None and r["gbps"] > 0 and r["ms"] > 0, r
+    triton = [r for r in recs if r["impl"] == "fastsoftmax-triton"]
+    assert all(r["backend"] == "triton" for r in triton)
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "unsupported" in run.stdout and "No module named 'quack'" in run.stdout
+    assert "host overhead per eager call" in run.stdout
+
+
+def rec(impl, gbps, n=1024, pass_="fwd", ok=True, graph=None):
+    return {"impl": impl, "backend": None, "dtype": "bfloat16", "M": 1 << 17, "N": n, "pass": pass_, "ms": 1.0,
+            "gbps": gbps, "ok": ok, "error": None if ok else "ValueError: refused", "graph_ms": None,
+            "graph_gbps": graph}  # fmt: skip
+
+
+def test_tables_speedups_and_unsupported():
+    doc = {"device": "test", "torch": "t", "triton": "t", "method": "m", "copy_gbps": 4000.0,
+           "host_us": {"fastsoftmax": 10.0, "torch": 11.0},
+           "records": [rec("fastsoftmax", 4000.0), rec("torch", 1000.0), rec("quack", 2000.0),
+                       rec("fastsoftmax", 2000.0, n=513), rec("torch", 1000.0, n=513),
+                       rec("quack", None, n=513, ok=False),
+                       rec("fastsoftmax", 100.0, n=8, graph=800.0), rec("torch", 200.0, n=8)]}  # fmt: skip
+    out = io.StringIO()
+    bench.print_tables(doc, out)
+    text = out.getvalue()
+    lines = {line.split()[1]: line for line in text.splitlines() if line.startswith("bfloat16")}
+    assert "100%" in lines["131072x1024"] and "4.00" in lines["131072x1024"] and "2.00" in lines["131072x1024"]
+    assert "unsupported" in lines["131072x513"]
+    assert "4.00" in lines["131072x8"]  # the CUDA-graph figure counts where measured (800 vs 200)
+    assert "xtorch 3.17" in text  # geometric mean of 4, 2, 4
