@@ -59,3 +59,55 @@ def test_tables_speedups_and_unsupported():
     assert "unsupported" in lines["131072x513"]
     assert "4.00" in lines["131072x8"]  # the CUDA-graph figure counts where measured (800 vs 200)
     assert "xtorch 3.17" in text  # geometric mean of 4, 2, 4
+
+
+def test_cpu_tune_writes_a_table_auto_can_read(tmp_path):
+    from fastsoftmax import tuning
+
+    out = tmp_path / "t.json"
+    cmd = [sys.executable, "-m", "fastsoftmax", "bench", "--device", "cpu", "--tune", str(out),
+           "--shapes", "2x64,2x100", "--dtypes", "float32", "--passes", "fwd,bwd"]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    doc = tuning.validate(json.loads(out.read_text()))
+    assert doc["generated_by"] == "fastsoftmax bench --tune" and len(doc["entries"]) == 4
+    for e in doc["entries"]:  # the winner is the fastest candidate measured, every candidate kept
+        assert e["backend"] == "triton" and e["gbps"] == max(e["candidates"].values())
+        assert e["candidates"][f"{e['backend']}/{e['path']}"] == e["gbps"]
+        assert {"triton/rowblock", "triton/online", "triton/split"} == set(e["candidates"])
+    assert tuning.choose(doc, "bwd", "float32", 80, 2, 132) == (doc["entries"][3]["backend"], doc["entries"][3]["path"])
+
+
+def test_tune_rows_classes(monkeypatch, device):
+    """Both rows classes get their own entries (the threshold lowered so that tiny shapes span both)."""
+    from fastsoftmax import bench, tuning
+
+    monkeypatch.setattr(tuning, "FEW_ROWS_PER_SM", 0.01)  # 132 SMs: 1 row is few, 2 or more many
+    doc = bench.tune([(1, 64), (3, 64)], ["bfloat16"], ["fwd"], device, progress=None)
+    assert [(e["rows"], e["n_max"]) for e in doc["entries"]] == [("few", 64), ("many", 64)]
+
+
+def test_tuning_buckets():
+    from fastsoftmax import tuning
+
+    entries = [{"pass": "fwd", "dtype": "bfloat16", "rows": r, "n_max": n, "backend": b, "path": p}
+               for r, n, b, p in [("many", 1024, "triton", "rowblock"), ("many", 65536, "cuda", "cluster"),
+                                  ("few", 65536, "triton", "split")]]  # fmt: skip
+    doc = tuning.validate({"device": "x", "date": "d", "entries": entries})
+    assert tuning.choose(doc, "fwd", "bfloat16", 513, 4096, 132) == ("triton", "rowblock")
+    assert tuning.choose(doc, "fwd", "bfloat16", 1024, 4096, 132) == ("triton", "rowblock")
+    assert tuning.choose(doc, "fwd", "bfloat16", 1025, 4096, 132) == ("cuda", "cluster")
+    assert tuning.choose(doc, "fwd", "bfloat16", 50257, 8, 132) == ("triton", "split")  # few rows
+    assert tuning.choose(doc, "fwd", "bfloat16", 65537, 4096, 132) is None  # past the grid: heuristics
+    assert tuning.choose(doc, "bwd", "bfloat16", 513, 4096, 132) is None
+    assert tuning.choose(None, "fwd", "bfloat16", 513, 4096, 132) is None
+    assert tuning.rows_class(263, 132) == "few" and tuning.rows_class(264, 132) == "many"
+    bad = {"device": "x", "date": "d", "entries": [{**entries[0], "rows": "some"}]}
+    try:
+        tuning.validate(bad)
+    except ValueError as e:
+        assert "malformed" in str(e)
+    else:
+        raise AssertionError("a malformed entry was accepted")
+    assert tuning.slug("NVIDIA H200") == "nvidia_h200"

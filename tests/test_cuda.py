@@ -184,3 +184,32 @@ def test_side_stream_and_graph():
         assert_close(out, static, -1, False)
         assert compare_grad(grad, static, out, -1, False)[1] is None
     assert dx.shape == x.shape
+
+
+def test_auto_follows_the_tuning_table(monkeypatch):
+    """backend="auto" runs what the GPU's table names for the problem's bucket; a path the row does not fit
+    falls back to the backend's own choice; past the table, the Triton backend with its heuristics."""
+    from fastsoftmax import dispatch, tuning
+
+    name = dispatch._gpu(torch.cuda.current_device())[0]
+    entries = [
+        {"pass": "fwd", "dtype": "float32", "rows": "many", "n_max": 2048, "backend": "cuda", "path": "online"},
+        {"pass": "fwd", "dtype": "float32", "rows": "many", "n_max": 8192, "backend": "cuda", "path": "warp"},
+        {"pass": "bwd", "dtype": "float32", "rows": "many", "n_max": 2048, "backend": "triton", "path": "online"},
+    ]
+    doc = tuning.validate({"device": name, "date": "test", "entries": entries})
+    monkeypatch.setattr(tuning, "table", lambda device_name: doc if device_name == name else None)
+    x = torch.randn(4096, 1000, device="cuda")
+    y = fs.softmax(x)
+    assert (heuristics.last_plan().backend, heuristics.last_plan().path) == ("cuda", "online")
+    assert_close(y, x, -1, False)
+    dx = fs.softmax_backward(torch.randn_like(y), y)
+    assert (heuristics.last_plan().backend, heuristics.last_plan().path) == ("triton", "online")
+    assert dx.shape == y.shape
+    fs.softmax(torch.randn(4096, 6000, device="cuda"))  # warp cannot hold 6000 fp32: cuda's own choice
+    assert (heuristics.last_plan().backend, heuristics.last_plan().path) == ("cuda", "block")
+    fs.softmax(torch.randn(64, 1000, device="cuda"))  # few rows: no entry for them
+    assert heuristics.last_plan().backend == "triton"
+    with heuristics.force(path="rowblock"):  # forcing still wins over the table
+        fs.softmax(x, backend="triton")
+    assert heuristics.last_plan().path == "rowblock"

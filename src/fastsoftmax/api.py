@@ -45,7 +45,7 @@ def forward(x, dim=-1, *, log=False, dtype=None, backend="auto", want_lse=False,
     """softmax / log_softmax with, on request, the per-row logsumexp (fp32, x's shape without dim) that a
     backward pass, a loss or another GPU's shard can consume. Returns (y, lse or None)."""
     dim, out_dtype = _check(fn, x, dim, dtype, backend)
-    impl = dispatch.select(backend, x, out_dtype)
+    impl, path = dispatch.select(backend, x, out_dtype, dim=dim)
     if x.dim() == 0:
         y, lse = forward(x.reshape(1), 0, log=log, dtype=dtype, backend=impl.name, want_lse=want_lse, fn=fn)
         return y.reshape(()), (lse.reshape(()) if lse is not None else None)
@@ -55,7 +55,7 @@ def forward(x, dim=-1, *, log=False, dtype=None, backend="auto", want_lse=False,
         if want_lse:  # an empty row is fully masked: lse = -inf
             lse = torch.full(x.shape[:dim] + x.shape[dim + 1 :], float("-inf"), device=x.device)
         return torch.empty_like(x, dtype=out_dtype), lse
-    return impl.forward(x, dim, out_dtype, log, want_lse)
+    return impl.forward(x, dim, out_dtype, log, want_lse, path)
 
 
 def backward(dy, y, dim=-1, *, log=False, dtype=None, backend="auto", fn="softmax_backward"):
@@ -70,13 +70,13 @@ def backward(dy, y, dim=-1, *, log=False, dtype=None, backend="auto", fn="softma
         raise ValueError(f"{fn}: dy has shape {tuple(dy.shape)} but y has {tuple(y.shape)}")
     if dy.device != y.device:
         raise ValueError(f"{fn}: dy is on {dy.device} but y is on {y.device}")
-    impl = dispatch.select(backend, y, out_dtype, dy)
+    impl, path = dispatch.select(backend, y, out_dtype, dy, dim=dim)
     if y.dim() == 0:
         return backward(dy.reshape(1), y.reshape(1), 0, log=log, dtype=dtype, backend=impl.name, fn=fn).reshape(())
     if y.numel() == 0:
         heuristics.record(heuristics.Plan(impl.name, "empty"))
         return torch.empty_like(y, dtype=out_dtype)
-    return impl.backward(dy, y, dim, out_dtype, log)
+    return impl.backward(dy, y, dim, out_dtype, log, path)
 
 
 def _autograd(x) -> bool:

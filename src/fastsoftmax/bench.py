@@ -196,7 +196,7 @@ def _check(out: torch.Tensor, x, y, dy, pass_: str) -> str | None:
     """The first and last rows of an implementation's output against the float64 oracle."""
     from .reference import compare, compare_grad
 
-    rows = sorted({0, 1, x.shape[0] - 1})
+    rows = sorted({0, min(1, x.shape[0] - 1), x.shape[0] - 1})
     if pass_ == "fwd":
         err, problem = compare(out[rows], x[rows], -1, False)
     else:
@@ -406,6 +406,94 @@ def plot(doc: dict, path: str):
     plt.close(fig)
 
 
+# ---- --tune: the table backend="auto" reads (tuning.py) -------------------------------------------------
+
+TUNE_GRID = [1 << k for k in range(8, 21)]  # row lengths 256 .. 2^20: each measured one closes a bucket
+
+
+def tune_shapes(sm_count: int) -> list[tuple[int, int]]:
+    """Per grid length, a many-rows shape (2^26 elements, at least 2 rows per SM) and a few-rows one."""
+    from .tuning import FEW_ROWS_PER_SM
+
+    many = [(max(FEW_ROWS_PER_SM * sm_count, (1 << 26) // n), n) for n in TUNE_GRID]
+    return many + [(64, n) for n in TUNE_GRID]
+
+
+def candidates(n: int, n_rows: int, elsize: int, pass_: str, device: str) -> list[tuple[str, str]]:
+    """(backend, path) pairs that can run this problem here."""
+    from . import dispatch, heuristics
+
+    inputs = 1 if pass_ == "fwd" else 2
+    out = [("triton", p) for p in heuristics.PATHS if p != "rowblock" or n <= heuristics.ROWBLOCK_MAX_N // inputs]
+    if device == "cuda" and not dispatch.cuda_import_error():
+        from .cuda.kernels import _device_facts, launch_shape
+
+        sms, cc, _ = _device_facts(torch.cuda.current_device())
+        for v in ("warp", "block", "cluster", "online"):
+            try:
+                launch_shape(n, n_rows, elsize, sms, cc, v, inputs)
+                out.append(("cuda", v))
+            except ValueError:
+                pass
+    return out
+
+
+def tune(shapes, dtypes, passes, device: str, progress=sys.stderr) -> dict:
+    """Measure every (backend, path) candidate per problem and keep the fastest (CUDA-graph GPU time for
+    few-row problems, eager do_bench otherwise); every candidate's GB/s is kept in the entry."""
+    import triton
+
+    import fastsoftmax as fs
+
+    from . import heuristics, tuning
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count if device == "cuda" else 132
+    entries = []
+    for pass_ in passes:
+        for dt in dtypes:
+            dtype = getattr(torch, dt)
+            for m, n in shapes:
+                cls = tuning.rows_class(m, sms)
+                x = torch.randn(m, n, device=device, dtype=dtype) * 3
+                y, dy = torch.softmax(x, -1), torch.randn(m, n, device=device, dtype=dtype)
+                nbytes = (2 if pass_ == "fwd" else 3) * x.numel() * x.element_size()
+                results = {}
+                for backend, path in candidates(n, m, x.element_size(), pass_, device):
+                    with heuristics.force(path=path):
+                        if pass_ == "fwd":
+                            fn = lambda b=backend, x=x: fs.softmax(x, backend=b)  # noqa: E731
+                        else:
+                            fn = lambda b=backend, y=y, dy=dy: fs.softmax_backward(dy, y, backend=b)  # noqa: E731
+                        try:
+                            problem = _check(fn(), x, y, dy, pass_)
+                            if problem:
+                                raise Unsupported(problem)
+                            timed = graphed(fn) if device == "cuda" and cls == "few" else fn
+                            results[f"{backend}/{path}"] = nbytes / time_ms(timed, device) / 1e6
+                        except Exception as e:  # a candidate that fails is left out, and said
+                            if progress is not None:
+                                progress.write(f"  {pass_} {dt} {m}x{n} {backend}/{path}: {type(e).__name__}: {e}\n")
+                if not results:
+                    continue
+                best = max(results, key=results.get)
+                backend, path = best.split("/")
+                entries.append({"pass": pass_, "dtype": dt, "rows": cls, "n_max": n, "M": m, "backend": backend,
+                                "path": path, "gbps": results[best], "candidates": results})  # fmt: skip
+                if progress is not None:
+                    progress.write(f"{pass_} {dt} {m}x{n} ({cls}): {best} {results[best]:.0f} GB/s\n")
+                    progress.flush()
+                del x, y, dy
+    from . import info
+
+    return tuning.validate({
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu (smoke run)",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "generated_by": "fastsoftmax bench --tune", "torch": torch.__version__, "triton": triton.__version__,
+        "nvrtc": info()["nvrtc"], "copy_gbps": copy_gbps(device), "sm_count": sms,
+        "few_rows_per_sm": tuning.FEW_ROWS_PER_SM, "entries": entries,
+    })  # fmt: skip
+
+
 def main(args) -> int:
     device = args.device
     if device == "cuda" and not torch.cuda.is_available():
@@ -416,6 +504,14 @@ def main(args) -> int:
     if bad:
         print(f"fastsoftmax bench: unknown implementations {bad}; valid: {', '.join(IMPLS)}", file=sys.stderr)
         return 2
+    if args.tune:
+        sms = torch.cuda.get_device_properties(0).multi_processor_count if device == "cuda" else 132
+        shapes = tune_shapes(sms) if args.shapes == "suite" else parse_shapes(args.shapes)
+        doc = tune(shapes, args.dtypes.split(","), args.passes.split(","), device)
+        with open(args.tune, "w") as f:
+            json.dump(doc, f, indent=1)
+        print(f"wrote {len(doc['entries'])} entries to {args.tune}")
+        return 0
     doc = run(parse_shapes(args.shapes), args.dtypes.split(","), args.passes.split(","), impls, device, args.graph)
     if args.json:
         with open(args.json, "w") as f:

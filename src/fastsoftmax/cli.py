@@ -205,6 +205,9 @@ def main(argv=None) -> int:
     b.add_argument("--json", default=None, help="write every record to this JSON file")
     b.add_argument("--plot", default=None, help="write GB/s against N to this PNG (needs matplotlib)")
     b.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke run of the harness")
+    b.add_argument("--tune", default=None, metavar="PATH", help="measure every backend/path per problem and "
+                   "write the table backend='auto' reads (src/fastsoftmax/tuning/<gpu>.json); shapes: the tuning "
+                   "grid unless --shapes is given")  # fmt: skip
     b.set_defaults(fn=bench)
     args = p.parse_args(argv)
     return args.fn(args)

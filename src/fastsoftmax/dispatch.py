@@ -18,7 +18,7 @@ import os
 
 import torch
 
-from . import heuristics
+from . import heuristics, tuning
 from .layout import alloc
 from .reference import softmax_backward_torch, softmax_torch
 
@@ -34,13 +34,13 @@ class TorchBackend:
     def unavailable(self, x, out_dtype, dy=None):
         return None
 
-    def forward(self, x, dim, out_dtype, log, want_lse):
+    def forward(self, x, dim, out_dtype, log, want_lse, path=None):
         heuristics.record(heuristics.Plan("torch", "reference"))
         y, lse = softmax_torch(x, dim, log, out_dtype)
         # In the layout every backend promises (and the custom op's fake implementation states).
         return alloc(x, out_dtype).copy_(y), (lse.to(torch.float32) if want_lse else None)
 
-    def backward(self, dy, y, dim, out_dtype, log):
+    def backward(self, dy, y, dim, out_dtype, log, path=None):
         heuristics.record(heuristics.Plan("torch", "reference"))
         return alloc(y, out_dtype).copy_(softmax_backward_torch(dy, y, dim, log, out_dtype))
 
@@ -103,15 +103,15 @@ class TritonBackend:
             return "the Triton kernels were loaded for the interpreter (TRITON_INTERPRET=1); CUDA needs them compiled"
         return None
 
-    def forward(self, x, dim, out_dtype, log, want_lse):
+    def forward(self, x, dim, out_dtype, log, want_lse, path=None):
         y = alloc(x, out_dtype)
         with _on_device(x):
-            return y, _kernels("softmax_fwd").forward(x, y, dim, log, want_lse)[1]
+            return y, _kernels("softmax_fwd").forward(x, y, dim, log, want_lse, path)[1]
 
-    def backward(self, dy, y, dim, out_dtype, log):
+    def backward(self, dy, y, dim, out_dtype, log, path=None):
         dx = alloc(y, out_dtype)
         with _on_device(y):
-            _kernels("softmax_bwd").backward(dy, y, dx, dim, log)
+            _kernels("softmax_bwd").backward(dy, y, dx, dim, log, path)
         return dx
 
 
@@ -153,15 +153,15 @@ class CudaBackend:
             return f"the CUDA kernels need compute capability 8.0 or newer (this GPU: {cc // 10}.{cc % 10})"
         return None
 
-    def forward(self, x, dim, out_dtype, log, want_lse):
+    def forward(self, x, dim, out_dtype, log, want_lse, path=None):
         y = alloc(x, out_dtype)
         with _on_device(x):
-            return y, _cuda_kernels().forward(x, y, dim, log, want_lse)
+            return y, _cuda_kernels().forward(x, y, dim, log, want_lse, path)
 
-    def backward(self, dy, y, dim, out_dtype, log):
+    def backward(self, dy, y, dim, out_dtype, log, path=None):
         dx = alloc(y, out_dtype)
         with _on_device(y):
-            _cuda_kernels().backward(dy, y, dx, dim, log)
+            _cuda_kernels().backward(dy, y, dx, dim, log, path)
         return dx
 
 
@@ -169,16 +169,35 @@ BACKENDS = {b.name: b for b in (TritonBackend(), CudaBackend(), TorchBackend())}
 NAMES = ("auto", *BACKENDS)
 
 
-def select(name: str, x: torch.Tensor, out_dtype: torch.dtype, dy: torch.Tensor | None = None):
-    """The backend that runs x (forward) or y and dy (backward): the named one (raising if it cannot), or
-    for 'auto' the Triton kernels for CUDA tensors they can run, torch ops for everything else."""
+@functools.cache
+def _gpu(index: int) -> tuple[str, int]:
+    """(name, SM count) of a GPU, read once."""
+    p = torch.cuda.get_device_properties(index)
+    return p.name, p.multi_processor_count
+
+
+def select(name: str, x: torch.Tensor, out_dtype: torch.dtype, dy: torch.Tensor | None = None, dim: int = -1):
+    """(backend, path or None) that runs x (forward) or y and dy (backward) along dim: the named backend
+    (raising if it cannot) with its own path choice; or for 'auto', on a CUDA tensor, what the GPU's tuning
+    table (tuning.py) names for this problem when that backend can run it, else the Triton kernels when
+    they can; torch ops for everything else."""
     if name == "auto":
-        ok = x.device.type == "cuda" and BACKENDS["triton"].unavailable(x, out_dtype, dy) is None
-        return BACKENDS["triton" if ok else "torch"]
+        if x.device.type != "cuda":
+            return BACKENDS["torch"], None
+        if x.dim() and x.numel():
+            gpu_name, sms = _gpu(x.device.index if x.device.index is not None else torch.cuda.current_device())
+            n = x.shape[dim]
+            pick = tuning.choose(
+                tuning.table(gpu_name), "bwd" if dy is not None else "fwd", str(x.dtype)[6:], n, x.numel() // n, sms
+            )
+            if pick and pick[0] in BACKENDS and BACKENDS[pick[0]].unavailable(x, out_dtype, dy) is None:
+                return BACKENDS[pick[0]], pick[1]
+        ok = BACKENDS["triton"].unavailable(x, out_dtype, dy) is None
+        return BACKENDS["triton" if ok else "torch"], None
     backend = BACKENDS.get(name) if isinstance(name, str) else None
     if backend is None:
         raise ValueError(f"unknown backend {name!r}; valid: {', '.join(repr(n) for n in NAMES)}")
     why = backend.unavailable(x, out_dtype, dy)
     if why:
         raise RuntimeError(f"backend={name!r} cannot run this tensor ({x.device}, {x.dtype}): {why}")
-    return backend
+    return backend, None

@@ -222,15 +222,22 @@ def _launch(fn, grid: int, block: int, cluster: int, params: _Params, stream: in
     _ok(cu.cuLaunchKernelEx(cfg, fn, ctypes.addressof(args), 0), f"cluster launch ({cluster} CTAs per cluster)")
 
 
-def _plan(x: torch.Tensor, lay, inputs: int) -> tuple[Shape, int]:
+def _plan(x: torch.Tensor, lay, inputs: int, hint: str | None = None) -> tuple[Shape, int]:
+    """The launch shape: heuristics.force's path, else the tuning table's ``hint`` when it holds this row,
+    else launch_shape's own choice."""
     index = x.device.index if x.device.index is not None else torch.cuda.current_device()
     sms, cc, _ = _device_facts(index)
     forced = heuristics.forced() or {}
     variant = forced.get("path")
     if variant is not None and variant not in VARIANTS:
         raise ValueError(f"the CUDA backend has no path {variant!r}; its variants: {', '.join(VARIANTS)}")
-    shape = launch_shape(lay.N, lay.B * lay.I, x.element_size(), sms, cc, variant, inputs)
-    return shape, index
+    n_rows = lay.B * lay.I
+    if variant is None and hint in VARIANTS:
+        try:
+            return launch_shape(lay.N, n_rows, x.element_size(), sms, cc, hint, inputs), index
+        except ValueError:
+            pass  # the hinted variant does not hold this row: the default choice
+    return launch_shape(lay.N, n_rows, x.element_size(), sms, cc, variant, inputs), index
 
 
 def _config(kind: str, shape: Shape, x, out, d=None) -> build.Config:
@@ -258,10 +265,10 @@ def _grid(shape: Shape, n_rows: int) -> int:
     return -(-n_rows // shape.rows) * shape.cluster
 
 
-def forward(x: torch.Tensor, y: torch.Tensor, dim: int, log: bool, want_lse: bool):
+def forward(x: torch.Tensor, y: torch.Tensor, dim: int, log: bool, want_lse: bool, path: str | None = None):
     """Write softmax (log_softmax) of x along dim into y; returns the fp32 logsumexp per row or None."""
     xk, lay = plan_layout(x, y, dim)
-    shape, index = _plan(xk, lay, 1)
+    shape, index = _plan(xk, lay, 1, path)
     lse = None
     if want_lse:
         lse = alloc(x, torch.float32, x.shape[:dim] + x.shape[dim + 1 :], lay.stat_strides)
@@ -278,7 +285,7 @@ def forward(x: torch.Tensor, y: torch.Tensor, dim: int, log: bool, want_lse: boo
     return lse
 
 
-def backward(dy: torch.Tensor, y: torch.Tensor, dx: torch.Tensor, dim: int, log: bool):
+def backward(dy: torch.Tensor, y: torch.Tensor, dx: torch.Tensor, dim: int, log: bool, path: str | None = None):
     """Write the gradient of softmax (log_softmax) along dim into dx, from y and dy."""
     copied = False
     if dy.stride() != y.stride():
@@ -289,7 +296,7 @@ def backward(dy: torch.Tensor, y: torch.Tensor, dx: torch.Tensor, dim: int, log:
     yk, lay = plan_layout(y, dx, dim)
     if lay.copied:
         dy = dy.contiguous()
-    shape, index = _plan(yk, lay, 2)
+    shape, index = _plan(yk, lay, 2, path)
     (sxb, sxn, sxi), (syb, syn, syi) = lay.sx, lay.sy
     params = _Params(
         yk.data_ptr(), dx.data_ptr(), dy.data_ptr(), None,

@@ -69,12 +69,15 @@ class Launch:
     n_rows: int
 
 
-def prepare(x: torch.Tensor, y: torch.Tensor, lay: Layout, inputs: int = 1) -> Launch:
-    """Everything a launch needs for anchor x and output y in layout ``lay``; records the plan."""
+def prepare(x: torch.Tensor, y: torch.Tensor, lay: Layout, inputs: int = 1, path: str | None = None) -> Launch:
+    """Everything a launch needs for anchor x and output y in layout ``lay``; records the plan. ``path``:
+    the tuning table's choice (heuristics.force overrides it)."""
     (sxb, sxn, sxi), (syb, syn, syi) = lay.sx, lay.sy
     n, inner, n_rows = lay.N, lay.I > 1, lay.B * lay.I
     rows_contiguous = (sxi == 1) if inner else (sxb == 1 and sxn != 1)
     overrides = heuristics.forced() or {}
+    if path is not None and "path" not in overrides:
+        overrides = {**overrides, "path": path}
     if overrides.get("path", "rowblock") not in heuristics.PATHS:
         raise ValueError(
             f"the Triton backend has no path {overrides['path']!r}; its paths: {', '.join(heuristics.PATHS)}"

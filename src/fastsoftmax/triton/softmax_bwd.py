@@ -203,7 +203,7 @@ from ..layout import plan_layout  # noqa: E402
 from .launch import aligned_view, prepare  # noqa: E402
 
 
-def backward(dy: torch.Tensor, y: torch.Tensor, dx: torch.Tensor, dim: int, log: bool):
+def backward(dy: torch.Tensor, y: torch.Tensor, dx: torch.Tensor, dim: int, log: bool, path: str | None = None):
     """Write the gradient of softmax (or log_softmax) along ``dim`` into dx, from the forward output y and
     the output gradient dy (all the same shape). Returns the plan that ran."""
     y, lay = plan_layout(y, dx, dim)
@@ -218,7 +218,7 @@ def backward(dy: torch.Tensor, y: torch.Tensor, dx: torch.Tensor, dim: int, log:
             y, lay = plan_layout(like.copy_(y), dx, dim)
         dy = torch.empty_like(y, dtype=dy.dtype).copy_(dy)
         lay = replace(lay, copied=True)
-    L = prepare(y, dx, lay, inputs=2)
+    L = prepare(y, dx, lay, inputs=2, path=path)
     dy_arg = aligned_view(dy, L.x_mis)
     sx, sy = L.strides[:3], L.strides[3:]
     tail = dict(**L.flags, Y_VEC=L.y_vec, LOG=log, num_warps=L.plan.num_warps)

@@ -357,14 +357,14 @@ from ..layout import alloc, plan_layout  # noqa: E402
 from .launch import prepare  # noqa: E402
 
 
-def forward(x: torch.Tensor, y: torch.Tensor, dim: int, log: bool, want_lse: bool):
+def forward(x: torch.Tensor, y: torch.Tensor, dim: int, log: bool, want_lse: bool, path: str | None = None):
     """Write softmax (or log_softmax) of x along ``dim`` into y (same shape). Returns (the plan that ran,
     logsumexp per row as fp32 shaped like x without dim, or None)."""
     x, lay = plan_layout(x, y, dim)
     lse = None
     if want_lse:
         lse = alloc(x, torch.float32, x.shape[:dim] + x.shape[dim + 1 :], lay.stat_strides)
-    L = prepare(x, y, lay)
+    L = prepare(x, y, lay, path=path)
     lse_arg = y if lse is None else lse
     sx, sy = L.strides[:3], L.strides[3:]
     tail = dict(**L.flags, Y_VEC=L.y_vec, LOG=log, WRITE_LSE=lse is not None, num_warps=L.plan.num_warps)

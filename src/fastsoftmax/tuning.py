@@ -1,0 +1,62 @@
+"""The tables `backend="auto"` reads on a GPU: for each (pass, dtype, row-length bucket, rows class), the
+backend and path that were fastest on that GPU model, measured by `fastsoftmax bench --tune` and committed
+as src/fastsoftmax/tuning/<device>.json (dated, with the GB/s of every candidate). No autotuning at call
+time: a GPU with no table, or a problem outside the table's buckets, gets the Triton backend with
+heuristics.py's rules.
+
+Buckets: an entry measured at row length n_max covers (previous n_max, n_max]; lengths past the largest
+measured one have no entry. Rows class: "few" when there are fewer than FEW_ROWS_PER_SM rows per SM (the
+GPU is filled only by spreading a row over several SMs), else "many".
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from importlib import resources
+
+FEW_ROWS_PER_SM = 2
+FIELDS = ("pass", "dtype", "rows", "n_max", "backend", "path")
+
+
+def slug(device_name: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "_", device_name.lower()).strip("_")
+
+
+@functools.cache
+def table(device_name: str) -> dict | None:
+    """The committed table for this GPU model, or None."""
+    f = resources.files(__package__).joinpath("tuning", f"{slug(device_name)}.json")
+    if not f.is_file():
+        return None
+    return validate(json.loads(f.read_text()))
+
+
+def validate(doc: dict) -> dict:
+    """A table's shape, checked once when it is read (a malformed committed table fails loudly)."""
+    for key in ("device", "date", "entries"):
+        if key not in doc:
+            raise ValueError(f"tuning table lacks {key!r}")
+    for e in doc["entries"]:
+        missing = [k for k in FIELDS if k not in e]
+        if missing or e["rows"] not in ("few", "many") or e["pass"] not in ("fwd", "bwd"):
+            raise ValueError(f"malformed tuning entry {e}")
+    return doc
+
+
+def rows_class(n_rows: int, sm_count: int) -> str:
+    return "few" if n_rows < FEW_ROWS_PER_SM * sm_count else "many"
+
+
+def choose(doc: dict | None, pass_: str, dtype: str, n: int, n_rows: int, sm_count: int) -> tuple[str, str] | None:
+    """(backend, path) for the problem from table ``doc``, or None when the table has no bucket for it."""
+    if doc is None:
+        return None
+    cls = rows_class(n_rows, sm_count)
+    best = None
+    for e in doc["entries"]:
+        if (e["pass"], e["dtype"], e["rows"]) == (pass_, dtype, cls) and e["n_max"] >= n:
+            if best is None or e["n_max"] < best["n_max"]:
+                best = e
+    return (best["backend"], best["path"]) if best else None
