@@ -63,13 +63,19 @@ def triton_import_error() -> str | None:
     return None
 
 
+_interpreted: list[bool] = []  # filled once the kernels are imported, when the answer can no longer change
+
+
 def triton_interpreted() -> bool:
     """Whether the Triton kernels run in Triton's interpreter: fixed when the kernel module is first
     imported, from TRITON_INTERPRET at that moment."""
+    if _interpreted:
+        return _interpreted[0]
     if _kernels.cache_info().currsize:
         from triton.runtime.interpreter import InterpretedFunction
 
-        return isinstance(_kernels("softmax_fwd").softmax_fwd_rowblock, InterpretedFunction)
+        _interpreted.append(isinstance(_kernels("softmax_fwd").softmax_fwd_rowblock, InterpretedFunction))
+        return _interpreted[0]
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 

@@ -10,6 +10,7 @@ layout says so.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import torch
@@ -45,9 +46,13 @@ def _merge(dims):
 
 def canonical(x: torch.Tensor, y: torch.Tensor, dim: int) -> Layout | None:
     """The (B, N, I) view of x and y along ``dim`` (non-negative), or None if it needs more row groups."""
-    n = x.shape[dim]
-    xs, ys = x.stride(), y.stride()
-    dims = [(x.shape[d], xs[d], ys[d], d) for d in range(x.dim()) if d != dim and x.shape[d] != 1]
+    return _canonical(tuple(x.shape), x.stride(), y.stride(), dim)
+
+
+@functools.lru_cache(maxsize=4096)
+def _canonical(shape: tuple, xs: tuple, ys: tuple, dim: int) -> Layout | None:
+    n = shape[dim]
+    dims = [(shape[d], xs[d], ys[d], d) for d in range(len(shape)) if d != dim and shape[d] != 1]
     groups = _merge(dims)
     if len(groups) > 2:
         return None
@@ -60,7 +65,7 @@ def canonical(x: torch.Tensor, y: torch.Tensor, dim: int) -> Layout | None:
         for d, size in reversed(members):
             stat[d] = outer
             outer *= size
-    stat_strides = tuple(stat.get(d, 1) for d in range(x.dim()) if d != dim)
+    stat_strides = tuple(stat.get(d, 1) for d in range(len(shape)) if d != dim)
     sxn, syn = (xs[dim], ys[dim]) if n != 1 else (0, 0)
     return Layout(b, i, n, (sxb, sxn, sxi), (syb, syn, syi), stat_strides, False)
 

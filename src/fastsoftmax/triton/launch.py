@@ -10,12 +10,16 @@ import functools
 from dataclasses import dataclass
 
 import torch
-import triton
 
 from .. import heuristics
 from ..layout import Layout
 
 _INT32_MAX = 2**31 - 1
+
+
+def _cdiv(a: int, b: int) -> int:
+    """Ceiling division on the host (triton.cdiv is a JIT function: ~6 us per call from Python)."""
+    return -(-a // b)
 
 
 def vector_plan(elsize: int, x_addr: int, y_addr: int, lay: Layout) -> tuple[int, bool, bool, int]:
@@ -71,49 +75,54 @@ class Launch:
 
 def prepare(x: torch.Tensor, y: torch.Tensor, lay: Layout, inputs: int = 1, path: str | None = None) -> Launch:
     """Everything a launch needs for anchor x and output y in layout ``lay``; records the plan. ``path``:
-    the tuning table's choice (heuristics.force overrides it)."""
-    (sxb, sxn, sxi), (syb, syn, syi) = lay.sx, lay.sy
-    n, inner, n_rows = lay.N, lay.I > 1, lay.B * lay.I
-    rows_contiguous = (sxi == 1) if inner else (sxb == 1 and sxn != 1)
+    the tuning table's choice (heuristics.force overrides it). The plan is a pure function of the layout,
+    the addresses modulo 16 and the overrides, and is cached on them (the host cost of a call matters)."""
     overrides = heuristics.forced() or {}
     if path is not None and "path" not in overrides:
         overrides = {**overrides, "path": path}
+    st = x.untyped_storage().data_ptr() % 16
+    plan, x_mis, grid, rows_args, flags, y_vec, chunks = _plan(
+        lay, x.element_size(), sm_count(x), inputs, tuple(sorted(overrides.items())),
+        x.data_ptr() % 16, y.data_ptr() % 16, st,
+    )  # fmt: skip
+    (sxb, sxn, sxi), (syb, syn, syi) = lay.sx, lay.sy
+    return Launch(
+        plan=heuristics.record(plan), x_arg=aligned_view(x, x_mis), x_mis=x_mis, grid=grid, rows_args=rows_args,
+        strides=(sxb, sxn, sxi, syb, syn, syi), flags=flags, y_vec=y_vec, chunks_per_split=chunks,
+        n_rows=lay.B * lay.I,
+    )  # fmt: skip
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan(lay: Layout, elsize: int, sms: int, inputs: int, overrides: tuple, x_mod: int, y_mod: int, st: int):
+    overrides = dict(overrides)
+    (sxb, sxn, sxi), (syb, syn, syi) = lay.sx, lay.sy
+    n, inner, n_rows = lay.N, lay.I > 1, lay.B * lay.I
+    rows_contiguous = (sxi == 1) if inner else (sxb == 1 and sxn != 1)
     if overrides.get("path", "rowblock") not in heuristics.PATHS:
         raise ValueError(
             f"the Triton backend has no path {overrides['path']!r}; its paths: {', '.join(heuristics.PATHS)}"
         )
-    sms = sm_count(x)
-    shape = heuristics.launch_shape(
-        n, n_rows, x.element_size(), rows_contiguous, sms, overrides.get("path"), inputs=inputs
-    )
+    shape = heuristics.launch_shape(n, n_rows, elsize, rows_contiguous, sms, overrides.get("path"), inputs=inputs)
     path, block, rows, warps, splits = (overrides.get(k, v) for k, v in zip(shape._fields, shape, strict=True))
     if "block_n" in overrides and "splits" not in overrides:
         splits = heuristics.split_count(n, block, n_rows, sms, path)
     if path == "rowblock" and block < n:
         raise ValueError(f"rowblock needs block_n >= N; got block_n={block}, N={n}")
 
-    vec, edges, y_vec, x_mis = vector_plan(x.element_size(), x.data_ptr(), y.data_ptr(), lay)
-    if x_mis and x.untyped_storage().data_ptr() % 16:
+    vec, edges, y_vec, x_mis = vector_plan(elsize, x_mod, y_mod, lay)
+    if x_mis and st:
         vec, edges, y_vec, x_mis = 1, False, False, 0  # the storage itself is unaligned: scalar code
     # Offsets within a program are 32-bit unless its rows and columns could reach 2^31 elements.
     row_stride = max(abs(sxi), abs(syi)) if inner else max(abs(sxb), abs(syb))
     idx64 = rows * row_stride + max(abs(sxn), abs(syn)) * (n + block) + 16 > _INT32_MAX
-    tiles_i = triton.cdiv(lay.I, rows) if inner else 1
-    grid = lay.B * tiles_i if inner else triton.cdiv(lay.B, rows)
+    tiles_i = _cdiv(lay.I, rows) if inner else 1
+    grid = lay.B * tiles_i if inner else _cdiv(lay.B, rows)
     if grid > _INT32_MAX:
         raise ValueError(f"too many rows for one launch ({n_rows})")
-    chunks_per_split = triton.cdiv(triton.cdiv(n, block), splits)
-    splits = triton.cdiv(triton.cdiv(n, block), chunks_per_split)  # no empty segments
+    chunks_per_split = _cdiv(_cdiv(n, block), splits)
+    splits = _cdiv(_cdiv(n, block), chunks_per_split)  # no empty segments
     plan = heuristics.Plan("triton", path, block, rows, warps, vec, edges, inner, lay.copied, splits)
-    return Launch(
-        plan=heuristics.record(plan),
-        x_arg=aligned_view(x, x_mis),
-        x_mis=x_mis,
-        grid=(grid, splits) if path == "split" else (grid,),
-        rows_args=(lay.B, n, lay.I, tiles_i),
-        strides=(sxb, sxn, sxi, syb, syn, syi),
-        flags=dict(ROWS=rows, BLOCK_N=block, VEC=vec, INNER=inner, EDGES=edges, IDX64=idx64),
-        y_vec=y_vec,
-        chunks_per_split=chunks_per_split,
-        n_rows=n_rows,
-    )
+    flags = dict(ROWS=rows, BLOCK_N=block, VEC=vec, INNER=inner, EDGES=edges, IDX64=idx64)
+    grid = (grid, splits) if path == "split" else (grid,)
+    return plan, x_mis, grid, (lay.B, n, lay.I, tiles_i), flags, y_vec, chunks_per_split
