@@ -10,6 +10,7 @@ import triton.testing
 
 import fastsoftmax as fs
 from fastsoftmax import heuristics
+from fastsoftmax.bench import graphed
 from fastsoftmax.cuda import build
 from fastsoftmax.reference import compare, compare_grad
 
@@ -18,18 +19,6 @@ SHAPES = [(524288, 256), (262144, 513), (131072, 1024), (32768, 4096), (8192, 16
           (128, 262144)]  # fmt: skip
 VARIANTS = ["warp", "block", "cluster", "online", "three_pass"]
 QUICK = [(131072, 1024), (32768, 4096), (4096, 32000), (2048, 65536), (512, 262144), (8, 131072)]
-
-
-def graphed(fn):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g.replay
 
 
 def gbps(fn, nbytes, graph):

@@ -45,6 +45,16 @@ class TorchBackend:
         return alloc(y, out_dtype).copy_(softmax_backward_torch(dy, y, dim, log, out_dtype))
 
 
+def _dtype_problem(family: str, x, out_dtype, dy) -> str | None:
+    dtypes = (x.dtype, out_dtype) + ((dy.dtype,) if dy is not None else ())
+    if any(d not in KERNEL_DTYPES for d in dtypes):
+        return (
+            f"the {family} kernels take float16, bfloat16 and float32 (got {', '.join(map(str, dtypes))}); "
+            "float64 runs on backend='torch', which 'auto' picks"
+        )
+    return None
+
+
 @functools.cache
 def _kernels(name: str):
     """A Triton kernel module, imported on first use: that first import decides, from TRITON_INTERPRET,
@@ -92,12 +102,8 @@ class TritonBackend:
     name = "triton"
 
     def unavailable(self, x, out_dtype, dy=None):
-        dtypes = (x.dtype, out_dtype) + ((dy.dtype,) if dy is not None else ())
-        if any(d not in KERNEL_DTYPES for d in dtypes):
-            return (
-                f"the Triton kernels take float16, bfloat16 and float32 (got {', '.join(map(str, dtypes))}); "
-                "float64 runs on backend='torch', which 'auto' picks"
-            )
+        if why := _dtype_problem("Triton", x, out_dtype, dy):
+            return why
         if triton_import_error():
             return triton_import_error()
         if x.device.type == "cpu" and not triton_interpreted():
@@ -143,12 +149,8 @@ class CudaBackend:
     name = "cuda"
 
     def unavailable(self, x, out_dtype, dy=None):
-        dtypes = (x.dtype, out_dtype) + ((dy.dtype,) if dy is not None else ())
-        if any(d not in KERNEL_DTYPES for d in dtypes):
-            return (
-                f"the CUDA kernels take float16, bfloat16 and float32 (got {', '.join(map(str, dtypes))}); "
-                "float64 runs on backend='torch', which 'auto' picks"
-            )
+        if why := _dtype_problem("CUDA", x, out_dtype, dy):
+            return why
         if x.device.type != "cuda":
             return f"the CUDA kernels run on CUDA tensors only (got a {x.device.type} tensor)"
         if cuda_import_error():

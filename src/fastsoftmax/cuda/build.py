@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
 import tempfile
 import threading
 from dataclasses import dataclass
@@ -182,14 +181,6 @@ def _store_disk(c: Compiled, output: str) -> Compiled:
 
 def ptxas_facts(log: str) -> dict:
     """Registers, spills and stack frame from the ptxas -v lines of an NVRTC log."""
+    from ..ptxas import facts
 
-    def num(pattern):
-        m = re.search(pattern, log)
-        return int(m.group(1)) if m else 0
-
-    return {
-        "registers": num(r"Used (\d+) registers"),
-        "stack_bytes": num(r"(\d+) bytes stack frame"),
-        "spill_stores": num(r"(\d+) bytes spill stores"),
-        "spill_loads": num(r"(\d+) bytes spill loads"),
-    }
+    return facts(log)

@@ -156,7 +156,12 @@ struct Row {
     const char* x;  // row start of x (forward) / y (backward)
     char* y;
     const char* d;
-    int h, nv, t;   // head scalars, body vectors, tail scalars
+    int h, nv, t;              // head scalars, body vectors, tail scalars
+    i64 xs, ys, ds;            // bytes between elements
+    i64 vx, vy, vd;            // bytes between vectors
+    const char *xb, *db;       // body starts (after the head)
+    char* yb;
+    bool xwide, ywide, dwide;  // whether each tensor's body takes 16-byte (vector-wide) accesses
 };
 
 template <int TX, int TY, int TD>
@@ -175,7 +180,34 @@ __device__ __forceinline__ Row row_geometry(const Params& p, i64 row) {
     R.h = h;
     R.nv = (p.n - h) / VEC;
     R.t = p.n - h - R.nv * VEC;
+    R.xs = p.sxn * Ty<TX>::SZ;
+    R.ys = p.syn * Ty<TY>::SZ;
+    R.ds = p.sdn * Ty<TD>::SZ;
+    R.vx = VEC * R.xs;
+    R.vy = VEC * R.ys;
+    R.vd = VEC * R.ds;
+    R.xb = R.x + h * R.xs;
+    R.yb = R.y + h * R.ys;
+    R.db = R.d ? R.d + h * R.ds : nullptr;
+    R.xwide = p.sxn == 1;  // h took x to its 16-byte boundary
+    R.ywide = wide_ok<TY>(R.yb, p.syn);
+    R.dwide = R.d && wide_ok<TD>(R.db, p.sdn);
     return R;
+}
+
+// Store body vectors v0, v0 + step, ... (N of them, those below nv) of this row: element j of vector k is
+// value(k, j), written in the output type with 16-byte stores where the output allows.
+template <int N, class F> __device__ __forceinline__ void write_body(const Row& R, int v0, int step, F value) {
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+        int v = v0 + k * step;
+        if (v < R.nv) {
+            float f[VEC];
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) f[j] = value(k, j);
+            store<OUT_T>(R.yb + v * R.vy, f, R.ywide, R.ys);
+        }
+    }
 }
 
 // ---- reductions -------------------------------------------------------------------------------------
@@ -243,6 +275,21 @@ template <bool MS> __device__ __forceinline__ Pair reduce(Pair v) {
     return v;
 }
 
+// This thread's place: g of G threads sharing its row (across the cluster), and the row (clamped to a real
+// one when the CTA's last row slots are empty: such threads compute and store nothing, since every thread
+// must reach the barriers).
+struct Thread { int g, G; i64 row; bool row_ok; };
+
+__device__ __forceinline__ Thread thread_of(const Params& p) {
+    Thread t;
+    t.G = GROUP * CLUSTER;
+    t.g = cluster_rank() * GROUP + threadIdx.x % GROUP;
+    t.row = (i64)(blockIdx.x / CLUSTER) * ROWS + threadIdx.x / GROUP;
+    t.row_ok = t.row < p.rows;
+    if (!t.row_ok) t.row = p.rows - 1;
+    return t;
+}
+
 // Raw words of VEC elements that all read as -inf (pad = true) or +0 (pad = false) in type T: padding
 // that every reduction ignores (max: -inf; sum of exp: exp(-inf) = 0; backward: a = f = 0).
 template <int T> __device__ __forceinline__ void fill(Raw<T>& r, bool neg_inf) {
@@ -256,6 +303,19 @@ template <int T> __device__ __forceinline__ void load_or_pad(Raw<T>& r, int v, i
                                                              bool wide, i64 stride, bool neg_inf) {
     if (v < nv) load<T>(r, base + v * vstride, wide, stride);
     else fill<T>(r, neg_inf);
+}
+
+// Load body vectors v0, v0 + step, ... (N of them) of x (or y) / of dy, padding past the body; every load of
+// the batch is issued before any is used.
+template <int N> __device__ __forceinline__ void load_body(Raw<IN_T> (&r)[N], const Row& R, int v0, int step,
+                                                           bool neg_inf) {
+#pragma unroll
+    for (int k = 0; k < N; ++k) load_or_pad<IN_T>(r[k], v0 + k * step, R.nv, R.xb, R.vx, R.xwide, R.xs, neg_inf);
+}
+
+template <int N> __device__ __forceinline__ void load_dy(Raw<D_T> (&r)[N], const Row& R, int v0, int step) {
+#pragma unroll
+    for (int k = 0; k < N; ++k) load_or_pad<D_T>(r[k], v0 + k * step, R.nv, R.db, R.vd, R.dwide, R.ds, false);
 }
 
 #if FS_KIND == 1 || FS_KIND == 2
@@ -291,76 +351,48 @@ template <int N> __device__ __forceinline__ void fold(float& m, float& s, const 
     m = mv;
 }
 
-template <int N> __device__ __forceinline__ void write(const Raw<IN_T> (&r)[N], int v0, int step, int nv, char* yb,
-                                                       i64 vy, bool ywide, i64 ys, float m, float inv, float logs,
-                                                       int log) {
-#pragma unroll
-    for (int k = 0; k < N; ++k) {
-        int v = v0 + k * step;
-        if (v < nv) {
-            float f[VEC];
-#pragma unroll
-            for (int j = 0; j < VEC; ++j) f[j] = out_value(elem<IN_T>(r[k], j), m, inv, logs, log);
-            store<OUT_T>(yb + v * vy, f, ywide, ys);
-        }
-    }
-}
-
 extern "C" __global__ void __launch_bounds__(GROUP * ROWS, MIN_CTAS) fs_fwd(const Params p) {
-    const int lane = threadIdx.x % GROUP;
-    const u32 rank = cluster_rank();
-    const int G = GROUP * CLUSTER, g = rank * GROUP + lane;
-    i64 row = (i64)(blockIdx.x / CLUSTER) * ROWS + threadIdx.x / GROUP;
-    const bool row_ok = row < p.rows;
-    if (!row_ok) row = p.rows - 1;  // compute on a real row and store nothing: barriers need every thread
-    const Row R = row_geometry<IN_T, OUT_T, IN_T>(p, row);
-    const i64 xs = p.sxn * Ty<IN_T>::SZ, ys = p.syn * Ty<OUT_T>::SZ;
-    const char* xb = R.x + R.h * xs;
-    char* yb = R.y + R.h * ys;
-    const bool xwide = p.sxn == 1, ywide = wide_ok<OUT_T>(yb, p.syn);
-    const i64 vx = VEC * xs, vy = VEC * ys;
+    const Thread T = thread_of(p);
+    const Row R = row_geometry<IN_T, OUT_T, IN_T>(p, T.row);
 
     float hv = NEG_INF, tv = NEG_INF;
-    if (g < R.h) hv = load1<IN_T>(R.x + g * xs);
-    if (g < R.t) tv = load1<IN_T>(xb + ((i64)R.nv * VEC + g) * xs);
+    if (T.g < R.h) hv = load1<IN_T>(R.x + T.g * R.xs);
+    if (T.g < R.t) tv = load1<IN_T>(R.xb + ((i64)R.nv * VEC + T.g) * R.xs);
     float m = maxnan(hv, tv), s;
     {
         const float base = m == NEG_INF ? 0.f : m;
         s = __expf(hv - base) + __expf(tv - base);
     }
 #if STREAM
-    for (int v0 = g; v0 < R.nv; v0 += BATCH * G) {
+    for (int v0 = T.g; v0 < R.nv; v0 += BATCH * T.G) {
         Raw<IN_T> r[BATCH];
-#pragma unroll
-        for (int k = 0; k < BATCH; ++k) load_or_pad<IN_T>(r[k], v0 + k * G, R.nv, xb, vx, xwide, xs, true);
+        load_body<BATCH>(r, R, v0, T.G, true);
         fold<BATCH>(m, s, r);
     }
 #else
     Raw<IN_T> r[K];
-#pragma unroll
-    for (int k = 0; k < K; ++k) load_or_pad<IN_T>(r[k], k * G + g, R.nv, xb, vx, xwide, xs, true);
+    load_body<K>(r, R, T.g, T.G, true);
     fold<K>(m, s, r);
 #endif
     Pair ms = reduce<true>({m, s});
     m = ms.a;
     const float inv = 1.0f / ms.b, logs = logf(ms.b);
-    if (!row_ok) return;
-    if (p.lse && g == 0) {
+    if (!T.row_ok) return;
+    if (p.lse && T.g == 0) {
         i64 b, i;
-        row_of(p, row, b, i);
+        row_of(p, T.row, b, i);
         p.lse[b * p.slb + i * p.sli] = m == NEG_INF ? NEG_INF : m + logs;
     }
-    if (g < R.h) store1<OUT_T>(R.y + g * ys, out_value(hv, m, inv, logs, p.log));
-    if (g < R.t) store1<OUT_T>(yb + ((i64)R.nv * VEC + g) * ys, out_value(tv, m, inv, logs, p.log));
+    if (T.g < R.h) store1<OUT_T>(R.y + T.g * R.ys, out_value(hv, m, inv, logs, p.log));
+    if (T.g < R.t) store1<OUT_T>(R.yb + ((i64)R.nv * VEC + T.g) * R.ys, out_value(tv, m, inv, logs, p.log));
 #if STREAM
-    for (int v0 = g; v0 < R.nv; v0 += BATCH * G) {
+    for (int v0 = T.g; v0 < R.nv; v0 += BATCH * T.G) {
         Raw<IN_T> r2[BATCH];
-#pragma unroll
-        for (int k = 0; k < BATCH; ++k) load_or_pad<IN_T>(r2[k], v0 + k * G, R.nv, xb, vx, xwide, xs, true);
-        write<BATCH>(r2, v0, G, R.nv, yb, vy, ywide, ys, m, inv, logs, p.log);
+        load_body<BATCH>(r2, R, v0, T.G, true);
+        write_body<BATCH>(R, v0, T.G, [&](int k, int j) { return out_value(elem<IN_T>(r2[k], j), m, inv, logs, p.log); });
     }
 #else
-    write<K>(r, g, G, R.nv, yb, vy, ywide, ys, m, inv, logs, p.log);
+    write_body<K>(R, T.g, T.G, [&](int k, int j) { return out_value(elem<IN_T>(r[k], j), m, inv, logs, p.log); });
 #endif
 }
 #endif
@@ -392,85 +424,52 @@ template <int N> __device__ __forceinline__ void sums(float& s, float& t, const 
         }
 }
 
-template <int N> __device__ __forceinline__ void write_grad(const Raw<IN_T> (&ry)[N], const Raw<D_T> (&rd)[N], int v0,
-                                                            int step, int nv, char* yb, i64 vy, bool ywide, i64 ys,
-                                                            float s, float t, int log) {
-#pragma unroll
-    for (int k = 0; k < N; ++k) {
-        int v = v0 + k * step;
-        if (v < nv) {
-            float o[VEC];
-#pragma unroll
-            for (int j = 0; j < VEC; ++j) o[j] = grad(elem<IN_T>(ry[k], j), elem<D_T>(rd[k], j), s, t, log);
-            store<OUT_T>(yb + v * vy, o, ywide, ys);
-        }
-    }
-}
-
 extern "C" __global__ void __launch_bounds__(GROUP * ROWS, MIN_CTAS) fs_bwd(const Params p) {
-    const int lane = threadIdx.x % GROUP;
-    const u32 rank = cluster_rank();
-    const int G = GROUP * CLUSTER, g = rank * GROUP + lane;
-    i64 row = (i64)(blockIdx.x / CLUSTER) * ROWS + threadIdx.x / GROUP;
-    const bool row_ok = row < p.rows;
-    if (!row_ok) row = p.rows - 1;
-    const Row R = row_geometry<IN_T, OUT_T, D_T>(p, row);
-    const i64 xs = p.sxn * Ty<IN_T>::SZ, ys = p.syn * Ty<OUT_T>::SZ, ds = p.sdn * Ty<D_T>::SZ;
-    const char* xb = R.x + R.h * xs;
-    const char* db = R.d + R.h * ds;
-    char* yb = R.y + R.h * ys;
-    const bool xwide = p.sxn == 1, dwide = wide_ok<D_T>(db, p.sdn), ywide = wide_ok<OUT_T>(yb, p.syn);
-    const i64 vx = VEC * xs, vd = VEC * ds, vy = VEC * ys;
+    const Thread T = thread_of(p);
+    const Row R = row_geometry<IN_T, OUT_T, D_T>(p, T.row);
     const bool ypad = p.log;  // padding y: -inf for log_softmax (f = exp(y) = 0), 0 for softmax; dy: 0
 
     float hy = ypad ? NEG_INF : 0.f, hd = 0.f, ty = hy, td = 0.f;
-    if (g < R.h) { hy = load1<IN_T>(R.x + g * xs); hd = load1<D_T>(R.d + g * ds); }
-    if (g < R.t) {
-        i64 j = (i64)R.nv * VEC + g;
-        ty = load1<IN_T>(xb + j * xs); td = load1<D_T>(db + j * ds);
+    if (T.g < R.h) { hy = load1<IN_T>(R.x + T.g * R.xs); hd = load1<D_T>(R.d + T.g * R.ds); }
+    if (T.g < R.t) {
+        i64 j = (i64)R.nv * VEC + T.g;
+        ty = load1<IN_T>(R.xb + j * R.xs); td = load1<D_T>(R.db + j * R.ds);
     }
     float s = 0.f, t = 0.f, a, f;
     terms(hy, hd, p.log, a, f); s += a; t += f;
     terms(ty, td, p.log, a, f); s += a; t += f;
 #if STREAM
-    for (int v0 = g; v0 < R.nv; v0 += BATCH * G) {
+    for (int v0 = T.g; v0 < R.nv; v0 += BATCH * T.G) {
         Raw<IN_T> ry[BATCH];
         Raw<D_T> rd[BATCH];
-#pragma unroll
-        for (int k = 0; k < BATCH; ++k) {
-            load_or_pad<IN_T>(ry[k], v0 + k * G, R.nv, xb, vx, xwide, xs, ypad);
-            load_or_pad<D_T>(rd[k], v0 + k * G, R.nv, db, vd, dwide, ds, false);
-        }
+        load_body<BATCH>(ry, R, v0, T.G, ypad);
+        load_dy<BATCH>(rd, R, v0, T.G);
         sums<BATCH>(s, t, ry, rd, p.log);
     }
 #else
     Raw<IN_T> ry[K];
     Raw<D_T> rd[K];
-#pragma unroll
-    for (int k = 0; k < K; ++k) {
-        load_or_pad<IN_T>(ry[k], k * G + g, R.nv, xb, vx, xwide, xs, ypad);
-        load_or_pad<D_T>(rd[k], k * G + g, R.nv, db, vd, dwide, ds, false);
-    }
+    load_body<K>(ry, R, T.g, T.G, ypad);
+    load_dy<K>(rd, R, T.g, T.G);
     sums<K>(s, t, ry, rd, p.log);
 #endif
     Pair st = reduce<false>({s, t});
     s = st.a; t = st.b;
-    if (!row_ok) return;
-    if (g < R.h) store1<OUT_T>(R.y + g * ys, grad(hy, hd, s, t, p.log));
-    if (g < R.t) store1<OUT_T>(yb + ((i64)R.nv * VEC + g) * ys, grad(ty, td, s, t, p.log));
+    if (!T.row_ok) return;
+    if (T.g < R.h) store1<OUT_T>(R.y + T.g * R.ys, grad(hy, hd, s, t, p.log));
+    if (T.g < R.t) store1<OUT_T>(R.yb + ((i64)R.nv * VEC + T.g) * R.ys, grad(ty, td, s, t, p.log));
 #if STREAM
-    for (int v0 = g; v0 < R.nv; v0 += BATCH * G) {
+    for (int v0 = T.g; v0 < R.nv; v0 += BATCH * T.G) {
         Raw<IN_T> ry2[BATCH];
         Raw<D_T> rd2[BATCH];
-#pragma unroll
-        for (int k = 0; k < BATCH; ++k) {
-            load_or_pad<IN_T>(ry2[k], v0 + k * G, R.nv, xb, vx, xwide, xs, ypad);
-            load_or_pad<D_T>(rd2[k], v0 + k * G, R.nv, db, vd, dwide, ds, false);
-        }
-        write_grad<BATCH>(ry2, rd2, v0, G, R.nv, yb, vy, ywide, ys, s, t, p.log);
+        load_body<BATCH>(ry2, R, v0, T.G, ypad);
+        load_dy<BATCH>(rd2, R, v0, T.G);
+        write_body<BATCH>(R, v0, T.G, [&](int k, int j) {
+            return grad(elem<IN_T>(ry2[k], j), elem<D_T>(rd2[k], j), s, t, p.log);
+        });
     }
 #else
-    write_grad<K>(ry, rd, g, G, R.nv, yb, vy, ywide, ys, s, t, p.log);
+    write_body<K>(R, T.g, T.G, [&](int k, int j) { return grad(elem<IN_T>(ry[k], j), elem<D_T>(rd[k], j), s, t, p.log); });
 #endif
 }
 #endif

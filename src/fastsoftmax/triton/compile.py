@@ -64,6 +64,8 @@ def ptxas_report(ptx: str, arch: str = "sm_90a") -> dict:
 
     from triton.backends.nvidia.compiler import get_ptxas
 
+    from ..ptxas import facts
+
     ptxas = get_ptxas(int(re.sub(r"\D", "", arch))).path
     with tempfile.TemporaryDirectory() as d:
         src = os.path.join(d, "k.ptx")
@@ -75,15 +77,4 @@ def ptxas_report(ptx: str, arch: str = "sm_90a") -> dict:
         if run.returncode != 0:
             raise RuntimeError(f"{ptxas} failed (exit {run.returncode}) on {arch}:\n{run.stderr[-3000:]}")
         out = run.stderr
-
-    def num(pattern):
-        m = re.search(pattern, out)
-        return int(m.group(1)) if m else 0
-
-    return {
-        "registers": num(r"Used (\d+) registers"),
-        "stack_bytes": num(r"(\d+) bytes stack frame"),
-        "spill_stores": num(r"(\d+) bytes spill stores"),
-        "spill_loads": num(r"(\d+) bytes spill loads"),
-        "log": out,
-    }
+    return {**facts(out), "log": out}

@@ -1,0 +1,20 @@
+"""The numbers `ptxas -v` prints about a kernel, for both backends' compile snapshots and `asm`."""
+
+from __future__ import annotations
+
+import re
+
+
+def facts(log: str) -> dict:
+    """Registers, spill bytes and stack frame from ptxas -v lines (0 where a line is absent)."""
+
+    def num(pattern):
+        m = re.search(pattern, log)
+        return int(m.group(1)) if m else 0
+
+    return {
+        "registers": num(r"Used (\d+) registers"),
+        "stack_bytes": num(r"(\d+) bytes stack frame"),
+        "spill_stores": num(r"(\d+) bytes spill stores"),
+        "spill_loads": num(r"(\d+) bytes spill loads"),
+    }
