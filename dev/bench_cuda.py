@@ -1,7 +1,8 @@
 """CUDA backend variants vs the Triton backend (auto) vs torch eager, forward and backward, GB/s (forward
 2 bytes moved per element byte, backward 3), do_bench medians with L2 flushed; copy bandwidth first.
 Each implementation is checked against the float64 oracle on a few rows before it is timed.
-Usage: bench_cuda.py [fwd|bwd|all] [graph] [quick] (quick: six shapes, no three_pass)."""
+Usage: bench_cuda.py [fwd|bwd|all] [graph] [quick] [occupancy] (quick: six shapes, no three_pass;
+occupancy: also each on-chip variant with its registers capped for 4, 8, 12 and 16 CTAs per SM)."""
 
 import sys
 
@@ -50,12 +51,13 @@ def row(p, x, graph):
     cols.append(f"triton={gbps(fn('triton'), nbytes, graph):.0f}({heuristics.last_plan().path})")
     cols.append(f"cuda={gbps(fn('cuda'), nbytes, graph):.0f}({heuristics.last_plan().path})")
     for v in VARIANTS:
-        try:
-            with heuristics.force(path=v):
-                assert ok("cuda")
-                cols.append(f"{v}={gbps(fn('cuda'), nbytes, graph):.0f}")
-        except ValueError:
-            pass  # the variant does not hold this row length
+        for min_ctas in [None] + ([4, 8, 12, 16] if "occupancy" in sys.argv and v in ("warp", "block") else []):
+            try:
+                with heuristics.force(path=v, **({"min_ctas": min_ctas} if min_ctas else {})):
+                    assert ok("cuda")
+                    cols.append(f"{v}{'@' + str(min_ctas) if min_ctas else ''}={gbps(fn('cuda'), nbytes, graph):.0f}")
+            except ValueError:
+                break  # the variant does not hold this row length
     return " ".join(cols)
 
 

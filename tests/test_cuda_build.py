@@ -202,3 +202,20 @@ def test_launch_shapes_hold_the_row(elsize, inputs):
                     assert s.k <= k_max and s.group * s.cluster * s.k * vec >= n, (variant, n, rows, s)
                 if variant == "cluster":
                     assert s.cluster >= 2
+
+
+def test_min_ctas_override_caps_registers():
+    """heuristics.force(min_ctas=...) reaches the compile (the occupancy experiments of dev/bench_cuda.py)."""
+    from fastsoftmax.cuda import kernels
+
+    shape = launch_shape(4096, 4096, 2, 132, 90, "block")
+    x = torch.empty(1, dtype=torch.bfloat16)
+    default = kernels._config("fwd", shape, x, x)
+    with heuristics.force(min_ctas=16):
+        capped = kernels._config("fwd", shape, x, x)
+    assert "MIN_CTAS_SET" not in default.defines() and capped.defines()["MIN_CTAS_SET"] == 16
+    regs = [build.ptxas_facts(build.compile_kernel(c, "sm_90a").log)["registers"] for c in (default, capped)]
+    assert regs[1] <= 65536 // (16 * shape.group) < regs[0]
+    with pytest.raises(ValueError, match="min_ctas"):
+        with heuristics.force(min_ctas=0):
+            pass

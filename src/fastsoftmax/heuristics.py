@@ -138,17 +138,19 @@ _state = threading.local()
 
 @contextmanager
 def force(*, poison: bool = False, **overrides):
-    """Within the block, every Triton launch uses ``overrides`` (path=, block_n=, rows=, num_warps=,
-    splits=) and, with ``poison``, outputs are filled with NaN before the kernel writes them."""
-    bad = set(overrides) - {"path", "block_n", "rows", "num_warps", "splits"}
+    """Within the block, every launch uses ``overrides`` (Triton: path=, block_n=, rows=, num_warps=,
+    splits=; CUDA: path= a variant, min_ctas= CTAs per SM its registers must allow) and, with ``poison``,
+    outputs are filled with NaN before the kernel writes them."""
+    bad = set(overrides) - {"path", "block_n", "rows", "num_warps", "splits", "min_ctas"}
     if bad:
         raise TypeError(f"force() got unknown overrides {sorted(bad)}")
     for k in ("block_n", "rows", "num_warps"):
         v = overrides.get(k)
         if v is not None and (not isinstance(v, int) or v < 1 or v & (v - 1)):
             raise ValueError(f"{k} must be a power of two, got {v!r}")
-    if "splits" in overrides and not (isinstance(overrides["splits"], int) and overrides["splits"] >= 1):
-        raise ValueError(f"splits must be a positive int, got {overrides['splits']!r}")
+    for k in ("splits", "min_ctas"):
+        if k in overrides and not (isinstance(overrides[k], int) and overrides[k] >= 1):
+            raise ValueError(f"{k} must be a positive int, got {overrides[k]!r}")
     if "path" in overrides and overrides["path"] not in PATHS + CUDA_PATHS:
         valid = ", ".join(dict.fromkeys(PATHS + CUDA_PATHS))
         raise ValueError(f"unknown path {overrides['path']!r}; valid: {valid} (Triton: {', '.join(PATHS)})")

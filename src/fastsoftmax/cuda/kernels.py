@@ -242,11 +242,12 @@ def _plan(x: torch.Tensor, lay, inputs: int, hint: str | None = None) -> tuple[S
 
 def _config(kind: str, shape: Shape, x, out, d=None) -> build.Config:
     three = shape.variant == "three_pass"
+    min_ctas = (heuristics.forced() or {}).get("min_ctas", 0)
     return build.Config(
         kind=kind + ("3" if three else ""), in_t=_DTYPE[x.dtype], out_t=_DTYPE[out.dtype],
         d_t=_DTYPE[d.dtype] if d is not None else "float32",
         group=shape.group, rows=shape.rows, cluster=shape.cluster, k=max(shape.k, 1),
-        stream=shape.variant == "online",
+        stream=shape.variant == "online", min_ctas=min_ctas,
     )  # fmt: skip
 
 

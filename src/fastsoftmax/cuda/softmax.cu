@@ -319,8 +319,13 @@ template <int N> __device__ __forceinline__ void load_dy(Raw<D_T> (&r)[N], const
 }
 
 #if FS_KIND == 1 || FS_KIND == 2
-// CTAs per SM ptxas must leave room for: at least 512 threads, at most 128 registers each
+// CTAs per SM ptxas must leave room for: at least 512 threads, at most 128 registers each (or, for tuning
+// experiments, the MIN_CTAS_SET the launcher was given)
+#if defined(MIN_CTAS_SET) && MIN_CTAS_SET > 0
+constexpr int MIN_CTAS = MIN_CTAS_SET;
+#else
 constexpr int MIN_CTAS = GROUP * ROWS >= 512 ? 1 : 512 / (GROUP * ROWS) > 8 ? 8 : 512 / (GROUP * ROWS);
+#endif
 #endif
 #if STREAM
 constexpr int BATCH = 4;  // vectors per thread in flight per step of the streaming loops
