@@ -200,7 +200,7 @@ from dataclasses import replace  # noqa: E402
 import torch  # noqa: E402
 
 from ..layout import plan_layout  # noqa: E402
-from .launch import aligned_view, prepare  # noqa: E402
+from .launch import aligned_view, launch, prepare  # noqa: E402
 
 
 def backward(dy: torch.Tensor, y: torch.Tensor, dx: torch.Tensor, dim: int, log: bool, path: str | None = None):
@@ -225,14 +225,10 @@ def backward(dy: torch.Tensor, y: torch.Tensor, dx: torch.Tensor, dim: int, log:
     if L.plan.path == "split":
         sums, write = KERNELS["split"]
         ws = torch.empty(L.n_rows * L.plan.splits * 2, dtype=torch.float32, device=y.device)
-        sums[L.grid](
-            L.x_arg, dy_arg, ws, *L.rows_args, *sx, L.x_mis, L.chunks_per_split, L.plan.splits, **L.flags,
-            LOG=log, num_warps=L.plan.num_warps,
-        )  # fmt: skip
-        write[L.grid](
-            L.x_arg, dx, dy_arg, ws, *L.rows_args, *sx, *sy, L.x_mis, L.chunks_per_split, L.plan.splits,
-            **tail, SPLITS=triton.next_power_of_2(L.plan.splits),
-        )  # fmt: skip
+        args = (L.x_arg, dy_arg, ws, *L.rows_args, *sx, L.x_mis, L.chunks_per_split, L.plan.splits)
+        launch(sums, L.grid, args, dict(**L.flags, LOG=log, num_warps=L.plan.num_warps))
+        args = (L.x_arg, dx, dy_arg, ws, *L.rows_args, *sx, *sy, L.x_mis, L.chunks_per_split, L.plan.splits)
+        launch(write, L.grid, args, dict(**tail, SPLITS=triton.next_power_of_2(L.plan.splits)))
     else:
-        KERNELS[L.plan.path][L.grid](L.x_arg, dx, dy_arg, *L.rows_args, *sx, *sy, L.x_mis, **tail)
+        launch(KERNELS[L.plan.path], L.grid, (L.x_arg, dx, dy_arg, *L.rows_args, *sx, *sy, L.x_mis), tail)
     return L.plan

@@ -354,7 +354,7 @@ KERNELS = {
 import torch  # noqa: E402
 
 from ..layout import alloc, plan_layout  # noqa: E402
-from .launch import prepare  # noqa: E402
+from .launch import launch, prepare  # noqa: E402
 
 
 def forward(x: torch.Tensor, y: torch.Tensor, dim: int, log: bool, want_lse: bool, path: str | None = None):
@@ -371,14 +371,10 @@ def forward(x: torch.Tensor, y: torch.Tensor, dim: int, log: bool, want_lse: boo
     if L.plan.path == "split":
         stats, write = KERNELS["split"]
         ws = torch.empty(L.n_rows * L.plan.splits * 2, dtype=torch.float32, device=x.device)
-        stats[L.grid](
-            L.x_arg, ws, *L.rows_args, *sx, L.x_mis, L.chunks_per_split, L.plan.splits, **L.flags,
-            num_warps=L.plan.num_warps,
-        )  # fmt: skip
-        write[L.grid](
-            L.x_arg, y, lse_arg, ws, *L.rows_args, *sx, *sy, L.x_mis, L.chunks_per_split, L.plan.splits,
-            **tail, SPLITS=triton.next_power_of_2(L.plan.splits),
-        )  # fmt: skip
+        args = (L.x_arg, ws, *L.rows_args, *sx, L.x_mis, L.chunks_per_split, L.plan.splits)
+        launch(stats, L.grid, args, dict(**L.flags, num_warps=L.plan.num_warps))
+        args = (L.x_arg, y, lse_arg, ws, *L.rows_args, *sx, *sy, L.x_mis, L.chunks_per_split, L.plan.splits)
+        launch(write, L.grid, args, dict(**tail, SPLITS=triton.next_power_of_2(L.plan.splits)))
     else:
-        KERNELS[L.plan.path][L.grid](L.x_arg, y, lse_arg, *L.rows_args, *sx, *sy, L.x_mis, **tail)
+        launch(KERNELS[L.plan.path], L.grid, (L.x_arg, y, lse_arg, *L.rows_args, *sx, *sy, L.x_mis), tail)
     return L.plan, lse
