@@ -2,7 +2,7 @@
 2 bytes moved per element byte, backward 3), do_bench medians with L2 flushed; copy bandwidth first.
 Each implementation is checked against the float64 oracle on a few rows before it is timed.
 Usage: bench_cuda.py [fwd|bwd|all] [graph] [quick] [occupancy] (quick: six shapes, no three_pass;
-occupancy: also each on-chip variant with its registers capped for 4, 8, 12 and 16 CTAs per SM)."""
+occupancy: also each variant under the EXPERIMENTS caps: CTAs per SM, vectors per thread, CTA size)."""
 
 import sys
 
@@ -19,6 +19,9 @@ SHAPES = [(524288, 256), (262144, 513), (131072, 1024), (32768, 4096), (8192, 16
           (8192, 50257), (2048, 65536), (1024, 131072), (512, 262144), (8, 131072), (64, 131072),
           (128, 262144)]  # fmt: skip
 VARIANTS = ["warp", "block", "cluster", "online", "three_pass"]
+# occupancy mode: registers capped for more CTAs per SM, fewer vectors per thread, smaller CTAs
+EXPERIMENTS = [{"min_ctas": 8}, {"min_ctas": 16}, {"k_max": 4}, {"k_max": 2}, {"group_max": 256}, {"group_max": 128},
+               {"k_max": 4, "group_max": 256}]  # fmt: skip
 QUICK = [(131072, 1024), (32768, 4096), (4096, 32000), (2048, 65536), (512, 262144), (8, 131072)]
 
 
@@ -51,13 +54,14 @@ def row(p, x, graph):
     cols.append(f"triton={gbps(fn('triton'), nbytes, graph):.0f}({heuristics.last_plan().path})")
     cols.append(f"cuda={gbps(fn('cuda'), nbytes, graph):.0f}({heuristics.last_plan().path})")
     for v in VARIANTS:
-        for min_ctas in [None] + ([4, 8, 12, 16] if "occupancy" in sys.argv and v in ("warp", "block") else []):
+        for extra in [{}] + (EXPERIMENTS if "occupancy" in sys.argv and v != "three_pass" else []):
             try:
-                with heuristics.force(path=v, **({"min_ctas": min_ctas} if min_ctas else {})):
+                with heuristics.force(path=v, **extra):
                     assert ok("cuda")
-                    cols.append(f"{v}{'@' + str(min_ctas) if min_ctas else ''}={gbps(fn('cuda'), nbytes, graph):.0f}")
+                    tag = ",".join(f"{k}={val}" for k, val in extra.items())
+                    cols.append(f"{v}{'[' + tag + ']' if tag else ''}={gbps(fn('cuda'), nbytes, graph):.0f}")
             except ValueError:
-                break  # the variant does not hold this row length
+                pass  # the variant does not hold this row length with these caps
     return " ".join(cols)
 
 

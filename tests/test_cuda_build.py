@@ -178,28 +178,31 @@ def test_info_records_fast_math():
     assert fs.info()["nvrtc"] == ".".join(map(str, build.nvrtc_version()))
 
 
+@pytest.mark.parametrize("caps", [{}, {"k_max": 2, "group_max": 128}], ids=["default", "capped"])
 @pytest.mark.parametrize("inputs", [1, 2], ids=["fwd", "bwd"])
 @pytest.mark.parametrize("elsize", [2, 4])
-def test_launch_shapes_hold_the_row(elsize, inputs):
+def test_launch_shapes_hold_the_row(elsize, inputs, caps):
     """Every shape launch_shape returns holds the whole row (on-chip variants) in a legal launch: a CTA of
     at most 1024 threads, a cluster of at most 16, at most 8 vectors per thread (4 for a 16-bit backward);
     a variant that cannot hold N raises instead."""
     vec = 16 // elsize
-    k_max = 8 if inputs == 1 or elsize == 4 else 4
+    k_max = min(caps.get("k_max", 8), 8 if inputs == 1 or elsize == 4 else 4)
     for n in sorted({1, 2, 7, 8, 9, 33, 255, 256, 257, 513, 1000, 1024, 2049, 4097, 12289, 16384, 16385, 32768,
                      50257, 65536, 131072, 262144, 262145, 524288, 524289, 1 << 20}):  # fmt: skip
         for rows in (1, 8, 64, 4096):
-            shape = launch_shape(n, rows, elsize, 132, 90, inputs=inputs)
+            shape = launch_shape(n, rows, elsize, 132, 90, inputs=inputs, **caps)
             assert shape.variant in VARIANTS
             for variant in VARIANTS:
                 try:
-                    s = launch_shape(n, rows, elsize, 132, 90, variant, inputs)
+                    s = launch_shape(n, rows, elsize, 132, 90, variant, inputs, **caps)
                 except ValueError:
                     assert variant in ("warp", "block", "cluster"), (variant, n)
                     continue
                 assert s.variant == variant and 1 <= s.group * s.rows <= 1024 and 1 <= s.cluster <= 16
                 if variant in ("warp", "block", "cluster"):
                     assert s.k <= k_max and s.group * s.cluster * s.k * vec >= n, (variant, n, rows, s)
+                if variant in ("block", "cluster"):
+                    assert s.group <= caps.get("group_max", 512)
                 if variant == "cluster":
                     assert s.cluster >= 2
 

@@ -139,12 +139,13 @@ _state = threading.local()
 @contextmanager
 def force(*, poison: bool = False, **overrides):
     """Within the block, every launch uses ``overrides`` (Triton: path=, block_n=, rows=, num_warps=,
-    splits=; CUDA: path= a variant, min_ctas= CTAs per SM its registers must allow) and, with ``poison``,
+    splits=; CUDA: path= a variant, min_ctas= CTAs per SM its registers must allow, k_max= vectors per thread,
+    group_max= threads per row in a CTA) and, with ``poison``,
     outputs are filled with NaN before the kernel writes them."""
-    bad = set(overrides) - {"path", "block_n", "rows", "num_warps", "splits", "min_ctas"}
+    bad = set(overrides) - {"path", "block_n", "rows", "num_warps", "splits", "min_ctas", "k_max", "group_max"}
     if bad:
         raise TypeError(f"force() got unknown overrides {sorted(bad)}")
-    for k in ("block_n", "rows", "num_warps"):
+    for k in ("block_n", "rows", "num_warps", "k_max", "group_max"):
         v = overrides.get(k)
         if v is not None and (not isinstance(v, int) or v < 1 or v & (v - 1)):
             raise ValueError(f"{k} must be a power of two, got {v!r}")

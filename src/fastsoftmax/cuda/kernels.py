@@ -60,20 +60,24 @@ def _clamp(v: int, lo: int, hi: int) -> int:
 
 
 def launch_shape(
-    n: int, n_rows: int, elsize: int, sm_count: int, cc: int, variant: str | None = None, inputs: int = 1
-) -> Shape:
+    n: int, n_rows: int, elsize: int, sm_count: int, cc: int, variant: str | None = None, inputs: int = 1,
+    k_max: int | None = None, group_max: int | None = None,
+) -> Shape:  # fmt: skip
     """The variant and launch shape for n_rows rows of n elements of elsize bytes on a GPU of sm_count SMs
     and compute capability cc (major * 10 + minor); ``variant`` forces one. ``inputs``: 2 for the backward
-    (y and dy held), which holds half as many 16-bit vectors per thread (ptxas spills at 8)."""
+    (y and dy held), which holds half as many 16-bit vectors per thread (ptxas spills at 8). ``k_max`` and
+    ``group_max`` lower the vectors per thread and the threads per row in a CTA (tuning experiments:
+    heuristics.force(k_max=..., group_max=...))."""
     vec = 16 // elsize
-    k_max = K_MAX_FWD if inputs == 1 or elsize == 4 else K_MAX_FWD // 2
+    k_max = min(k_max or K_MAX_FWD, K_MAX_FWD if inputs == 1 or elsize == 4 else K_MAX_FWD // 2)
+    block_max = max(64, min(group_max or BLOCK_MAX, BLOCK_MAX))
     nvec = -(-n // vec)  # 16-byte vectors a row spans, at most (head and tail are scalars)
     if variant is None:
         if nvec <= 32 * k_max:
             variant = "warp"
-        elif nvec <= BLOCK_MAX * k_max and (n_rows >= sm_count or cc < 90):
+        elif nvec <= block_max * k_max and (n_rows >= sm_count or cc < 90):
             variant = "block"
-        elif cc >= 90 and nvec <= BLOCK_MAX * k_max * CLUSTER_MAX:
+        elif cc >= 90 and nvec <= block_max * k_max * CLUSTER_MAX:
             variant = "cluster"
         else:
             variant = "online"
@@ -86,22 +90,22 @@ def launch_shape(
             raise ValueError(f"the warp variant holds at most {32 * k_max * vec} elements per row, got N={n}")
         return Shape(variant, group, WARP_CTA // group, 1, k)
     if variant == "block":
-        group = _clamp(_pow2(-(-nvec // k_max)), 64, BLOCK_MAX)
+        group = _clamp(_pow2(-(-nvec // k_max)), 64, block_max)
         k = _pow2(-(-nvec // group))
         if k > k_max:
-            raise ValueError(f"the block variant holds at most {BLOCK_MAX * k_max * vec} elements per row, got N={n}")
+            raise ValueError(f"the block variant holds at most {block_max * k_max * vec} elements per row, got N={n}")
         return Shape(variant, group, 1, 1, k)
     if variant == "cluster" and cc < 90:
         raise ValueError(f"the cluster variant needs sm_90 or newer (this GPU: sm_{cc})")
     if variant == "cluster":
-        group = _clamp(_pow2(-(-nvec // k_max)), 64, BLOCK_MAX)
+        group = _clamp(_pow2(-(-nvec // k_max)), 64, block_max)
         cluster = _pow2(-(-nvec // (group * k_max)))
         while cluster < CLUSTER_MAX and n_rows * cluster < sm_count and nvec >= 2 * group * cluster:
             cluster *= 2  # few rows: spread each over more SMs
         cluster = _clamp(cluster, 2, CLUSTER_MAX)
         k = _pow2(-(-nvec // (group * cluster)))
         if k > k_max:
-            cap = BLOCK_MAX * k_max * CLUSTER_MAX * vec
+            cap = block_max * k_max * CLUSTER_MAX * vec
             raise ValueError(f"the cluster variant holds at most {cap} elements per row, got N={n}")
         return Shape(variant, group, 1, cluster, k)
     if variant == "online":
@@ -232,12 +236,13 @@ def _plan(x: torch.Tensor, lay, inputs: int, hint: str | None = None) -> tuple[S
     if variant is not None and variant not in VARIANTS:
         raise ValueError(f"the CUDA backend has no path {variant!r}; its variants: {', '.join(VARIANTS)}")
     n_rows = lay.B * lay.I
+    caps = {k: forced[k] for k in ("k_max", "group_max") if k in forced}
     if variant is None and hint in VARIANTS:
         try:
-            return launch_shape(lay.N, n_rows, x.element_size(), sms, cc, hint, inputs), index
+            return launch_shape(lay.N, n_rows, x.element_size(), sms, cc, hint, inputs, **caps), index
         except ValueError:
             pass  # the hinted variant does not hold this row: the default choice
-    return launch_shape(lay.N, n_rows, x.element_size(), sms, cc, variant, inputs), index
+    return launch_shape(lay.N, n_rows, x.element_size(), sms, cc, variant, inputs, **caps), index
 
 
 def _config(kind: str, shape: Shape, x, out, d=None) -> build.Config:
