@@ -89,7 +89,8 @@ def softmax(x: torch.Tensor, dim: int = -1, *, dtype=None, backend: str = "auto"
     """Softmax of x along dim. See the README for the conventions on -inf, NaN and +inf rows.
 
     dtype: output dtype (computed in fp32 from x as given, written once in dtype).
-    backend: 'auto' (CUDA tensors: Triton kernels; CPU: torch ops), 'triton' or 'torch'.
+    backend: 'auto' (CUDA tensors: the tuning table's choice, else Triton kernels; CPU: torch ops), 'triton',
+    'cuda' or 'torch'.
     Differentiable (only the output is saved for backward)."""
     if isinstance(x, torch.Tensor) and _autograd(x):
         _check("softmax", x, dim, dtype, backend)

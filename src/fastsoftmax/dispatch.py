@@ -1,11 +1,12 @@
 """The one dispatch point. Every backend registers in BACKENDS with the same methods, and select() is
-the only place that chooses between them (``auto``: CUDA tensors take the Triton kernels when they can
-run them, everything else takes torch ops; ``cuda``: the CUDA C kernels, only when named).
+the only place that chooses between them (``auto``: on CUDA tensors what the GPU's tuning table names for
+the problem, else the Triton kernels when they can run it; everything else takes torch ops).
 
     unavailable(x, out_dtype, dy=None) -> str | None   why this backend cannot run x (None: it can)
-    forward(x, dim, out_dtype, log, want_lse) -> (y, lse | None)
-        x non-empty, at least 1-d, dim non-negative; lse is fp32 logsumexp per row, x's shape without dim
-    backward(dy, y, dim, out_dtype, log) -> dx
+    forward(x, dim, out_dtype, log, want_lse, path=None) -> (y, lse | None)
+        x non-empty, at least 1-d, dim non-negative; lse is fp32 logsumexp per row, x's shape without dim;
+        path: the tuning table's choice for this backend, or None for its own
+    backward(dy, y, dim, out_dtype, log, path=None) -> dx
         same preconditions, on y; dy has y's shape
 """
 

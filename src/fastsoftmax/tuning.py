@@ -11,6 +11,7 @@ GPU is filled only by spreading a row over several SMs), else "many".
 
 from __future__ import annotations
 
+import bisect
 import functools
 import json
 import re
@@ -49,14 +50,31 @@ def rows_class(n_rows: int, sm_count: int) -> str:
     return "few" if n_rows < FEW_ROWS_PER_SM * sm_count else "many"
 
 
+_indexes: dict[int, tuple[dict, dict]] = {}  # id(doc) -> (doc, index); the doc is kept so its id stays its own
+
+
+def _index(doc: dict) -> dict:
+    """(pass, dtype, rows) -> (sorted n_max list, (backend, path) per n_max), built once per table: choose()
+    runs on every auto call, so it must not scan the entries."""
+    hit = _indexes.get(id(doc))
+    if hit is not None and hit[0] is doc:
+        return hit[1]
+    groups: dict = {}
+    for e in sorted(doc["entries"], key=lambda e: e["n_max"]):
+        ns, picks = groups.setdefault((e["pass"], e["dtype"], e["rows"]), ([], []))
+        if not ns or ns[-1] != e["n_max"]:
+            ns.append(e["n_max"])
+            picks.append((e["backend"], e["path"]))
+    _indexes[id(doc)] = (doc, groups)
+    return groups
+
+
 def choose(doc: dict | None, pass_: str, dtype: str, n: int, n_rows: int, sm_count: int) -> tuple[str, str] | None:
     """(backend, path) for the problem from table ``doc``, or None when the table has no bucket for it."""
     if doc is None:
         return None
-    cls = rows_class(n_rows, sm_count)
-    best = None
-    for e in doc["entries"]:
-        if (e["pass"], e["dtype"], e["rows"]) == (pass_, dtype, cls) and e["n_max"] >= n:
-            if best is None or e["n_max"] < best["n_max"]:
-                best = e
-    return (best["backend"], best["path"]) if best else None
+    group = _index(doc).get((pass_, dtype, rows_class(n_rows, sm_count)))
+    if group is None:
+        return None
+    i = bisect.bisect_left(group[0], n)  # the smallest n_max >= n
+    return group[1][i] if i < len(group[0]) else None

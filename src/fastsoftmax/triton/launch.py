@@ -81,10 +81,10 @@ def prepare(x: torch.Tensor, y: torch.Tensor, lay: Layout, inputs: int = 1, path
     overrides = heuristics.forced() or {}
     if path is not None and "path" not in overrides:
         overrides = {**overrides, "path": path}
-    st = x.untyped_storage().data_ptr() % 16
+    x_mod = x.data_ptr() % 16
+    st = x.untyped_storage().data_ptr() % 16 if x_mod else 0  # matters only for a misaligned x
     plan, x_mis, grid, rows_args, flags, y_vec, chunks = _plan(
-        lay, x.element_size(), sm_count(x), inputs, tuple(sorted(overrides.items())),
-        x.data_ptr() % 16, y.data_ptr() % 16, st,
+        lay, x.element_size(), sm_count(x), inputs, tuple(sorted(overrides.items())), x_mod, y.data_ptr() % 16, st,
     )  # fmt: skip
     (sxb, sxn, sxi), (syb, syn, syi) = lay.sx, lay.sy
     return Launch(
