@@ -111,3 +111,12 @@ def test_tuning_buckets():
     else:
         raise AssertionError("a malformed entry was accepted")
     assert tuning.slug("NVIDIA H200") == "nvidia_h200"
+
+
+def test_warm_runs_every_job_in_worker_processes():
+    # Two spawned processes, four jobs: the ones that can run fill caches; a broken one is counted, not fatal.
+    jobs = bench._jobs_for([(3, 40)], ["float32"], ["fwd", "bwd"], lambda m, n, d, p: ["torch", "no-such-impl"])
+    assert len(jobs) == 4 and {j[4] for j in jobs} == {"torch", "no-such-impl"}
+    assert bench.warm(jobs, 2, progress=None, device="cpu") == 2
+    assert bench.warm(jobs, 0, progress=None, device="cpu") == 0  # jobs=0: nothing runs
+    assert bench.default_jobs("cpu") == 0 and 1 <= bench.default_jobs("cuda") <= 12

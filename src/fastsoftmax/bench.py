@@ -241,10 +241,22 @@ def parse_shapes(spec: str) -> list[tuple[int, int]]:
 
 
 def run(
-    shapes, dtypes, passes, impls, device: str = "cuda", graph: str = "auto", out=sys.stdout, progress=sys.stderr
+    shapes,
+    dtypes,
+    passes,
+    impls,
+    device: str = "cuda",
+    graph: str = "auto",
+    out=sys.stdout,
+    progress=sys.stderr,
+    jobs: int = 0,
 ) -> dict:
-    """Every measurement, as the JSON document (see the README's schema)."""
+    """Every measurement, as the JSON document (see the README's schema). jobs > 0: compile caches are
+    filled first by that many worker processes (warm)."""
     import triton
+
+    if device == "cuda":
+        warm(_jobs_for(shapes, dtypes, passes, lambda *_: impls), jobs, progress)
 
     copy = copy_gbps(device)
     built = {}
@@ -438,7 +450,74 @@ def candidates(n: int, n_rows: int, elsize: int, pass_: str, device: str) -> lis
     return out
 
 
-def tune(shapes, dtypes, passes, device: str, progress=sys.stderr) -> dict:
+# ---- compile caches filled in parallel processes ---------------------------------------------------------
+# Compiling is most of a cold run's time (a Triton kernel, an inductor graph or an NVRTC cubin per problem,
+# a second or more each); every one of those caches lands on disk, so worker processes that run each job
+# once leave the timing process only cache hits. Timing stays in one process.
+
+
+def _jobs_for(shapes, dtypes, passes, names) -> list[tuple]:
+    """(pass, dtype, M, N, name) per problem; a name is a bench implementation or 'backend/path'."""
+    return [(p, d, m, n, name) for p in passes for d in dtypes for m, n in shapes for name in names(m, n, d, p)]
+
+
+def _warm_worker(task: tuple[str, list[tuple]]) -> int:
+    from . import heuristics
+
+    device, jobs = task
+    built, failed, last = {}, 0, None
+    for pass_, dt, m, n, name in jobs:
+        try:
+            if last != (pass_, dt, m, n):
+                x = torch.randn(m, n, device=device, dtype=getattr(torch, dt))
+                y, dy, last = torch.softmax(x, -1), torch.randn_like(x), (pass_, dt, m, n)
+            if "/" in name:  # a tuning candidate
+                backend, path = name.split("/")
+                import fastsoftmax as fs
+
+                with heuristics.force(path=path):
+                    fs.softmax(x, backend=backend) if pass_ == "fwd" else fs.softmax_backward(dy, y, backend=backend)
+            else:
+                if name not in built:
+                    built[name] = BUILDERS[name][0]()
+                fwd, bwd = built[name]
+                (fwd(x) if pass_ == "fwd" else bwd(dy, y))()
+        except Exception:  # the timing process meets the same error and records it
+            failed += 1
+    _sync(device)
+    return failed
+
+
+def _worker_env():
+    import os
+
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")  # not 16 compile processes per worker
+
+
+def warm(jobs: list[tuple], workers: int, progress=sys.stderr, device: str = "cuda") -> int:
+    """Run every job once in `workers` spawned processes; returns how many raised."""
+    if workers <= 0 or not jobs:
+        return 0
+    import multiprocessing
+
+    t0 = time.time()
+    chunks = [jobs[i::workers] for i in range(workers)]
+    chunks = [sorted(c, key=lambda j: j[:4]) for c in chunks if c]
+    with multiprocessing.get_context("spawn").Pool(len(chunks), initializer=_worker_env) as pool:
+        failed = sum(pool.map(_warm_worker, [(device, c) for c in chunks]))
+    if progress is not None:
+        progress.write(f"warm-up: {len(jobs)} jobs in {len(chunks)} processes, {time.time() - t0:.0f} s "
+                       f"({failed} raised; measured below)\n")  # fmt: skip
+    return failed
+
+
+def default_jobs(device: str) -> int:
+    import os
+
+    return max(1, min(12, (os.cpu_count() or 2) - 2)) if device == "cuda" else 0
+
+
+def tune(shapes, dtypes, passes, device: str, progress=sys.stderr, jobs: int = 0) -> dict:
     """Measure every (backend, path) candidate per problem and keep the fastest (CUDA-graph GPU time for
     few-row problems, eager do_bench otherwise); every candidate's GB/s is kept in the entry."""
     import triton
@@ -448,6 +527,13 @@ def tune(shapes, dtypes, passes, device: str, progress=sys.stderr) -> dict:
     from . import heuristics, tuning
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count if device == "cuda" else 132
+
+    def names(m, n, dt, pass_):
+        return [f"{b}/{p}" for b, p in candidates(n, m, torch.empty((), dtype=getattr(torch, dt)).element_size(),
+                                                  pass_, device)]  # fmt: skip
+
+    if device == "cuda":
+        warm(_jobs_for(shapes, dtypes, passes, names), jobs, progress)
     entries = []
     for pass_ in passes:
         for dt in dtypes:
@@ -507,12 +593,16 @@ def main(args) -> int:
     if args.tune:
         sms = torch.cuda.get_device_properties(0).multi_processor_count if device == "cuda" else 132
         shapes = tune_shapes(sms) if args.shapes == "suite" else parse_shapes(args.shapes)
-        doc = tune(shapes, args.dtypes.split(","), args.passes.split(","), device)
+        jobs = default_jobs(device) if args.jobs is None else args.jobs
+        doc = tune(shapes, args.dtypes.split(","), args.passes.split(","), device, jobs=jobs)
         with open(args.tune, "w") as f:
             json.dump(doc, f, indent=1)
         print(f"wrote {len(doc['entries'])} entries to {args.tune}")
         return 0
-    doc = run(parse_shapes(args.shapes), args.dtypes.split(","), args.passes.split(","), impls, device, args.graph)
+    jobs = default_jobs(device) if args.jobs is None else args.jobs
+    doc = run(
+        parse_shapes(args.shapes), args.dtypes.split(","), args.passes.split(","), impls, device, args.graph, jobs=jobs
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1)

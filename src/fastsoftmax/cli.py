@@ -208,6 +208,13 @@ def main(argv=None) -> int:
     b.add_argument("--tune", default=None, metavar="PATH", help="measure every backend/path per problem and "
                    "write the table backend='auto' reads (src/fastsoftmax/tuning/<gpu>.json); shapes: the tuning "
                    "grid unless --shapes is given")  # fmt: skip
+    b.add_argument(
+        "--jobs",
+        type=int,
+        default=None,
+        help="processes that fill the compile caches before timing "
+        "(timing itself runs in one process); default: CPU cores - 2, at most 12, on a GPU; 0: none",
+    )
     b.set_defaults(fn=bench)
     args = p.parse_args(argv)
     return args.fn(args)
