@@ -75,7 +75,7 @@ def test_cpu_tune_writes_a_table_auto_can_read(tmp_path):
     for e in doc["entries"]:  # the winner is the fastest candidate measured, every candidate kept
         assert e["backend"] == "triton" and e["gbps"] == max(e["candidates"].values())
         assert e["candidates"][f"{e['backend']}/{e['path']}"] == e["gbps"]
-        assert {"triton/rowblock", "triton/online", "triton/split"} == set(e["candidates"])
+        assert {"triton/rowblock", "triton/online", "triton/split"} == set(e["candidates"]), run.stderr[-3000:]
     assert tuning.choose(doc, "bwd", "float32", 80, 2, 132) == (doc["entries"][3]["backend"], doc["entries"][3]["path"])
 
 
@@ -120,3 +120,26 @@ def test_warm_runs_every_job_in_worker_processes():
     assert bench.warm(jobs, 2, progress=None, device="cpu") == 2
     assert bench.warm(jobs, 0, progress=None, device="cpu") == 0  # jobs=0: nothing runs
     assert bench.default_jobs("cpu") == 0 and 1 <= bench.default_jobs("cuda") <= 12
+
+
+def test_committed_tables_are_valid():
+    """Every committed table loads, names only backends and paths that exist, keeps each winner as the fastest
+    of its candidates, and covers both passes, rows classes and the dtypes it was measured for."""
+    from importlib import resources
+
+    from fastsoftmax import dispatch, heuristics, tuning
+
+    files = [f for f in resources.files("fastsoftmax").joinpath("tuning").iterdir() if f.name.endswith(".json")]
+    assert files, "no tuning table committed"
+    for f in files:
+        doc = tuning.validate(json.loads(f.read_text()))
+        assert tuning.slug(doc["device"]) == f.name[:-5]
+        for e in doc["entries"]:
+            assert e["backend"] in dispatch.BACKENDS
+            assert e["path"] in (heuristics.PATHS if e["backend"] == "triton" else heuristics.CUDA_PATHS)
+            assert e["gbps"] == max(e["candidates"].values()), e
+        keys = {(e["pass"], e["dtype"], e["rows"]) for e in doc["entries"]}
+        assert {(p, "bfloat16", r) for p in ("fwd", "bwd") for r in ("few", "many")} <= keys
+        big = max(e["n_max"] for e in doc["entries"])
+        assert tuning.choose(doc, "fwd", "bfloat16", big + 1, 4096, doc["sm_count"]) is None  # past the table
+        assert tuning.choose(doc, "fwd", "bfloat16", 300, 1 << 20, doc["sm_count"]) is not None

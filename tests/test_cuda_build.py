@@ -14,7 +14,7 @@ import torch
 import fastsoftmax as fs
 from fastsoftmax import heuristics
 from fastsoftmax.cuda import build
-from fastsoftmax.cuda.kernels import VARIANTS, config_for, launch_shape
+from fastsoftmax.cuda.kernels import VARIANTS, config_for, function_attributes, launch_shape
 
 pytest.importorskip("cuda.bindings.nvrtc", reason="the CUDA backend's NVRTC bindings are a default dependency")
 
@@ -60,9 +60,15 @@ def test_variant_compiles_with_its_facts(cache, variant, dtype, n, rows, backwar
     assert (shape.cluster > 1) == (variant == "cluster" or (variant, rows) == ("online", 4))
     assert f".entry {cfg.entry}(" in ptx
     log = build.compile_kernel(cfg, "sm_90a").log
-    assert facts["registers"] > 0, f"no ptxas -v lines in the NVRTC log of {cfg}:\n{log}"
     assert "warning" not in log, log
-    assert facts["spill_stores"] == facts["spill_loads"] == facts["stack_bytes"] == 0, facts
+    if facts["registers"] == 0 and torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
+        # The H200 image's NVRTC returns an empty log (no ptxas -v lines): the driver reports the same facts
+        # for the loaded cubin. (CI's NVRTC prints them: the branch below is the one CI takes.)
+        attrs = function_attributes(cfg, torch.cuda.current_device())
+        assert attrs["registers"] > 0 and attrs["local_bytes"] == 0, (cfg, attrs)
+    else:
+        assert facts["registers"] > 0, f"no ptxas -v lines in the NVRTC {build.nvrtc_version()} log of {cfg}:\n{log}"
+        assert facts["spill_stores"] == facts["spill_loads"] == facts["stack_bytes"] == 0, facts
     if variant == "three_pass":
         # the seed kernel: scalar accesses, shared-memory trees with barriers between the passes
         assert "ld.global.v4" not in ptx and ptx.count("bar.sync") >= 2

@@ -207,6 +207,16 @@ def function(cfg: build.Config, index: int):
     return fn
 
 
+def function_attributes(cfg: build.Config, index: int) -> dict:
+    """What the driver says about the loaded kernel: registers per thread and local memory per thread
+    (spills and stack; 0 means none). Tests use it where NVRTC's log lacks the ptxas -v lines."""
+    cu = driver()
+    fn = function(cfg, index)
+    a = cu.CUfunction_attribute
+    get = lambda attr: _ok(cu.cuFuncGetAttribute(attr, fn), "cuFuncGetAttribute")  # noqa: E731
+    return {"registers": get(a.CU_FUNC_ATTRIBUTE_NUM_REGS), "local_bytes": get(a.CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES)}
+
+
 def _launch(fn, grid: int, block: int, cluster: int, params: _Params, stream: int):
     cu = driver()
     args = (ctypes.c_void_p * 1)(ctypes.addressof(params))
