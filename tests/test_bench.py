@@ -11,6 +11,7 @@ import sys
 from fastsoftmax import bench
 
 KEYS = {"impl", "backend", "dtype", "M", "N", "pass", "ms", "gbps", "ok", "error", "graph_ms", "graph_gbps"}
+KEYS |= {"err_ratio"}
 
 
 def test_cpu_smoke_run(tmp_path):
@@ -143,3 +144,35 @@ def test_committed_tables_are_valid():
         big = max(e["n_max"] for e in doc["entries"])
         assert tuning.choose(doc, "fwd", "bfloat16", big + 1, 4096, doc["sm_count"]) is None  # past the table
         assert tuning.choose(doc, "fwd", "bfloat16", 300, 1 << 20, doc["sm_count"]) is not None
+
+
+def test_check_before_timing_peer_slack_and_wrong_results():
+    """fastsoftmax must be within its tolerance to be timed; a peer is timed up to PEER_SLACK times it (the
+    error recorded), and a wrong peer (NaN, far off) is unsupported with the reason."""
+    import torch
+
+    x = torch.randn(4, 300, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(0)) * 3
+    j = int(x[0].float().argmax())  # the largest probability of row 0: far above the absolute tolerance
+    y, dy = torch.softmax(x, -1), torch.randn(4, 300, dtype=torch.bfloat16)
+    ref = torch.softmax(x.double(), -1)
+
+    def built(scale):  # softmax off by a relative `scale` on one element of the first row
+        def out():
+            o = ref.clone()
+            o[0, j] *= 1 + scale
+            return o.to(torch.bfloat16)
+
+        return (lambda x: out), (lambda dy, y: None)
+
+    def run(name, scale):
+        return bench.measure(name, built(scale), "fwd", x, y, dy, 1, "cpu", False)
+
+    ok = run("torch", 0.0)
+    assert ok.ok and ok.error is None and ok.err_ratio <= 1 and ok.gbps > 0
+    slightly = 0.04  # bf16's tolerance is ~2^-8 relative: ~10x over it
+    peer = run("torch", slightly)
+    assert peer.ok and peer.gbps > 0 and 1 < peer.err_ratio <= bench.PEER_SLACK and "less accurate" in peer.error
+    own = run("fastsoftmax", slightly)
+    assert not own.ok and own.gbps is None and "wrong result" in own.error
+    far = run("torch", 1.0)
+    assert not far.ok and "wrong result" in far.error

@@ -49,6 +49,7 @@ class Record:
     error: str | None
     graph_ms: float | None = None
     graph_gbps: float | None = None
+    err_ratio: float | None = None  # worst error / fastsoftmax's tolerance on the checked rows
 
     def json(self) -> dict:
         d = asdict(self)
@@ -192,16 +193,18 @@ def host_us(fn, device: str, calls: int = 2000) -> float:
     return (time.perf_counter() - t) / calls * 1e6
 
 
-def _check(out: torch.Tensor, x, y, dy, pass_: str) -> str | None:
-    """The first and last rows of an implementation's output against the float64 oracle."""
+PEER_SLACK = 16  # a peer within 16x fastsoftmax's own tolerance is timed, its error recorded
+
+
+def _check(out: torch.Tensor, x, y, dy, pass_: str) -> tuple[float, str | None]:
+    """(worst error / tolerance, problem or None): the first and last rows of an implementation's output
+    against the float64 oracle."""
     from .reference import compare, compare_grad
 
     rows = sorted({0, min(1, x.shape[0] - 1), x.shape[0] - 1})
     if pass_ == "fwd":
-        err, problem = compare(out[rows], x[rows], -1, False)
-    else:
-        err, problem = compare_grad(out[rows], dy[rows], y[rows], -1, False)
-    return problem
+        return compare(out[rows], x[rows], -1, False)
+    return compare_grad(out[rows], dy[rows], y[rows], -1, False)
 
 
 def measure(name: str, built, pass_: str, x, y, dy, nbytes: int, device: str, graph: bool) -> Record:
@@ -213,9 +216,11 @@ def measure(name: str, built, pass_: str, x, y, dy, nbytes: int, device: str, gr
             raise Unsupported(f"{type(built).__name__}: {built}")
         fwd, bwd = built
         fn = fwd(x) if pass_ == "fwd" else bwd(dy, y)
-        problem = _check(fn(), x, y, dy, pass_)
-        if problem:
+        rec.err_ratio, problem = _check(fn(), x, y, dy, pass_)
+        if problem and (name.startswith("fastsoftmax") or not rec.err_ratio <= PEER_SLACK):
             raise Unsupported(f"wrong result: {problem}")
+        if problem:  # a peer less accurate than fastsoftmax promises to be, but not wrong: timed, and said
+            rec.error = f"less accurate than fastsoftmax's tolerance (x{rec.err_ratio:.1f}): {problem}"
         rec.ms = time_ms(fn, device)
         rec.gbps = nbytes / rec.ms / 1e6
         if graph:
@@ -372,14 +377,17 @@ def print_tables(doc: dict, out=sys.stdout):
         means = "  ".join(f"x{p} {_geomean(v):.2f}" for p, v in speedups.items() if v)
         print(f"geometric-mean speed-up of fastsoftmax ({pass_}): {means}", file=out)
     failures: dict[tuple, list] = {}
+    notes: dict[tuple, list] = {}
     for r in recs:
-        if not r["ok"]:
-            failures.setdefault((r["impl"], r["error"]), []).append(f"{r['pass']} {r['dtype']} {r['M']}x{r['N']}")
-    if failures:
-        print("\nunsupported (implementation: error, on which problems):", file=out)
-    for (impl, error), where in failures.items():
-        shown = ", ".join(where[:4]) + (f" and {len(where) - 4} more" if len(where) > 4 else "")
-        print(f"  {impl}: {error} ({shown})", file=out)
+        if r["error"]:
+            where = f"{r['pass']} {r['dtype']} {r['M']}x{r['N']}"
+            (failures if not r["ok"] else notes).setdefault((r["impl"], r["error"]), []).append(where)
+    for title, group in (("unsupported", failures), ("timed, but less accurate than fastsoftmax", notes)):
+        if group:
+            print(f"\n{title} (implementation: error, on which problems):", file=out)
+        for (impl, error), where in group.items():
+            shown = ", ".join(where[:4]) + (f" and {len(where) - 4} more" if len(where) > 4 else "")
+            print(f"  {impl}: {error} ({shown})", file=out)
     h = doc["host_us"]
     print(f"\nhost overhead per eager call, 1x4096 fp32: fastsoftmax {h['fastsoftmax']:.1f} us, torch "
           f"{h['torch']:.1f} us", file=out)  # fmt: skip
@@ -551,7 +559,7 @@ def tune(shapes, dtypes, passes, device: str, progress=sys.stderr, jobs: int = 0
                         else:
                             fn = lambda b=backend, y=y, dy=dy: fs.softmax_backward(dy, y, backend=b)  # noqa: E731
                         try:
-                            problem = _check(fn(), x, y, dy, pass_)
+                            problem = _check(fn(), x, y, dy, pass_)[1]
                             if problem:
                                 raise Unsupported(problem)
                             timed = graphed(fn) if device == "cuda" and cls == "few" else fn
