@@ -175,25 +175,77 @@ def test_cuda_graph_forward_backward():
         torch.testing.assert_close(lin.weight.grad, ref_grad)
 
 
-def test_fast_launch_matches_the_triton_launch(monkeypatch):
-    """FASTSOFTMAX_FAST_LAUNCH's cached launcher gives bit-identical results to Triton's own launch on every
-    path (second calls of a specialisation take the cached launcher), and engages on the Triton versions
-    it is enabled for."""
+FAST_CASES = [  # (shape, backend, the path the full path picks there)
+    ((4096, 1000), "triton", "rowblock"),
+    ((2048, 50257), "triton", "online"),
+    ((8, 65536), "triton", "split"),
+    ((4096, 1000), "cuda", "warp"),
+    ((1024, 8192), "cuda", "block"),
+    ((16, 131072), "cuda", "cluster"),
+    ((2, 1 << 21), "cuda", "online"),
+]
+
+
+@pytest.mark.parametrize("shape,backend,path", FAST_CASES)
+def test_fast_path_replays_bit_identical(monkeypatch, shape, backend, path):
+    """A plain call's second run replays the recorded launches without dispatching again: bit-identical
+    output, the same plan recorded, forward and backward, softmax and log_softmax, each path of each
+    backend (Triton's replay only on the Triton versions it was checked on)."""
     import triton
 
-    from fastsoftmax.triton import launch as L
+    from fastsoftmax import dispatch, fastpath
 
-    monkeypatch.setattr(L, "_FAST", True)
-    monkeypatch.setattr(L, "_compiled", {})
-    for shape, path in [((4096, 1000), None), ((513, 4099), "online"), ((8, 65536), "split"), ((64, 16384), None)]:
-        x = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
-        dy = torch.randn_like(x)
-        with heuristics.force(**({"path": path} if path else {})):
-            ref_y = fs.log_softmax(x, backend="triton")
-            ref_dx = fs.log_softmax_backward(dy, ref_y, backend="triton")
-            for _ in range(2):
-                y = fs.log_softmax(x, backend="triton")
-                dx = fs.log_softmax_backward(dy, y, backend="triton")
-                torch.cuda.synchronize()
-                assert torch.equal(y, ref_y) and torch.equal(dx, ref_dx), (shape, path)
-    assert bool(L._compiled) == triton.__version__.startswith(L._FAST_VERSIONS)
+    if not fastpath.ENABLED:
+        pytest.skip("FASTSOFTMAX_FAST_LAUNCH=0")
+    fastpath.clear()
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=gen) * 4
+    dy = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=gen)
+    calls = []
+    real = dispatch.select
+    monkeypatch.setattr(dispatch, "select", lambda *a, **k: calls.append(1) or real(*a, **k))
+    for f, fb in ((fs.softmax, fs.softmax_backward), (fs.log_softmax, fs.log_softmax_backward)):
+        ref_y = f(x, backend=backend)
+        assert heuristics.last_plan().path == path
+        ref_dx = fb(dy, ref_y, backend=backend)
+        bwd_plan = heuristics.last_plan()
+        n = len(calls)
+        for _ in range(2):
+            heuristics.record(None)
+            y = f(x, backend=backend)
+            assert heuristics.last_plan().path == path
+            dx = fb(dy, y, backend=backend)
+            assert heuristics.last_plan() == bwd_plan
+            torch.cuda.synchronize()
+            assert torch.equal(y, ref_y) and torch.equal(dx, ref_dx), (shape, backend)
+        replayed = backend == "cuda" or triton.__version__.startswith(fastpath.TRITON_VERSIONS)
+        assert (len(calls) == n) == replayed, (len(calls), n)
+
+
+def test_fast_path_keeps_off_what_it_cannot_replay():
+    """Calls the replay must not take go through the full path every time: a forced path, a non-dense or
+    16-byte-misaligned input, autograd, a different output dtype is its own key; a side stream is honoured."""
+    from fastsoftmax import fastpath
+
+    fastpath.clear()
+    x = torch.randn(64, 1001, device="cuda")
+    with heuristics.force(path="online"):
+        fs.softmax(x[:, :1000], backend="triton")
+    assert not fastpath._cache
+    fs.softmax(x[:, :1000], backend="triton")  # not dense: output strides differ from x's
+    fs.softmax(x.view(-1)[1:65].view(1, 64), backend="triton")  # misaligned: read from a 16-byte boundary
+    assert not fastpath._cache
+    xg = x.clone().requires_grad_()
+    fs.softmax(xg).sum().backward()
+    assert not fastpath._cache
+    y32 = fs.softmax(x)
+    y16 = fs.softmax(x, dtype=torch.bfloat16)
+    assert len(fastpath._cache) == 2
+    assert y16.dtype == torch.bfloat16 and fs.softmax(x, dtype=torch.bfloat16).dtype == torch.bfloat16
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(20):
+            y_side = fs.softmax(x)
+    torch.cuda.current_stream().wait_stream(s)
+    assert torch.equal(y_side, y32)

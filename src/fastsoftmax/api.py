@@ -7,7 +7,7 @@ import platform
 
 import torch
 
-from . import dispatch, heuristics
+from . import dispatch, fastpath, heuristics
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -41,9 +41,10 @@ def _check(fn: str, x, dim, dtype, backend) -> tuple[int, torch.dtype]:
     return dim % ndim, (dtype or x.dtype)
 
 
-def forward(x, dim=-1, *, log=False, dtype=None, backend="auto", want_lse=False, fn="softmax"):
+def forward(x, dim=-1, *, log=False, dtype=None, backend="auto", want_lse=False, fn="softmax", key=None):
     """softmax / log_softmax with, on request, the per-row logsumexp (fp32, x's shape without dim) that a
-    backward pass, a loss or another GPU's shard can consume. Returns (y, lse or None)."""
+    backward pass, a loss or another GPU's shard can consume. Returns (y, lse or None). ``key``: the call's
+    fastpath key, to record its launches for replay."""
     dim, out_dtype = _check(fn, x, dim, dtype, backend)
     impl, path = dispatch.select(backend, x, out_dtype, dim=dim)
     if x.dim() == 0:
@@ -55,12 +56,21 @@ def forward(x, dim=-1, *, log=False, dtype=None, backend="auto", want_lse=False,
         if want_lse:  # an empty row is fully masked: lse = -inf
             lse = torch.full(x.shape[:dim] + x.shape[dim + 1 :], float("-inf"), device=x.device)
         return torch.empty_like(x, dtype=out_dtype), lse
-    return impl.forward(x, dim, out_dtype, log, want_lse, path)
+    rec = fastpath.start(key) if key is not None and not want_lse else None
+    if rec is None:
+        return impl.forward(x, dim, out_dtype, log, want_lse, path)
+    try:
+        y, lse = impl.forward(x, dim, out_dtype, log, want_lse, path)
+    except BaseException:
+        fastpath.abort()
+        raise
+    fastpath.finish(rec, key, x, None, y, out_dtype)
+    return y, lse
 
 
-def backward(dy, y, dim=-1, *, log=False, dtype=None, backend="auto", fn="softmax_backward"):
+def backward(dy, y, dim=-1, *, log=False, dtype=None, backend="auto", fn="softmax_backward", key=None):
     """The gradient of softmax (log_softmax) from its output y and the output gradient dy; dx in ``dtype``
-    (default y's dtype), computed in fp32."""
+    (default y's dtype), computed in fp32. ``key``: as forward's."""
     if not isinstance(dy, torch.Tensor):
         raise TypeError(f"{fn}: expected dy to be a torch.Tensor, got {type(dy).__name__}")
     dim, out_dtype = _check(fn, y, dim, dtype, backend)
@@ -76,7 +86,16 @@ def backward(dy, y, dim=-1, *, log=False, dtype=None, backend="auto", fn="softma
     if y.numel() == 0:
         heuristics.record(heuristics.Plan(impl.name, "empty"))
         return torch.empty_like(y, dtype=out_dtype)
-    return impl.backward(dy, y, dim, out_dtype, log, path)
+    rec = fastpath.start(key) if key is not None else None
+    if rec is None:
+        return impl.backward(dy, y, dim, out_dtype, log, path)
+    try:
+        dx = impl.backward(dy, y, dim, out_dtype, log, path)
+    except BaseException:
+        fastpath.abort()
+        raise
+    fastpath.finish(rec, key, y, dy, dx, out_dtype)
+    return dx
 
 
 def _autograd(x) -> bool:
@@ -95,7 +114,10 @@ def softmax(x: torch.Tensor, dim: int = -1, *, dtype=None, backend: str = "auto"
     if isinstance(x, torch.Tensor) and _autograd(x):
         _check("softmax", x, dim, dtype, backend)
         return torch.ops.fastsoftmax.softmax(x, dim, False, dtype, backend)
-    return forward(x, dim, log=False, dtype=dtype, backend=backend, fn="softmax")[0]
+    key = fastpath.key(x, None, dim, dtype, False, backend)
+    if key is not None and (y := fastpath.replay(key, x)) is not None:
+        return y
+    return forward(x, dim, log=False, dtype=dtype, backend=backend, fn="softmax", key=key)[0]
 
 
 def log_softmax(x: torch.Tensor, dim: int = -1, *, dtype=None, backend: str = "auto") -> torch.Tensor:
@@ -103,17 +125,26 @@ def log_softmax(x: torch.Tensor, dim: int = -1, *, dtype=None, backend: str = "a
     if isinstance(x, torch.Tensor) and _autograd(x):
         _check("log_softmax", x, dim, dtype, backend)
         return torch.ops.fastsoftmax.softmax(x, dim, True, dtype, backend)
-    return forward(x, dim, log=True, dtype=dtype, backend=backend, fn="log_softmax")[0]
+    key = fastpath.key(x, None, dim, dtype, True, backend)
+    if key is not None and (y := fastpath.replay(key, x)) is not None:
+        return y
+    return forward(x, dim, log=True, dtype=dtype, backend=backend, fn="log_softmax", key=key)[0]
 
 
 def softmax_backward(dy: torch.Tensor, y: torch.Tensor, dim: int = -1, *, dtype=None, backend: str = "auto"):
     """dx = y * (dy - sum(y * dy)) along dim, from softmax's output y; 0 on fully masked rows (y all 0)."""
-    return backward(dy, y, dim, log=False, dtype=dtype, backend=backend, fn="softmax_backward")
+    key = fastpath.key(y, dy, dim, dtype, False, backend)
+    if key is not None and (dx := fastpath.replay(key, y, dy)) is not None:
+        return dx
+    return backward(dy, y, dim, log=False, dtype=dtype, backend=backend, fn="softmax_backward", key=key)
 
 
 def log_softmax_backward(dy: torch.Tensor, y: torch.Tensor, dim: int = -1, *, dtype=None, backend: str = "auto"):
     """dx = dy - exp(y) * sum(dy) along dim, from log_softmax's output y; 0 on fully masked rows (y all -inf)."""
-    return backward(dy, y, dim, log=True, dtype=dtype, backend=backend, fn="log_softmax_backward")
+    key = fastpath.key(y, dy, dim, dtype, True, backend)
+    if key is not None and (dx := fastpath.replay(key, y, dy)) is not None:
+        return dx
+    return backward(dy, y, dim, log=True, dtype=dtype, backend=backend, fn="log_softmax_backward", key=key)
 
 
 class Softmax(torch.nn.Module):

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import heuristics
+from .. import fastpath, heuristics
 from ..layout import alloc, plan_layout
 from . import build
 
@@ -218,6 +218,8 @@ def function_attributes(cfg: build.Config, index: int) -> dict:
 
 
 def _launch(fn, grid: int, block: int, cluster: int, params: _Params, stream: int):
+    if fastpath.recording() is not None:
+        fastpath.cuda_launched(fn, grid, block, cluster, params)
     cu = driver()
     args = (ctypes.c_void_p * 1)(ctypes.addressof(params))
     if cluster == 1:

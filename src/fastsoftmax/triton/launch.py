@@ -7,12 +7,11 @@ output, rows (b, i) x N with strides from layout.py; see softmax_fwd._rows."""
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
 
-from .. import heuristics
+from .. import fastpath, heuristics
 from ..layout import Layout
 
 _INT32_MAX = 2**31 - 1
@@ -130,52 +129,10 @@ def _plan(lay: Layout, elsize: int, sms: int, inputs: int, overrides: tuple, x_m
 
 
 # ---- the launch itself -----------------------------------------------------------------------------------
-# Triton's JITFunction.run binds and specialises every argument on every call (about 13 us of host time for
-# a launch on an H200 host). With FASTSOFTMAX_FAST_LAUNCH=1 (off by default until measured on a GPU across
-# Triton versions), a launch whose specialisation was seen before goes straight to the compiled kernel's
-# launcher. The key replicates what Triton specialises on: each tensor's dtype and 16-byte alignment, each
-# int's divisibility by 16, equality to 1 and 32/64-bit width, and the constexpr values.
-_FAST = os.environ.get("FASTSOFTMAX_FAST_LAUNCH", "0") == "1"
-_FAST_VERSIONS = ("3.6.",)  # Triton versions whose launcher call below has been checked
-_compiled: dict = {}
-
-
-def _hooks_idle() -> bool:
-    """No launch hooks registered (a profiler's hooks must keep seeing every launch)."""
-    from triton import knobs
-
-    r = knobs.runtime
-    return all(h is None or not getattr(h, "calls", [h]) for h in (r.launch_enter_hook, r.launch_exit_hook))
-
-
-def _spec(a):
-    if isinstance(a, torch.Tensor):
-        return (a.dtype, a.data_ptr() % 16 == 0)
-    if isinstance(a, bool):
-        return ("b", a)
-    if isinstance(a, int):
-        return ("i", a % 16 == 0, a == 1, -(2**31) <= a < 2**31)
-    return ("?", a)
 
 
 def launch(kernel, grid: tuple, args: tuple, kwargs: dict):
-    """kernel[grid](*args, **kwargs), through the cached launcher when FASTSOFTMAX_FAST_LAUNCH=1."""
-    if not _FAST:
-        kernel[grid](*args, **kwargs)
-        return
-    key = (kernel, len(grid), tuple(_spec(a) for a in args), tuple(sorted(kwargs.items())))
-    hit = _compiled.get(key)
-    if hit is not None and _hooks_idle():
-        ck, names = hit
-        g = tuple(grid) + (1,) * (3 - len(grid))
-        vals = list(args) + [kwargs[n] for n in names[len(args) :]]
-        stream = torch.cuda.current_stream().cuda_stream
-        ck.run(g[0], g[1], g[2], stream, ck.function, ck.packed_metadata, None, None, None, *vals)
-        return
+    """kernel[grid](*args, **kwargs), recorded for fastpath's replay when a recording is on."""
     ck = kernel[grid](*args, **kwargs)
-    names = getattr(kernel, "arg_names", None)
-    if hasattr(ck, "packed_metadata") and names and all(n in kwargs for n in names[len(args) :]):
-        import triton
-
-        if triton.__version__.startswith(_FAST_VERSIONS):
-            _compiled[key] = (ck, names)
+    if fastpath.recording() is not None:
+        fastpath.triton_launched(ck, grid, args, kwargs, getattr(kernel, "arg_names", None))

@@ -199,6 +199,7 @@ from dataclasses import replace  # noqa: E402
 
 import torch  # noqa: E402
 
+from .. import fastpath  # noqa: E402
 from ..layout import plan_layout  # noqa: E402
 from .launch import aligned_view, launch, prepare  # noqa: E402
 
@@ -224,7 +225,7 @@ def backward(dy: torch.Tensor, y: torch.Tensor, dx: torch.Tensor, dim: int, log:
     tail = dict(**L.flags, Y_VEC=L.y_vec, LOG=log, num_warps=L.plan.num_warps)
     if L.plan.path == "split":
         sums, write = KERNELS["split"]
-        ws = torch.empty(L.n_rows * L.plan.splits * 2, dtype=torch.float32, device=y.device)
+        ws = fastpath.scratch(torch.empty(L.n_rows * L.plan.splits * 2, dtype=torch.float32, device=y.device))
         args = (L.x_arg, dy_arg, ws, *L.rows_args, *sx, L.x_mis, L.chunks_per_split, L.plan.splits)
         launch(sums, L.grid, args, dict(**L.flags, LOG=log, num_warps=L.plan.num_warps))
         args = (L.x_arg, dx, dy_arg, ws, *L.rows_args, *sx, *sy, L.x_mis, L.chunks_per_split, L.plan.splits)

@@ -353,6 +353,7 @@ KERNELS = {
 # (imports here keep the kernels above readable on their own)
 import torch  # noqa: E402
 
+from .. import fastpath  # noqa: E402
 from ..layout import alloc, plan_layout  # noqa: E402
 from .launch import launch, prepare  # noqa: E402
 
@@ -370,7 +371,7 @@ def forward(x: torch.Tensor, y: torch.Tensor, dim: int, log: bool, want_lse: boo
     tail = dict(**L.flags, Y_VEC=L.y_vec, LOG=log, WRITE_LSE=lse is not None, num_warps=L.plan.num_warps)
     if L.plan.path == "split":
         stats, write = KERNELS["split"]
-        ws = torch.empty(L.n_rows * L.plan.splits * 2, dtype=torch.float32, device=x.device)
+        ws = fastpath.scratch(torch.empty(L.n_rows * L.plan.splits * 2, dtype=torch.float32, device=x.device))
         args = (L.x_arg, ws, *L.rows_args, *sx, L.x_mis, L.chunks_per_split, L.plan.splits)
         launch(stats, L.grid, args, dict(**L.flags, num_warps=L.plan.num_warps))
         args = (L.x_arg, y, lse_arg, ws, *L.rows_args, *sx, *sy, L.x_mis, L.chunks_per_split, L.plan.splits)

@@ -1,0 +1,220 @@
+"""The eager fast path: replaying a call's launches without re-planning them.
+
+Everything a launch depends on (the layout, the backend's and path's choice, the kernel, its grid and its
+integer arguments) is a pure function of the inputs' shapes, strides, dtypes, device and addresses modulo
+16, of dim, of the output dtype and of the backend asked for. So the first call with a given key runs the
+full path (checks, dispatch, planning, Triton's own launch) while recording what it launched; later calls
+with the same key allocate the output and call the recorded kernels' launchers directly with the new
+tensors' addresses. That leaves a dict lookup, an allocation and the launch itself on the host (a plain
+Triton launch binds and specialises every argument again: most of a call's host time).
+
+A call is recorded only when it is plain: CUDA tensors that need no autograd, no heuristics.force or test
+poisoning active, no logsumexp output, inputs used in place (not copied into another layout, not addressed
+from a 16-byte boundary before them), and only kernels whose launcher call is known (Triton 3.6's, the
+CUDA backend's). Everything else always takes the full path. Profiler hooks registered with Triton turn
+the replay off (they must see every launch). FASTSOFTMAX_FAST_LAUNCH=0 turns it off.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import torch
+
+from . import heuristics
+
+ENABLED = os.environ.get("FASTSOFTMAX_FAST_LAUNCH", "1") != "0"
+TRITON_VERSIONS = ("3.6.",)  # Triton releases whose CompiledKernel.run call below has been checked on a GPU
+MAX_ENTRIES = 4096
+
+_cache: dict = {}
+_state = threading.local()
+_X, _D, _Y = "x", "d", "y"  # roles of tensors in a recorded launch; ("scratch", numel, dtype) for workspaces
+
+
+def key(x, d, dim, dtype, log: bool, backend):
+    """The cache key of a call: None when it cannot take the fast path (or the arguments are not plain:
+    the full path checks them and raises)."""
+    if not ENABLED or type(x) is not torch.Tensor or not x.is_cuda or x.requires_grad and torch.is_grad_enabled():
+        return None
+    if torch.compiler.is_compiling():
+        return None
+    if type(dim) is not int or not (dtype is None or isinstance(dtype, torch.dtype)) or type(backend) is not str:
+        return None
+    if d is not None and (type(d) is not torch.Tensor or not d.is_cuda):
+        return None
+    k = (x.shape, x.stride(), x.dtype, x.get_device(), x.data_ptr() % 16, dim, dtype, log, backend)
+    if d is not None:
+        k += (d.stride(), d.dtype, d.data_ptr() % 16, (d.data_ptr() - x.data_ptr()) % 16, d.shape)
+    return k
+
+
+def replay(k, x: torch.Tensor, d: torch.Tensor | None = None) -> torch.Tensor | None:
+    """The output of a recorded call, or None (not recorded, or something forbids the replay now)."""
+    entry = _cache.get(k)
+    if entry is None or heuristics.forced() is not None or heuristics.poisoning() or not hooks_idle():
+        return None
+    if torch.cuda.current_device() != k[3]:
+        return None
+    return entry(x, d, k[3])
+
+
+# ---- recording ----------------------------------------------------------------------------------------
+
+
+class _Recording:
+    def __init__(self):
+        self.launches = []  # (kind, handle, launch data)
+        self.scratch = {}  # data_ptr -> (numel, dtype)
+        self.ok = True
+
+
+def recording() -> _Recording | None:
+    return getattr(_state, "rec", None)
+
+
+def start(k) -> _Recording | None:
+    if k is None or heuristics.forced() is not None or heuristics.poisoning() or len(_cache) >= MAX_ENTRIES:
+        return None
+    rec = _state.rec = _Recording()
+    return rec
+
+
+def abort() -> None:
+    _state.rec = None
+
+
+def scratch(t: torch.Tensor) -> torch.Tensor:
+    """Mark t as a workspace the kernels write before they read it: a replay allocates a new one."""
+    rec = recording()
+    if rec is not None:
+        rec.scratch[t.data_ptr()] = (t.numel(), t.dtype)
+    return t
+
+
+def triton_launched(ck, grid: tuple, args: tuple, kwargs: dict, names) -> None:
+    """Record a Triton launch (ck: the CompiledKernel that kernel[grid](...) returned)."""
+    rec = recording()
+    if rec is None:
+        return
+    import triton
+
+    if not (triton.__version__.startswith(TRITON_VERSIONS) and hasattr(ck, "packed_metadata") and names):
+        rec.ok = False
+        return
+    if not all(n in kwargs for n in names[len(args) :]):
+        rec.ok = False
+        return
+    vals = list(args) + [kwargs[n] for n in names[len(args) :]]
+    g = tuple(grid) + (1,) * (3 - len(grid))
+    rec.launches.append(("triton", ck, (g, vals)))
+
+
+def cuda_launched(fn, grid: int, block: int, cluster: int, params) -> None:
+    rec = recording()
+    if rec is not None:
+        rec.launches.append(("cuda", fn, (grid, block, cluster, params)))
+
+
+def finish(rec: _Recording | None, k, x, d, y, out_dtype) -> None:
+    """Store the replay of the call just recorded, when every tensor it launched with has a role."""
+    _state.rec = None
+    if rec is None or not rec.ok or not rec.launches:
+        return
+    plan = heuristics.last_plan()
+    if plan is None or plan.copied:
+        return
+    ptrs = {x.data_ptr(): _X, y.data_ptr(): _Y}
+    if d is not None:
+        if d.data_ptr() in ptrs:
+            return  # dy aliasing y: replay would still be right, but keep such calls on the full path
+        ptrs[d.data_ptr()] = _D
+
+    def role(v: torch.Tensor):
+        p = v.data_ptr()
+        if p in ptrs:
+            return ptrs[p]
+        if p in rec.scratch:
+            return ("scratch", *rec.scratch[p])
+        raise LookupError  # a tensor made during the call that is not a workspace: not replayable
+
+    if y.stride() != x.stride():
+        return  # x not dense: its output is laid out otherwise; keep such calls on the full path
+    tensors = {_X: x, _D: d, _Y: y}
+    steps = []
+    try:
+        for kind, handle, data in rec.launches:
+            if kind == "triton":
+                g, vals = data
+                slots = []
+                for i, v in enumerate(vals):
+                    if isinstance(v, torch.Tensor):
+                        r = role(v)
+                        if not isinstance(r, tuple) and v.dtype != tensors[r].dtype:
+                            return
+                        slots.append((i, r))
+                steps.append(("triton", handle, g, list(vals), slots))
+            else:
+                grid, block, cluster, params = data
+                fields = {}
+                for f in ("x", "y", "d", "lse"):
+                    p = getattr(params, f)
+                    if p:
+                        if p not in ptrs:
+                            return
+                        fields[f] = ptrs[p]
+                steps.append(("cuda", handle, (grid, block, cluster), bytes(params), fields))
+    except LookupError:
+        return
+    _cache[k] = _make_replay(steps, plan, out_dtype)
+
+
+def _make_replay(steps, plan, out_dtype):
+    if any(s[0] == "cuda" for s in steps):
+        from .cuda.kernels import _launch, _Params  # cuda-python is there: it recorded these launches
+
+    def run(x, d, device):
+        y = torch.empty_like(x, dtype=out_dtype)
+        if y.data_ptr() % 16:
+            return None  # never from torch's allocator; the recorded plan assumed an aligned output
+        have = {_X: x, _D: d, _Y: y}
+        stream = _raw_stream(device)
+        for step in steps:
+            if step[0] == "triton":
+                _, ck_, g, vals, slots = step
+                vals = list(vals)
+                for i, r in slots:
+                    if isinstance(r, tuple):  # scratch
+                        vals[i] = torch.empty(r[1], dtype=r[2], device=x.device)
+                    else:
+                        vals[i] = have[r]
+                ck_.run(g[0], g[1], g[2], stream, ck_.function, ck_.packed_metadata, None, None, None, *vals)
+            else:
+                _, fn, (grid, block, cluster), raw, fields = step
+                params = _Params.from_buffer_copy(raw)
+                for f, r in fields.items():
+                    setattr(params, f, have[r].data_ptr())
+                _launch(fn, grid, block, cluster, params, stream)
+        heuristics.record(plan)
+        return y
+
+    return run
+
+
+def _raw_stream(device: int) -> int:
+    return torch._C._cuda_getCurrentRawStream(device)
+
+
+def hooks_idle() -> bool:
+    """No launch hooks registered with Triton (a profiler's hooks must see every launch)."""
+    try:
+        from triton import knobs
+    except ImportError:
+        return True
+    r = knobs.runtime
+    return all(h is None or not getattr(h, "calls", [h]) for h in (r.launch_enter_hook, r.launch_exit_hook))
+
+
+def clear() -> None:
+    _cache.clear()
