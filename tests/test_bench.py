@@ -63,13 +63,17 @@ def test_tables_speedups_and_unsupported():
 
 
 def test_cpu_tune_writes_a_table_auto_can_read(tmp_path):
-    from fastsoftmax import tuning
+    from fastsoftmax import dispatch, tuning
 
     out = tmp_path / "t.json"
     cmd = [sys.executable, "-m", "fastsoftmax", "bench", "--device", "cpu", "--tune", str(out),
            "--shapes", "2x64,2x100", "--dtypes", "float32", "--passes", "fwd,bwd"]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    problem = dispatch.interpreter_problem()
+    if problem:  # this Triton's interpreter cannot run here: every candidate fails, each with the reason
+        assert run.returncode != 0 and run.stderr.count(problem) >= 4 * 3, run.stderr[-3000:]
+        return
     assert run.returncode == 0, run.stderr[-3000:]
     doc = tuning.validate(json.loads(out.read_text()))
     assert doc["generated_by"] == "fastsoftmax bench --tune" and len(doc["entries"]) == 4

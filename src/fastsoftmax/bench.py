@@ -603,6 +603,10 @@ def main(args) -> int:
         shapes = tune_shapes(sms) if args.shapes == "suite" else parse_shapes(args.shapes)
         jobs = default_jobs(device) if args.jobs is None else args.jobs
         doc = tune(shapes, args.dtypes.split(","), args.passes.split(","), device, jobs=jobs)
+        if not doc["entries"]:
+            print("fastsoftmax bench --tune: no candidate ran on any problem (reasons above); nothing written",
+                  file=sys.stderr)  # fmt: skip
+            return 1
         with open(args.tune, "w") as f:
             json.dump(doc, f, indent=1)
         print(f"wrote {len(doc['entries'])} entries to {args.tune}")

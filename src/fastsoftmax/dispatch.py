@@ -74,6 +74,27 @@ def triton_import_error() -> str | None:
     return None
 
 
+@functools.cache
+def interpreter_problem() -> str | None:
+    """Why Triton's interpreter cannot run the kernels here (None: it can): Triton before 3.8 calls int()
+    on 1-element arrays for loop bounds, which numpy 2.4 refuses (seen on the H200 image: triton 3.6.0,
+    numpy 2.4)."""
+    import re
+
+    import numpy
+    import triton
+
+    def version(v):
+        return tuple(int(p) for p in re.findall(r"\d+", v)[:2])
+
+    if version(triton.__version__) < (3, 8) and version(numpy.__version__) >= (2, 4):
+        return (
+            f"Triton {triton.__version__}'s interpreter cannot run loops with numpy {numpy.__version__}: "
+            "pip install 'numpy<2.4' (or triton>=3.8)"
+        )
+    return None
+
+
 _interpreted: list[bool] = []  # filled once the kernels are imported, when the answer can no longer change
 
 
@@ -112,6 +133,8 @@ class TritonBackend:
                 "CPU tensors run the Triton kernels only in Triton's interpreter: set TRITON_INTERPRET=1 "
                 "before fastsoftmax's first call"
             )
+        if x.device.type == "cpu" and interpreter_problem():
+            return interpreter_problem()
         if x.device.type == "cuda" and triton_interpreted():
             return "the Triton kernels were loaded for the interpreter (TRITON_INTERPRET=1); CUDA needs them compiled"
         return None
