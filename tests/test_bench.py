@@ -78,7 +78,7 @@ def test_cpu_tune_writes_a_table_auto_can_read(tmp_path):
     doc = tuning.validate(json.loads(out.read_text()))
     assert doc["generated_by"] == "fastsoftmax bench --tune" and len(doc["entries"]) == 4
     for e in doc["entries"]:  # the winner is the fastest candidate measured, every candidate kept
-        assert e["backend"] == "triton" and e["gbps"] == max(e["candidates"].values())
+        assert e["backend"] == "triton" and f"{e['backend']}/{e['path']}" == tuning.pick(e["candidates"], e["default"])
         assert e["candidates"][f"{e['backend']}/{e['path']}"] == e["gbps"]
         assert {"triton/rowblock", "triton/online", "triton/split"} == set(e["candidates"]), run.stderr[-3000:]
     assert tuning.choose(doc, "bwd", "float32", 80, 2, 132) == (doc["entries"][3]["backend"], doc["entries"][3]["path"])
@@ -116,6 +116,10 @@ def test_tuning_buckets():
     else:
         raise AssertionError("a malformed entry was accepted")
     assert tuning.slug("NVIDIA H200") == "nvidia_h200"
+    # a near-tie keeps the default path; a clear win replaces it
+    assert tuning.pick({"triton/online": 3918.0, "triton/rowblock": 3905.0}, "triton/rowblock") == "triton/rowblock"
+    assert tuning.pick({"cuda/cluster": 3773.0, "triton/online": 2845.0}, "triton/online") == "cuda/cluster"
+    assert tuning.pick({"cuda/cluster": 3773.0}, None) == "cuda/cluster"
 
 
 def test_warm_runs_every_job_in_worker_processes():
@@ -128,8 +132,8 @@ def test_warm_runs_every_job_in_worker_processes():
 
 
 def test_committed_tables_are_valid():
-    """Every committed table loads, names only backends and paths that exist, keeps each winner as the fastest
-    of its candidates, and covers both passes, rows classes and the dtypes it was measured for."""
+    """Every committed table loads, names only backends and paths that exist, names per entry what
+    tuning.pick makes of its measured candidates, and covers both passes, rows classes and its dtypes."""
     from importlib import resources
 
     from fastsoftmax import dispatch, heuristics, tuning
@@ -142,7 +146,8 @@ def test_committed_tables_are_valid():
         for e in doc["entries"]:
             assert e["backend"] in dispatch.BACKENDS
             assert e["path"] in (heuristics.PATHS if e["backend"] == "triton" else heuristics.CUDA_PATHS)
-            assert e["gbps"] == max(e["candidates"].values()), e
+            assert f"{e['backend']}/{e['path']}" == tuning.pick(e["candidates"], e["default"]), e
+            assert e["gbps"] == e["candidates"][f"{e['backend']}/{e['path']}"]
         keys = {(e["pass"], e["dtype"], e["rows"]) for e in doc["entries"]}
         assert {(p, "bfloat16", r) for p in ("fwd", "bwd") for r in ("few", "many")} <= keys
         big = max(e["n_max"] for e in doc["entries"])

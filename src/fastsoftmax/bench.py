@@ -569,10 +569,13 @@ def tune(shapes, dtypes, passes, device: str, progress=sys.stderr, jobs: int = 0
                                 progress.write(f"  {pass_} {dt} {m}x{n} {backend}/{path}: {type(e).__name__}: {e}\n")
                 if not results:
                     continue
-                best = max(results, key=results.get)
+                default = "triton/" + heuristics.launch_shape(n, m, x.element_size(), False, sms, None,
+                                                              inputs=1 if pass_ == "fwd" else 2).path  # fmt: skip
+                best = tuning.pick(results, default)
                 backend, path = best.split("/")
                 entries.append({"pass": pass_, "dtype": dt, "rows": cls, "n_max": n, "M": m, "backend": backend,
-                                "path": path, "gbps": results[best], "candidates": results})  # fmt: skip
+                                "path": path, "gbps": results[best], "default": default,
+                                "candidates": results})  # fmt: skip
                 if progress is not None:
                     progress.write(f"{pass_} {dt} {m}x{n} ({cls}): {best} {results[best]:.0f} GB/s\n")
                     progress.flush()

@@ -206,13 +206,18 @@ def _raw_stream(device: int) -> int:
     return torch._C._cuda_getCurrentRawStream(device)
 
 
+_runtime_knobs: list = []
+
+
 def hooks_idle() -> bool:
     """No launch hooks registered with Triton (a profiler's hooks must see every launch)."""
-    try:
-        from triton import knobs
-    except ImportError:
-        return True
-    r = knobs.runtime
+    if not _runtime_knobs:
+        try:
+            from triton import knobs
+        except ImportError:
+            return True
+        _runtime_knobs.append(knobs.runtime)
+    r = _runtime_knobs[0]
     return all(h is None or not getattr(h, "calls", [h]) for h in (r.launch_enter_hook, r.launch_exit_hook))
 
 

@@ -18,6 +18,7 @@ import re
 from importlib import resources
 
 FEW_ROWS_PER_SM = 2
+MARGIN = 0.03  # another candidate replaces the default path only when it is this much faster where measured
 FIELDS = ("pass", "dtype", "rows", "n_max", "backend", "path")
 
 
@@ -44,6 +45,16 @@ def validate(doc: dict) -> dict:
         if missing or e["rows"] not in ("few", "many") or e["pass"] not in ("fwd", "bwd"):
             raise ValueError(f"malformed tuning entry {e}")
     return doc
+
+
+def pick(candidates: dict[str, float], default: str | None) -> str:
+    """The 'backend/path' an entry names: the fastest candidate, unless the default path (what heuristics.py
+    picks without a table) is within MARGIN of it. A table entry covers a bucket of lengths but is measured
+    at one: a near-tie there (0.3% at N = 1024) must not send N = 513 down a path that is 2x slower for it."""
+    best = max(candidates, key=candidates.get)
+    if default in candidates and candidates[best] < (1 + MARGIN) * candidates[default]:
+        return default
+    return best
 
 
 def rows_class(n_rows: int, sm_count: int) -> str:
