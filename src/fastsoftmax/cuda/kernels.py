@@ -38,6 +38,7 @@ WARP_CTA = 128  # threads of a CTA of warp (or sub-warp) rows
 BLOCK_MAX = 512  # threads of a CTA holding one row (8 * 512 vectors: 16384 fp32 / 32768 bf16 elements)
 CLUSTER_MAX = 16  # CTAs per row (16 is a non-portable cluster size: allowed on H100/H200)
 STREAM_GROUP = 512
+K_PREF_16BIT_FWD = 4  # vectors per thread the warp and block variants prefer for 16-bit forward rows
 
 _DTYPE = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -83,14 +84,17 @@ def launch_shape(
             variant = "online"
     if variant == "three_pass":
         return Shape(variant, 256, 1, 1, 0)
+    # 16-bit forward rows on one CTA: the group grows first so that a thread holds 4 vectors where it can
+    # (measured on the H200: 1.22-1.29x over 8 vectors per thread, which needs 128 registers)
+    k_pref = min(k_max, K_PREF_16BIT_FWD) if inputs == 1 and elsize == 2 else k_max
     if variant == "warp":
-        group = _clamp(_pow2(-(-nvec // k_max)), 8, 32)
+        group = _clamp(_pow2(-(-nvec // k_pref)), 8, 32)
         k = _pow2(-(-nvec // group))
         if k > k_max:
             raise ValueError(f"the warp variant holds at most {32 * k_max * vec} elements per row, got N={n}")
         return Shape(variant, group, WARP_CTA // group, 1, k)
     if variant == "block":
-        group = _clamp(_pow2(-(-nvec // k_max)), 64, block_max)
+        group = _clamp(_pow2(-(-nvec // k_pref)), 64, block_max)
         k = _pow2(-(-nvec // group))
         if k > k_max:
             raise ValueError(f"the block variant holds at most {block_max * k_max * vec} elements per row, got N={n}")
