@@ -7,7 +7,7 @@ import platform
 
 import torch
 
-from . import dispatch, fastpath, heuristics
+from . import dispatch, fastpath, heuristics, masking
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -41,11 +41,51 @@ def _check(fn: str, x, dim, dtype, backend) -> tuple[int, torch.dtype]:
     return dim % ndim, (dtype or x.dtype)
 
 
-def forward(x, dim=-1, *, log=False, dtype=None, backend="auto", want_lse=False, fn="softmax", key=None):
+def _logical_rows(t: torch.Tensor) -> bool:
+    """Whether t's rows (every dim but the last) sit in memory in their logical order at one stride, so
+    that a row's flat index is its position: what the masked kernels address the mask by."""
+    dims = [(size, stride) for size, stride in zip(t.shape[:-1], t.stride()[:-1], strict=True) if size != 1]
+    return all(a[1] == b[1] * b[0] for a, b in zip(dims, dims[1:], strict=False))
+
+
+def _forward_masked(x, dim, log, out_dtype, backend, want_lse, fn, mask, scale, causal):
+    """softmax(scale * x + mask) along dim, causal over the last two dims (masking.py's semantics)."""
+    if x.dim() == 0:
+        m = mask.reshape(1) if mask is not None else None
+        y, lse = _forward_masked(x.reshape(1), 0, log, out_dtype, backend, want_lse, fn, m, scale, causal)
+        return y.reshape(()), (lse.reshape(()) if lse is not None else None)
+    impl, path = dispatch.select(backend, x, out_dtype, dim=dim, masked=True)
+    if x.numel() == 0:
+        heuristics.record(heuristics.Plan(impl.name, "empty"))
+        lse = torch.full(x.shape[:dim] + x.shape[dim + 1 :], float("-inf"), device=x.device) if want_lse else None
+        return torch.empty_like(x, dtype=out_dtype), lse
+    last = x.dim() - 1
+    xw = x.movedim(dim, -1) if dim != last else x
+    mw = mask.expand(x.shape).movedim(dim, -1) if mask is not None and dim != last else mask
+    spec = masking.spec(xw, mw, scale, causal)
+    if spec is None:  # a mask over more than 4 row dims that do not merge: torch ops
+        if backend != "auto":
+            raise RuntimeError(f"{fn}: backend={backend!r} addresses masks over at most 4 row dims; this "
+                               f"mask of shape {tuple(mask.shape)} needs more (backend='torch' runs it)")  # fmt: skip
+        impl = dispatch.BACKENDS["torch"]
+        spec = masking.Spec(1 if mask.dtype == torch.bool else 2, mw, scale, causal, (1, 1, 1), (0,) * 4, 0, 0)
+    if impl.name != "torch" and not _logical_rows(xw):
+        xw = xw.contiguous()
+    y, lse = impl.forward(xw, last, out_dtype, log, want_lse, path, spec)
+    return (y.movedim(-1, dim) if dim != last else y), lse
+
+
+def forward(
+    x, dim=-1, *, log=False, dtype=None, backend="auto", want_lse=False, fn="softmax", key=None, mask=None,
+    scale=None, causal=False,
+):  # fmt: skip
     """softmax / log_softmax with, on request, the per-row logsumexp (fp32, x's shape without dim) that a
     backward pass, a loss or another GPU's shard can consume. Returns (y, lse or None). ``key``: the call's
-    fastpath key, to record its launches for replay."""
+    fastpath key, to record its launches for replay. ``mask``, ``scale``, ``causal``: see masking.py."""
     dim, out_dtype = _check(fn, x, dim, dtype, backend)
+    if mask is not None or scale is not None or causal is not False:
+        masking.check(fn, x, dim % max(x.dim(), 1), mask, scale, causal)
+        return _forward_masked(x, dim, log, out_dtype, backend, want_lse, fn, mask, scale, causal)
     impl, path = dispatch.select(backend, x, out_dtype, dim=dim)
     if x.dim() == 0:
         y, lse = forward(x.reshape(1), 0, log=log, dtype=dtype, backend=impl.name, want_lse=want_lse, fn=fn)
@@ -104,13 +144,25 @@ def _autograd(x) -> bool:
     return (x.requires_grad and torch.is_grad_enabled()) or torch.compiler.is_compiling()
 
 
-def softmax(x: torch.Tensor, dim: int = -1, *, dtype=None, backend: str = "auto") -> torch.Tensor:
+def softmax(
+    x: torch.Tensor, dim: int = -1, *, mask=None, scale=None, causal=False, dtype=None, backend: str = "auto"
+) -> torch.Tensor:
     """Softmax of x along dim. See the README for the conventions on -inf, NaN and +inf rows.
+
+    mask: bool (True = keep) or floating (added), broadcastable to x, read in place; scale: a float
+    multiplied into x first; causal: over the last two dims (query, key), bottom-right aligned.
 
     dtype: output dtype (computed in fp32 from x as given, written once in dtype).
     backend: 'auto' (CUDA tensors: the tuning table's choice, else Triton kernels; CPU: torch ops), 'triton',
     'cuda' or 'torch'.
     Differentiable (only the output is saved for backward)."""
+    if mask is not None or scale is not None or causal is not False:
+        if isinstance(x, torch.Tensor) and _autograd(x):
+            d, _ = _check("softmax", x, dim, dtype, backend)
+            masking.check("softmax", x, d, mask, scale, causal)
+            return torch.ops.fastsoftmax.softmax_masked(x, dim, False, dtype, backend, mask, scale, causal)
+        return forward(x, dim, log=False, dtype=dtype, backend=backend, fn="softmax", mask=mask, scale=scale,
+                       causal=causal)[0]  # fmt: skip
     if isinstance(x, torch.Tensor) and _autograd(x):
         _check("softmax", x, dim, dtype, backend)
         return torch.ops.fastsoftmax.softmax(x, dim, False, dtype, backend)
@@ -120,8 +172,17 @@ def softmax(x: torch.Tensor, dim: int = -1, *, dtype=None, backend: str = "auto"
     return forward(x, dim, log=False, dtype=dtype, backend=backend, fn="softmax", key=key)[0]
 
 
-def log_softmax(x: torch.Tensor, dim: int = -1, *, dtype=None, backend: str = "auto") -> torch.Tensor:
+def log_softmax(
+    x: torch.Tensor, dim: int = -1, *, mask=None, scale=None, causal=False, dtype=None, backend: str = "auto"
+) -> torch.Tensor:
     """Log-softmax of x along dim; arguments and conventions as softmax()."""
+    if mask is not None or scale is not None or causal is not False:
+        if isinstance(x, torch.Tensor) and _autograd(x):
+            d, _ = _check("log_softmax", x, dim, dtype, backend)
+            masking.check("log_softmax", x, d, mask, scale, causal)
+            return torch.ops.fastsoftmax.softmax_masked(x, dim, True, dtype, backend, mask, scale, causal)
+        return forward(x, dim, log=True, dtype=dtype, backend=backend, fn="log_softmax", mask=mask, scale=scale,
+                       causal=causal)[0]  # fmt: skip
     if isinstance(x, torch.Tensor) and _autograd(x):
         _check("log_softmax", x, dim, dtype, backend)
         return torch.ops.fastsoftmax.softmax(x, dim, True, dtype, backend)
@@ -150,22 +211,25 @@ def log_softmax_backward(dy: torch.Tensor, y: torch.Tensor, dim: int = -1, *, dt
 class Softmax(torch.nn.Module):
     """Drop-in for torch.nn.Softmax (dim defaults to -1)."""
 
-    def __init__(self, dim: int = -1, *, dtype=None, backend: str = "auto"):
+    def __init__(self, dim: int = -1, *, scale=None, causal=False, dtype=None, backend: str = "auto"):
         super().__init__()
-        self.dim, self.dtype, self.backend = dim, dtype, backend
+        self.dim, self.scale, self.causal, self.dtype, self.backend = dim, scale, causal, dtype, backend
 
-    def forward(self, x):
-        return softmax(x, self.dim, dtype=self.dtype, backend=self.backend)
+    def forward(self, x, mask=None):
+        return softmax(x, self.dim, mask=mask, scale=self.scale, causal=self.causal, dtype=self.dtype,
+                       backend=self.backend)  # fmt: skip
 
     def extra_repr(self):
-        return f"dim={self.dim}, backend={self.backend!r}"
+        extra = (f", scale={self.scale}" if self.scale is not None else "") + (", causal=True" if self.causal else "")
+        return f"dim={self.dim}{extra}, backend={self.backend!r}"
 
 
 class LogSoftmax(Softmax):
     """Drop-in for torch.nn.LogSoftmax (dim defaults to -1)."""
 
-    def forward(self, x):
-        return log_softmax(x, self.dim, dtype=self.dtype, backend=self.backend)
+    def forward(self, x, mask=None):
+        return log_softmax(x, self.dim, mask=mask, scale=self.scale, causal=self.causal, dtype=self.dtype,
+                           backend=self.backend)  # fmt: skip
 
 
 # What the kernels compute with; the CUDA backend will add its own family with its build flags.

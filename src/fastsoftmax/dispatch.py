@@ -19,7 +19,7 @@ import os
 
 import torch
 
-from . import heuristics, tuning
+from . import heuristics, masking, tuning
 from .layout import alloc
 from .reference import softmax_backward_torch, softmax_torch
 
@@ -35,8 +35,11 @@ class TorchBackend:
     def unavailable(self, x, out_dtype, dy=None):
         return None
 
-    def forward(self, x, dim, out_dtype, log, want_lse, path=None):
+    def forward(self, x, dim, out_dtype, log, want_lse, path=None, spec=None):
         heuristics.record(heuristics.Plan("torch", "reference"))
+        if spec is not None and spec.active:
+            x = masking.logits(x, spec.mask, spec.scale, spec.causal, torch.float64 if x.dtype == torch.float64
+                               or out_dtype == torch.float64 else torch.float32)  # fmt: skip
         y, lse = softmax_torch(x, dim, log, out_dtype)
         # In the layout every backend promises (and the custom op's fake implementation states).
         return alloc(x, out_dtype).copy_(y), (lse.to(torch.float32) if want_lse else None)
@@ -139,9 +142,11 @@ class TritonBackend:
             return "the Triton kernels were loaded for the interpreter (TRITON_INTERPRET=1); CUDA needs them compiled"
         return None
 
-    def forward(self, x, dim, out_dtype, log, want_lse, path=None):
+    def forward(self, x, dim, out_dtype, log, want_lse, path=None, spec=None):
         y = alloc(x, out_dtype)
         with _on_device(x):
+            if spec is not None and spec.active:
+                return y, _kernels("softmax_fwd").forward(x, y, dim, log, want_lse, path, spec)[1]
             return y, _kernels("softmax_fwd").forward(x, y, dim, log, want_lse, path)[1]
 
     def backward(self, dy, y, dim, out_dtype, log, path=None):
@@ -185,7 +190,9 @@ class CudaBackend:
             return f"the CUDA kernels need compute capability 8.0 or newer (this GPU: {cc // 10}.{cc % 10})"
         return None
 
-    def forward(self, x, dim, out_dtype, log, want_lse, path=None):
+    def forward(self, x, dim, out_dtype, log, want_lse, path=None, spec=None):
+        if spec is not None and spec.active:
+            raise RuntimeError("backend='cuda' has no masks, scale or causal yet: use backend='triton' or 'auto'")
         y = alloc(x, out_dtype)
         with _on_device(x):
             return y, _cuda_kernels().forward(x, y, dim, log, want_lse, path)
@@ -208,7 +215,9 @@ def _gpu(index: int) -> tuple[str, int]:
     return p.name, p.multi_processor_count
 
 
-def select(name: str, x: torch.Tensor, out_dtype: torch.dtype, dy: torch.Tensor | None = None, dim: int = -1):
+def select(
+    name: str, x: torch.Tensor, out_dtype: torch.dtype, dy: torch.Tensor | None = None, dim: int = -1, masked=False
+):
     """(backend, path or None) that runs x (forward) or y and dy (backward) along dim: the named backend
     (raising if it cannot) with its own path choice; or for 'auto', on a CUDA tensor, what the GPU's tuning
     table (tuning.py) names for this problem when that backend can run it, else the Triton kernels when
@@ -216,7 +225,7 @@ def select(name: str, x: torch.Tensor, out_dtype: torch.dtype, dy: torch.Tensor 
     if name == "auto":
         if x.device.type != "cuda":
             return BACKENDS["torch"], None
-        if x.dim() and x.numel():
+        if x.dim() and x.numel() and not masked:
             gpu_name, sms = _gpu(x.device.index if x.device.index is not None else torch.cuda.current_device())
             n = x.shape[dim]
             pick = tuning.choose(
@@ -230,6 +239,8 @@ def select(name: str, x: torch.Tensor, out_dtype: torch.dtype, dy: torch.Tensor 
     if backend is None:
         raise ValueError(f"unknown backend {name!r}; valid: {', '.join(repr(n) for n in NAMES)}")
     why = backend.unavailable(x, out_dtype, dy)
+    if masked and backend.name == "cuda":
+        why = "it has no masks, scale or causal yet (backend='triton' or 'auto' fuses them)"
     if why:
         raise RuntimeError(f"backend={name!r} cannot run this tensor ({x.device}, {x.dtype}): {why}")
     return backend, None

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from . import api
+from . import api, masking
 from .reference import softmax_backward_torch
 
 
@@ -53,3 +53,42 @@ def _backward(ctx, dy):
 
 
 softmax.register_autograd(_backward, setup_context=_setup_context)
+
+
+@torch.library.custom_op("fastsoftmax::softmax_masked", mutates_args=())
+def softmax_masked(
+    x: torch.Tensor, dim: int, log: bool, dtype: torch.dtype | None, backend: str, mask: torch.Tensor | None,
+    scale: float | None, causal: bool,
+) -> torch.Tensor:  # fmt: skip
+    return api.forward(x, dim, log=log, dtype=dtype, backend=backend, fn="log_softmax" if log else "softmax",
+                       mask=mask, scale=scale, causal=causal)[0]  # fmt: skip
+
+
+@softmax_masked.register_fake
+def _(x, dim, log, dtype, backend, mask, scale, causal):
+    return torch.empty_like(x, dtype=dtype or x.dtype)
+
+
+def _setup_masked(ctx, inputs, output):
+    x, dim, log, dtype, backend, mask, scale, causal = inputs
+    ctx.save_for_backward(output, mask)  # the output and the mask (a broadcast view), never x
+    ctx.dim, ctx.log, ctx.x_dtype, ctx.backend, ctx.scale, ctx.causal = dim, log, x.dtype, backend, scale, causal
+
+
+def _backward_masked(ctx, dy):
+    """dx = scale * (the plain backward), 0 where a bool mask or the causal rule removed the position; no
+    gradient for the mask or the scale."""
+    y, mask = ctx.saved_tensors
+    if torch.is_grad_enabled():
+        dz = softmax_backward_torch(dy, y, ctx.dim % max(y.dim(), 1), ctx.log, ctx.x_dtype) if y.dim() else dy * 0
+    else:
+        dz = softmax_backward(dy, y, ctx.dim, ctx.log, ctx.x_dtype, ctx.backend)
+    if ctx.scale is not None:
+        dz = dz * ctx.scale
+    removed = masking.removed(y, mask, ctx.causal)
+    if removed is not None:
+        dz = dz.masked_fill(removed, 0)
+    return dz, None, None, None, None, None, None, None
+
+
+softmax_masked.register_autograd(_backward_masked, setup_context=_setup_masked)

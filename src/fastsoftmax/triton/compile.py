@@ -30,21 +30,24 @@ def compile_forward(
     chunks_per_split = triton.cdiv(triton.cdiv(n, shape.block_n), shape.splits)
     ints = dict(
         n_b=n_rows, n=n, n_i=1, tiles_i=1, sxb=n, sxi=0, syb=n, syi=0, x_mis=0,
-        chunks_per_split=chunks_per_split, n_splits=shape.splits,
+        chunks_per_split=chunks_per_split, n_splits=shape.splits, mb0=0, mb1=0, mb2=0, mb3=0, msn=0, c_off=0,
     )  # fmt: skip
     consts = dict(
         sxn=1 if n > 1 else 0, syn=1 if n > 1 else 0, ROWS=shape.rows, BLOCK_N=shape.block_n, VEC=vec,
         INNER=False, EDGES=edges, Y_VEC=y_vec, IDX64=False, LOG=log, WRITE_LSE=False,
-        SPLITS=1 << max(0, (shape.splits - 1).bit_length()),
+        SPLITS=1 << max(0, (shape.splits - 1).bit_length()), md1=1, md2=1, md3=1, MASK=0, CAUSAL=False,
+        SCALED=False,
     )  # fmt: skip
-    ptrs = {"x_ptr": _TY[dtype], "y_ptr": _TY[out_dtype or dtype], "lse_ptr": "fp32", "ws_ptr": "fp32"}
+    ptrs = {"x_ptr": _TY[dtype], "y_ptr": _TY[out_dtype or dtype], "lse_ptr": "fp32", "ws_ptr": "fp32",
+            "m_ptr": _TY[dtype]}  # fmt: skip
     if backward:
         ptrs.update(y_ptr=_TY[dtype], dy_ptr=_TY[dtype], dx_ptr=_TY[out_dtype or dtype])
     kernels = (softmax_bwd if backward else softmax_fwd).KERNELS[path]
     out = []
     for kernel in kernels if isinstance(kernels, tuple) else (kernels,):
         names = kernel.arg_names
-        sig = {k: ("constexpr" if k in consts else f"*{ptrs[k]}" if k in ptrs else "i32") for k in names}
+        sig = {k: ("constexpr" if k in consts else f"*{ptrs[k]}" if k in ptrs else "fp32" if k == "scale" else "i32")
+               for k in names}  # fmt: skip
         # The JIT marks 16-byte-aligned pointers and integers divisible by 16 (torch allocations are aligned).
         div16 = [k for k in names if k in ptrs or (k in ints and ints[k] % 16 == 0)]
         attrs = {(names.index(k),): [["tt.divisibility", 16]] for k in div16}

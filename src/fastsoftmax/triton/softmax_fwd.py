@@ -123,10 +123,47 @@ def _edges(h, length, n, row_ok, VEC: tl.constexpr):
 
 
 @triton.jit
-def _load_logits(ptrs, mask):
-    """The one place logits enter a kernel, as fp32. Masked lanes are -inf: the identity of max, and
-    exp(-inf - m) = 0 is the identity of sum. (Scale and broadcast masks will be applied here.)"""
-    return tl.load(ptrs, mask=mask, other=float("-inf")).to(tl.float32)
+def _mask_rows(row, md1, md2, md3, mb0, mb1, mb2, mb3):
+    """Each row's mask offset (elements) and query index (its index along the last row dim), from the
+    row's flat index over x's row dims (md1..md3: sizes of the last three; mb0..mb3: mask strides)."""
+    r3 = row % md3
+    t = row // md3
+    r2 = t % md2
+    t = t // md2
+    r1 = t % md1
+    r0 = t // md1
+    return r0 * mb0 + r1 * mb1 + r2 * mb2 + r3 * mb3, r3
+
+
+@triton.jit
+def _load_logits(ptrs, ok, col, mrow, q, m_ptr, msn, scale, c_off, MASK: tl.constexpr, CAUSAL: tl.constexpr,
+                 SCALED: tl.constexpr):  # fmt: skip
+    """The one place logits enter a kernel, as fp32: z = scale * x, a bool mask (MASK 1) or an additive
+    one (MASK 2) read at the same row and column (``col``: row-relative column, ``mrow``: the row's mask
+    offset, ``q``: its query index), and the causal rule col <= q + c_off. Lanes outside the row and removed
+    positions are -inf: the identity of max, and exp(-inf - m) = 0 is the identity of sum."""
+    if MASK == 0 and not CAUSAL and not SCALED:
+        return tl.load(ptrs, mask=ok, other=float("-inf")).to(tl.float32)
+    z = tl.load(ptrs, mask=ok, other=0.0).to(tl.float32)
+    if SCALED:
+        z = z * scale
+    keep = ok
+    if MASK == 1:
+        keep = keep & (tl.load(m_ptr + mrow[:, None] + col * msn, mask=ok, other=0) != 0)
+    if MASK == 2:
+        z = z + tl.load(m_ptr + mrow[:, None] + col * msn, mask=ok, other=0.0).to(tl.float32)
+    if CAUSAL:
+        keep = keep & (col <= q[:, None] + c_off)
+    return tl.where(keep, z, float("-inf"))
+
+
+@triton.jit
+def _head(h, EDGES: tl.constexpr):
+    """The body's first column within the row, per row (a [ROWS, 1] tile) or 0."""
+    if EDGES:
+        return h[:, None]
+    else:
+        return 0
 
 
 @triton.jit
@@ -168,8 +205,10 @@ def softmax_fwd_rowblock(
     x_ptr, y_ptr, lse_ptr,
     n_b, n, n_i, tiles_i,
     sxb, sxn, sxi, syb, syn, syi, x_mis,
+    m_ptr, scale, md1, md2, md3, mb0, mb1, mb2, mb3, msn, c_off,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, VEC: tl.constexpr, INNER: tl.constexpr,
     EDGES: tl.constexpr, Y_VEC: tl.constexpr, IDX64: tl.constexpr, LOG: tl.constexpr,
+    MASK: tl.constexpr, CAUSAL: tl.constexpr, SCALED: tl.constexpr,
     WRITE_LSE: tl.constexpr,
 ):  # fmt: skip
     """ROWS rows per program, each held whole in registers. Precondition: BLOCK_N >= n."""
@@ -178,12 +217,28 @@ def softmax_fwd_rowblock(
     )
     x_ptr += bx
     y_ptr += by
+    mrow, q = _mask_rows(row, md1, md2, md3, mb0, mb1, mb2, mb3)
     body = row_ok[:, None] & (c < length)
-    x = _load_logits(x_ptr + xs[:, None] + c * sxn, body)
+    x = _load_logits(
+        x_ptr + xs[:, None] + c * sxn,
+        body,
+        _head(h, EDGES) + c,
+        mrow,
+        q,
+        m_ptr,
+        msn,
+        scale,
+        c_off,
+        MASK,
+        CAUSAL,
+        SCALED,
+    )
     m = tl.max(x, axis=1)
     if EDGES:
         e_idx, e_ok = _edges(h, length, n, row_ok, VEC)
-        xe = _load_logits(x_ptr + ox[:, None] + e_idx, e_ok)
+        xe = _load_logits(
+            x_ptr + ox[:, None] + e_idx, e_ok, e_idx, mrow, q, m_ptr, msn, scale, c_off, MASK, CAUSAL, SCALED
+        )
         m = tl.maximum(m, tl.max(xe, axis=1))
     m_safe = _safe_max(m)
     z = x - m_safe[:, None]
@@ -219,25 +274,44 @@ def _merge(m, s, m2, s2):
 
 
 @triton.jit
-def _stats_range(x_ptr, xs, c, ok, length, sxn, j0, j1, m, s, BLOCK_N: tl.constexpr):
+def _stats_range(x_ptr, xs, c, ok, length, sxn, j0, j1, m, s, hc, mrow, q, m_ptr, msn, scale, c_off,
+                 MASK: tl.constexpr, CAUSAL: tl.constexpr, SCALED: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
     """Fold chunks j0 <= j < j1 of the body into the running (max, sum). One exp per element."""
     for j in range(j0, j1):
         cols = j * BLOCK_N + c
-        x = _load_logits(x_ptr + xs[:, None] + cols * sxn, ok[:, None] & (cols < length))
+        x = _load_logits(x_ptr + xs[:, None] + cols * sxn, ok[:, None] & (cols < length), hc + cols, mrow, q,
+                         m_ptr, msn, scale, c_off, MASK, CAUSAL, SCALED)  # fmt: skip
         m2, s2 = _chunk_stats(x)
         m, s = _merge(m, s, m2, s2)
     return m, s
 
 
 @triton.jit
-def _write_range(x_ptr, y_ptr, xs, ys, c, ok, length, sxn, syn, j0, j1, m_safe, f, LOG: tl.constexpr,
-                 BLOCK_N: tl.constexpr):  # fmt: skip
+def _write_range(x_ptr, y_ptr, xs, ys, c, ok, length, sxn, syn, j0, j1, m_safe, f, hc, mrow, q, m_ptr, msn,
+                 scale, c_off, MASK: tl.constexpr, CAUSAL: tl.constexpr, SCALED: tl.constexpr,
+                 LOG: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
     """Normalise chunks j0 <= j < j1, last first: the chunks the statistics pass read last are the
     likeliest still in L2."""
     for k in range(j0, j1):
         cols = (j1 - 1 - (k - j0)) * BLOCK_N + c
         body = ok[:, None] & (cols < length)
-        z = _load_logits(x_ptr + xs[:, None] + cols * sxn, body) - m_safe[:, None]
+        z = (
+            _load_logits(
+                x_ptr + xs[:, None] + cols * sxn,
+                body,
+                hc + cols,
+                mrow,
+                q,
+                m_ptr,
+                msn,
+                scale,
+                c_off,
+                MASK,
+                CAUSAL,
+                SCALED,
+            )
+            - m_safe[:, None]
+        )
         y = _normalise(z, _exp(z), f, LOG)
         tl.store(y_ptr + ys[:, None] + cols * syn, y.to(y_ptr.dtype.element_ty), mask=body)
 
@@ -247,8 +321,10 @@ def softmax_fwd_online(
     x_ptr, y_ptr, lse_ptr,
     n_b, n, n_i, tiles_i,
     sxb, sxn, sxi, syb, syn, syi, x_mis,
+    m_ptr, scale, md1, md2, md3, mb0, mb1, mb2, mb3, msn, c_off,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, VEC: tl.constexpr, INNER: tl.constexpr,
     EDGES: tl.constexpr, Y_VEC: tl.constexpr, IDX64: tl.constexpr, LOG: tl.constexpr,
+    MASK: tl.constexpr, CAUSAL: tl.constexpr, SCALED: tl.constexpr,
     WRITE_LSE: tl.constexpr,
 ):  # fmt: skip
     """Rows of any length in BLOCK_N chunks: pass 1 carries (max, rescaled sum), pass 2 normalises."""
@@ -257,20 +333,72 @@ def softmax_fwd_online(
     )
     x_ptr += bx
     y_ptr += by
+    mrow, q = _mask_rows(row, md1, md2, md3, mb0, mb1, mb2, mb3)
+    hc = _head(h, EDGES)
     m = tl.full([ROWS], float("-inf"), tl.float32)
     s = tl.zeros([ROWS], tl.float32)
     if EDGES:
         e_idx, e_ok = _edges(h, length, n, row_ok, VEC)
-        xe = _load_logits(x_ptr + ox[:, None] + e_idx, e_ok)
+        xe = _load_logits(
+            x_ptr + ox[:, None] + e_idx, e_ok, e_idx, mrow, q, m_ptr, msn, scale, c_off, MASK, CAUSAL, SCALED
+        )
         m, s = _chunk_stats(xe)
     n_chunks = tl.cdiv(n, BLOCK_N)
-    m, s = _stats_range(x_ptr, xs, c, row_ok, length, sxn, 0, n_chunks, m, s, BLOCK_N)
+    m, s = _stats_range(
+        x_ptr,
+        xs,
+        c,
+        row_ok,
+        length,
+        sxn,
+        0,
+        n_chunks,
+        m,
+        s,
+        hc,
+        mrow,
+        q,
+        m_ptr,
+        msn,
+        scale,
+        c_off,
+        MASK,
+        CAUSAL,
+        SCALED,
+        BLOCK_N,
+    )
     m_safe = _safe_max(m)
     f = _row_factor(s, LOG)
     if EDGES:
         ze = xe - m_safe[:, None]
         tl.store(y_ptr + oy[:, None] + e_idx, _normalise(ze, _exp(ze), f, LOG).to(y_ptr.dtype.element_ty), mask=e_ok)
-    _write_range(x_ptr, y_ptr, xs, ys, c, row_ok, length, sxn, syn, 0, n_chunks, m_safe, f, LOG, BLOCK_N)
+    _write_range(
+        x_ptr,
+        y_ptr,
+        xs,
+        ys,
+        c,
+        row_ok,
+        length,
+        sxn,
+        syn,
+        0,
+        n_chunks,
+        m_safe,
+        f,
+        hc,
+        mrow,
+        q,
+        m_ptr,
+        msn,
+        scale,
+        c_off,
+        MASK,
+        CAUSAL,
+        SCALED,
+        LOG,
+        BLOCK_N,
+    )
     if WRITE_LSE:
         tl.store(lse_ptr + row, m_safe + tl.math.log2(s) * LN2, mask=row_ok)
 
@@ -280,7 +408,9 @@ def softmax_fwd_split_stats(
     x_ptr, ws_ptr,
     n_b, n, n_i, tiles_i,
     sxb, sxn, sxi, x_mis, chunks_per_split, n_splits,
+    m_ptr, scale, md1, md2, md3, mb0, mb1, mb2, mb3, msn, c_off,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, VEC: tl.constexpr, INNER: tl.constexpr,
+    MASK: tl.constexpr, CAUSAL: tl.constexpr, SCALED: tl.constexpr,
     EDGES: tl.constexpr, IDX64: tl.constexpr,
 ):  # fmt: skip
     """Split path, step 1 of 2: program (rows, split) writes (max, sum) of its segment of the row to the
@@ -290,15 +420,51 @@ def softmax_fwd_split_stats(
         n_b, n, n_i, tiles_i, sxb, sxi, 0, 0, x_mis, ROWS, BLOCK_N, VEC, INNER, EDGES, False, IDX64
     )
     x_ptr += bx
+    mrow, q = _mask_rows(row, md1, md2, md3, mb0, mb1, mb2, mb3)
     m = tl.full([ROWS], float("-inf"), tl.float32)
     s = tl.zeros([ROWS], tl.float32)
     if EDGES:
         e_idx, e_ok = _edges(h, length, n, row_ok, VEC)
-        xe = _load_logits(x_ptr + ox[:, None] + e_idx, e_ok & (split == 0))
+        xe = _load_logits(
+            x_ptr + ox[:, None] + e_idx,
+            e_ok & (split == 0),
+            e_idx,
+            mrow,
+            q,
+            m_ptr,
+            msn,
+            scale,
+            c_off,
+            MASK,
+            CAUSAL,
+            SCALED,
+        )
         m, s = _chunk_stats(xe)
     j0 = split * chunks_per_split
     j1 = tl.minimum(j0 + chunks_per_split, tl.cdiv(n, BLOCK_N))
-    m, s = _stats_range(x_ptr, xs, c, row_ok, length, sxn, j0, j1, m, s, BLOCK_N)
+    m, s = _stats_range(
+        x_ptr,
+        xs,
+        c,
+        row_ok,
+        length,
+        sxn,
+        j0,
+        j1,
+        m,
+        s,
+        _head(h, EDGES),
+        mrow,
+        q,
+        m_ptr,
+        msn,
+        scale,
+        c_off,
+        MASK,
+        CAUSAL,
+        SCALED,
+        BLOCK_N,
+    )
     ws = ws_ptr + (row * n_splits + split) * 2
     tl.store(ws, m, mask=row_ok)
     tl.store(ws + 1, s, mask=row_ok)
@@ -309,8 +475,10 @@ def softmax_fwd_split_write(
     x_ptr, y_ptr, lse_ptr, ws_ptr,
     n_b, n, n_i, tiles_i,
     sxb, sxn, sxi, syb, syn, syi, x_mis, chunks_per_split, n_splits,
+    m_ptr, scale, md1, md2, md3, mb0, mb1, mb2, mb3, msn, c_off,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, VEC: tl.constexpr, INNER: tl.constexpr,
     EDGES: tl.constexpr, Y_VEC: tl.constexpr, IDX64: tl.constexpr, LOG: tl.constexpr,
+    MASK: tl.constexpr, CAUSAL: tl.constexpr, SCALED: tl.constexpr,
     WRITE_LSE: tl.constexpr, SPLITS: tl.constexpr,
 ):  # fmt: skip
     """Split path, step 2 of 2: program (rows, split) merges the row's per-split statistics (the same
@@ -330,14 +498,46 @@ def softmax_fwd_split_write(
     s = tl.sum(s_k * _exp(m_k - _safe_max(m)[:, None]), axis=1)
     m_safe = _safe_max(m)
     f = _row_factor(s, LOG)
+    mrow, q = _mask_rows(row, md1, md2, md3, mb0, mb1, mb2, mb3)
     if EDGES:
         e_idx, e_ok = _edges(h, length, n, row_ok, VEC)
         e_ok = e_ok & (split == 0)
-        ze = _load_logits(x_ptr + ox[:, None] + e_idx, e_ok) - m_safe[:, None]
+        ze = (
+            _load_logits(
+                x_ptr + ox[:, None] + e_idx, e_ok, e_idx, mrow, q, m_ptr, msn, scale, c_off, MASK, CAUSAL, SCALED
+            )
+            - m_safe[:, None]
+        )
         tl.store(y_ptr + oy[:, None] + e_idx, _normalise(ze, _exp(ze), f, LOG).to(y_ptr.dtype.element_ty), mask=e_ok)
     j0 = split * chunks_per_split
     j1 = tl.minimum(j0 + chunks_per_split, tl.cdiv(n, BLOCK_N))
-    _write_range(x_ptr, y_ptr, xs, ys, c, row_ok, length, sxn, syn, j0, j1, m_safe, f, LOG, BLOCK_N)
+    _write_range(
+        x_ptr,
+        y_ptr,
+        xs,
+        ys,
+        c,
+        row_ok,
+        length,
+        sxn,
+        syn,
+        j0,
+        j1,
+        m_safe,
+        f,
+        _head(h, EDGES),
+        mrow,
+        q,
+        m_ptr,
+        msn,
+        scale,
+        c_off,
+        MASK,
+        CAUSAL,
+        SCALED,
+        LOG,
+        BLOCK_N,
+    )
     if WRITE_LSE:
         tl.store(lse_ptr + row, m_safe + tl.math.log2(s) * LN2, mask=row_ok & (split == 0))
 
@@ -353,29 +553,48 @@ KERNELS = {
 # (imports here keep the kernels above readable on their own)
 import torch  # noqa: E402
 
-from .. import fastpath  # noqa: E402
+from .. import fastpath, masking  # noqa: E402
 from ..layout import alloc, plan_layout  # noqa: E402
 from .launch import launch, prepare  # noqa: E402
 
 
-def forward(x: torch.Tensor, y: torch.Tensor, dim: int, log: bool, want_lse: bool, path: str | None = None):
+def _mask_args(spec, x: torch.Tensor) -> tuple[tuple, dict]:
+    """The mask, scale and causal arguments every forward kernel takes (placeholders when inactive)."""
+    m = spec.mask if spec.mask is not None else x
+    if m.dtype == torch.bool:
+        m = m.view(torch.uint8)
+    d1, d2, d3 = spec.dims
+    b0, b1, b2, b3 = spec.strides
+    args = (m, 1.0 if spec.scale is None else spec.scale, d1, d2, d3, b0, b1, b2, b3, spec.col_stride,
+            spec.causal_offset)  # fmt: skip
+    return args, dict(MASK=spec.kind, CAUSAL=spec.causal, SCALED=spec.scale is not None)
+
+
+def forward(
+    x: torch.Tensor, y: torch.Tensor, dim: int, log: bool, want_lse: bool, path: str | None = None,
+    spec=masking.NONE,
+):  # fmt: skip
     """Write softmax (or log_softmax) of x along ``dim`` into y (same shape). Returns (the plan that ran,
-    logsumexp per row as fp32 shaped like x without dim, or None)."""
+    logsumexp per row as fp32 shaped like x without dim, or None). ``spec``: a mask, scale or causal rule
+    (masking.Spec) applied as the logits load; then dim is the last dim and rows are in logical order."""
     x, lay = plan_layout(x, y, dim)
+    if spec.active and (lay.I != 1 or lay.copied):
+        raise AssertionError("masked rows must be x's rows in logical order (dispatch ensures it)")
+    margs, mflags = _mask_args(spec, x)
     lse = None
     if want_lse:
         lse = alloc(x, torch.float32, x.shape[:dim] + x.shape[dim + 1 :], lay.stat_strides)
     L = prepare(x, y, lay, path=path)
     lse_arg = y if lse is None else lse
     sx, sy = L.strides[:3], L.strides[3:]
-    tail = dict(**L.flags, Y_VEC=L.y_vec, LOG=log, WRITE_LSE=lse is not None, num_warps=L.plan.num_warps)
+    tail = dict(**L.flags, **mflags, Y_VEC=L.y_vec, LOG=log, WRITE_LSE=lse is not None, num_warps=L.plan.num_warps)
     if L.plan.path == "split":
         stats, write = KERNELS["split"]
         ws = fastpath.scratch(torch.empty(L.n_rows * L.plan.splits * 2, dtype=torch.float32, device=x.device))
-        args = (L.x_arg, ws, *L.rows_args, *sx, L.x_mis, L.chunks_per_split, L.plan.splits)
-        launch(stats, L.grid, args, dict(**L.flags, num_warps=L.plan.num_warps))
-        args = (L.x_arg, y, lse_arg, ws, *L.rows_args, *sx, *sy, L.x_mis, L.chunks_per_split, L.plan.splits)
+        args = (L.x_arg, ws, *L.rows_args, *sx, L.x_mis, L.chunks_per_split, L.plan.splits, *margs)
+        launch(stats, L.grid, args, dict(**L.flags, **mflags, num_warps=L.plan.num_warps))
+        args = (L.x_arg, y, lse_arg, ws, *L.rows_args, *sx, *sy, L.x_mis, L.chunks_per_split, L.plan.splits, *margs)
         launch(write, L.grid, args, dict(**tail, SPLITS=triton.next_power_of_2(L.plan.splits)))
     else:
-        launch(KERNELS[L.plan.path], L.grid, (L.x_arg, y, lse_arg, *L.rows_args, *sx, *sy, L.x_mis), tail)
+        launch(KERNELS[L.plan.path], L.grid, (L.x_arg, y, lse_arg, *L.rows_args, *sx, *sy, L.x_mis, *margs), tail)
     return L.plan, lse
