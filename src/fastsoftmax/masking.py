@@ -8,9 +8,10 @@ Semantics (every backend; the float64 reference is `logits()` below followed by 
 then softmax / log_softmax of z with the library's conventions: masked positions give exactly 0 / -inf,
 and a fully masked row gives zeros / -inf (never NaN).
 
-Gradients flow to x only (none to the mask or the scale): dx = scale * dz, and positions a bool mask or the
-causal rule removes get dx = 0 (as torch's masked_fill would); an additive mask passes the gradient through
-unchanged, as torch's `x + mask` does.
+Gradients flow to x only (none to the mask or the scale): dx = scale * dz, 0 at masked positions (False in
+a bool mask, -inf in an additive one, above the causal diagonal) and on fully masked rows. (torch's
+autograd of `log_softmax(x + mask)` would give dy at additive -inf positions; here every masked position
+gets 0, whatever the mask's kind.)
 
 The mask is broadcast to x's shape as a view (stride 0 along broadcast dims) and never expanded in memory:
 the kernels address it through per-row strides over at most four row dimensions (adjacent dims are merged
@@ -137,10 +138,11 @@ def logits(x: torch.Tensor, mask, scale, causal, dtype=None) -> torch.Tensor:
 
 
 def removed(x: torch.Tensor, mask, causal) -> torch.Tensor | None:
-    """Where a bool mask or the causal rule removes positions (broadcastable to x), or None."""
+    """The masked positions, broadcastable to x (or None): False in a bool mask, -inf in an additive one,
+    above the causal diagonal. Their gradient is 0."""
     out = None
-    if mask is not None and mask.dtype == torch.bool:
-        out = ~mask
+    if mask is not None:
+        out = ~mask if mask.dtype == torch.bool else mask == float("-inf")
     if causal:
         sq, sk = x.shape[-2], x.shape[-1]
         c = ~torch.ones(sq, sk, dtype=torch.bool, device=x.device).tril(sk - sq)
