@@ -11,7 +11,7 @@ import sys
 from fastsoftmax import bench
 
 KEYS = {"impl", "backend", "dtype", "M", "N", "pass", "ms", "gbps", "ok", "error", "graph_ms", "graph_gbps"}
-KEYS |= {"err_ratio"}
+KEYS |= {"err_ratio", "case"}
 
 
 def test_cpu_smoke_run(tmp_path):
@@ -190,3 +190,26 @@ def test_check_before_timing_peer_slack_and_wrong_results():
     assert not own.ok and own.gbps is None and "wrong result" in own.error
     far = run("torch", 1.0)
     assert not far.ok and "wrong result" in far.error
+
+
+def test_cpu_masked_smoke_run(tmp_path):
+    """--masked: attention scores with a padding mask, causal, both; every implementation checked first, the
+    mask bytes counted; the Triton kernels run in the interpreter here."""
+    from fastsoftmax import dispatch
+
+    out_json = tmp_path / "m.json"
+    cmd = [sys.executable, "-m", "fastsoftmax", "bench", "--device", "cpu", "--masked", "--attention", "2,2,40",
+           "--impls", "fastsoftmax,fastsoftmax-triton,torch", "--json", str(out_json)]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    doc = json.loads(out_json.read_text())
+    recs = doc["records"]
+    assert doc["shape"] == [2, 2, 40] and len(recs) == 3 * 2 * 2 * 3
+    assert {r["case"] for r in recs} == {"padding", "causal", "padding+causal"}
+    for r in recs:
+        if r["impl"] == "fastsoftmax-triton" and dispatch.interpreter_problem():
+            assert not r["ok"]
+        else:
+            assert r["ok"] and r["err_ratio"] <= 1 and r["gbps"] > 0, r
+    assert "padding+causal  bwd" in run.stdout

@@ -243,3 +243,25 @@ def test_compile_fullgraph_masked():
     x = torch.randn(2, 3, 4, 8, requires_grad=True)
     out = torch.compile(f, fullgraph=True, backend="aot_eager")(x)
     torch.testing.assert_close(out, f(x))
+
+
+@pytest.mark.parametrize("path,force", PATHS, ids=[p for p, _ in PATHS])
+@pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
+def test_backward_paths_fused(device, path, force, log):
+    """The masked backward on each Triton path (scale applied and masked positions zeroed in the same pass
+    that writes dx), forced and identified, against the torch path, outputs poisoned."""
+    x = logits(device, torch.float32)
+    f, fb = FNS[log], {False: fs.softmax_backward, True: fs.log_softmax_backward}[log]
+    for name, mask in masks(device)[:4]:
+        for scale, causal in ((None, True), (-0.5, False)):
+            y = f(x, mask=mask, scale=scale, causal=causal, backend="torch")
+            dy = torch.randn_like(y)
+            ref = fb(dy, y, mask=mask, scale=scale, causal=causal, backend="torch")
+            with heuristics.force(path=path, poison=True, **force):
+                dx = fb(dy, y, mask=mask, scale=scale, causal=causal, backend="triton")
+            assert heuristics.last_plan().path == path, name
+            assert torch.equal(dx.isnan(), ref.isnan()) and not dx.isnan().any(), name
+            torch.testing.assert_close(dx, ref, atol=1e-5, rtol=1e-4)
+            removed = masking.removed(x, mask, causal)
+            if removed is not None:
+                assert (dx.masked_select(removed.expand(x.shape)) == 0).all(), name

@@ -48,6 +48,23 @@ def _logical_rows(t: torch.Tensor) -> bool:
     return all(a[1] == b[1] * b[0] for a, b in zip(dims, dims[1:], strict=False))
 
 
+def _masked_problem(impl, tensors, dim, mask, scale, causal, backend, fn):
+    """(backend, the tensors with dim moved last, masking.Spec): the first tensor's rows in logical order for
+    the kernels (copied when they are not); the torch backend where the mask needs more than 4 row dims."""
+    moved = [t.movedim(dim, -1) for t in tensors]
+    mw = mask.expand(tensors[0].shape).movedim(dim, -1) if mask is not None else None
+    spec = masking.spec(moved[0], mw, scale, causal)
+    if spec is None:
+        if backend != "auto":
+            raise RuntimeError(f"{fn}: backend={backend!r} addresses masks over at most 4 row dims; this "
+                               f"mask of shape {tuple(mask.shape)} needs more (backend='torch' runs it)")  # fmt: skip
+        impl = dispatch.BACKENDS["torch"]
+        spec = masking.Spec(1 if mask.dtype == torch.bool else 2, mw, scale, causal, (1, 1, 1), (0,) * 4, 0, 0)
+    if impl.name != "torch" and not _logical_rows(moved[0]):
+        moved[0] = moved[0].contiguous()
+    return impl, tuple(moved), spec
+
+
 def _forward_masked(x, dim, log, out_dtype, backend, want_lse, fn, mask, scale, causal):
     """softmax(scale * x + mask) along dim, causal over the last two dims (masking.py's semantics)."""
     if x.dim() == 0:
@@ -59,20 +76,9 @@ def _forward_masked(x, dim, log, out_dtype, backend, want_lse, fn, mask, scale, 
         heuristics.record(heuristics.Plan(impl.name, "empty"))
         lse = torch.full(x.shape[:dim] + x.shape[dim + 1 :], float("-inf"), device=x.device) if want_lse else None
         return torch.empty_like(x, dtype=out_dtype), lse
-    last = x.dim() - 1
-    xw = x.movedim(dim, -1) if dim != last else x
-    mw = mask.expand(x.shape).movedim(dim, -1) if mask is not None and dim != last else mask
-    spec = masking.spec(xw, mw, scale, causal)
-    if spec is None:  # a mask over more than 4 row dims that do not merge: torch ops
-        if backend != "auto":
-            raise RuntimeError(f"{fn}: backend={backend!r} addresses masks over at most 4 row dims; this "
-                               f"mask of shape {tuple(mask.shape)} needs more (backend='torch' runs it)")  # fmt: skip
-        impl = dispatch.BACKENDS["torch"]
-        spec = masking.Spec(1 if mask.dtype == torch.bool else 2, mw, scale, causal, (1, 1, 1), (0,) * 4, 0, 0)
-    if impl.name != "torch" and not _logical_rows(xw):
-        xw = xw.contiguous()
-    y, lse = impl.forward(xw, last, out_dtype, log, want_lse, path, spec)
-    return (y.movedim(-1, dim) if dim != last else y), lse
+    impl, (xw,), spec = _masked_problem(impl, (x,), dim, mask, scale, causal, backend, fn)
+    y, lse = impl.forward(xw, x.dim() - 1, out_dtype, log, want_lse, path, spec)
+    return y.movedim(-1, dim), lse
 
 
 def forward(
@@ -108,9 +114,30 @@ def forward(
     return y, lse
 
 
-def backward(dy, y, dim=-1, *, log=False, dtype=None, backend="auto", fn="softmax_backward", key=None):
+def _backward_masked(dy, y, dim, log, out_dtype, backend, fn, mask, scale, causal):
+    """The gradient when the forward had a mask, scale or causal rule (masking.py): dx = scale * dz, 0 at
+    masked positions."""
+    if y.dim() == 0:
+        m = mask.reshape(1) if mask is not None else None
+        return _backward_masked(dy.reshape(1), y.reshape(1), 0, log, out_dtype, backend, fn, m, scale, causal).reshape(
+            ()
+        )
+    impl, path = dispatch.select(backend, y, out_dtype, dy, dim=dim, masked=True)
+    if y.numel() == 0:
+        heuristics.record(heuristics.Plan(impl.name, "empty"))
+        return torch.empty_like(y, dtype=out_dtype)
+    impl, (yw, dyw), spec = _masked_problem(impl, (y, dy), dim, mask, scale, causal, backend, fn)
+    dx = impl.backward(dyw, yw, y.dim() - 1, out_dtype, log, path, spec)
+    return dx.movedim(-1, dim)
+
+
+def backward(
+    dy, y, dim=-1, *, log=False, dtype=None, backend="auto", fn="softmax_backward", key=None, mask=None, scale=None,
+    causal=False,
+):  # fmt: skip
     """The gradient of softmax (log_softmax) from its output y and the output gradient dy; dx in ``dtype``
-    (default y's dtype), computed in fp32. ``key``: as forward's."""
+    (default y's dtype), computed in fp32. ``key``: as forward's. ``mask``, ``scale``, ``causal``: the
+    forward's (masking.py)."""
     if not isinstance(dy, torch.Tensor):
         raise TypeError(f"{fn}: expected dy to be a torch.Tensor, got {type(dy).__name__}")
     dim, out_dtype = _check(fn, y, dim, dtype, backend)
@@ -120,6 +147,9 @@ def backward(dy, y, dim=-1, *, log=False, dtype=None, backend="auto", fn="softma
         raise ValueError(f"{fn}: dy has shape {tuple(dy.shape)} but y has {tuple(y.shape)}")
     if dy.device != y.device:
         raise ValueError(f"{fn}: dy is on {dy.device} but y is on {y.device}")
+    if mask is not None or scale is not None or causal is not False:
+        masking.check(fn, y, dim % max(y.dim(), 1), mask, scale, causal)
+        return _backward_masked(dy, y, dim, log, out_dtype, backend, fn, mask, scale, causal)
     impl, path = dispatch.select(backend, y, out_dtype, dy, dim=dim)
     if y.dim() == 0:
         return backward(dy.reshape(1), y.reshape(1), 0, log=log, dtype=dtype, backend=impl.name, fn=fn).reshape(())
@@ -144,68 +174,60 @@ def _autograd(x) -> bool:
     return (x.requires_grad and torch.is_grad_enabled()) or torch.compiler.is_compiling()
 
 
-def softmax(
-    x: torch.Tensor, dim: int = -1, *, mask=None, scale=None, causal=False, dtype=None, backend: str = "auto"
-) -> torch.Tensor:
+def _public_forward(x, dim, log, fn, mask, scale, causal, dtype, backend):
+    masked = mask is not None or scale is not None or causal is not False
+    if isinstance(x, torch.Tensor) and _autograd(x):
+        d, _ = _check(fn, x, dim, dtype, backend)
+        if not masked:
+            return torch.ops.fastsoftmax.softmax(x, dim, log, dtype, backend)
+        masking.check(fn, x, d, mask, scale, causal)
+        return torch.ops.fastsoftmax.softmax_masked(x, dim, log, dtype, backend, mask, scale, causal)
+    if masked:
+        return forward(x, dim, log=log, dtype=dtype, backend=backend, fn=fn, mask=mask, scale=scale,
+                       causal=causal)[0]  # fmt: skip
+    key = fastpath.key(x, None, dim, dtype, log, backend)
+    if key is not None and (y := fastpath.replay(key, x)) is not None:
+        return y
+    return forward(x, dim, log=log, dtype=dtype, backend=backend, fn=fn, key=key)[0]
+
+
+def softmax(x, dim=-1, *, mask=None, scale=None, causal=False, dtype=None, backend="auto") -> torch.Tensor:
     """Softmax of x along dim. See the README for the conventions on -inf, NaN and +inf rows.
 
     mask: bool (True = keep) or floating (added), broadcastable to x, read in place; scale: a float
     multiplied into x first; causal: over the last two dims (query, key), bottom-right aligned.
-
     dtype: output dtype (computed in fp32 from x as given, written once in dtype).
     backend: 'auto' (CUDA tensors: the tuning table's choice, else Triton kernels; CPU: torch ops), 'triton',
     'cuda' or 'torch'.
-    Differentiable (only the output is saved for backward)."""
-    if mask is not None or scale is not None or causal is not False:
-        if isinstance(x, torch.Tensor) and _autograd(x):
-            d, _ = _check("softmax", x, dim, dtype, backend)
-            masking.check("softmax", x, d, mask, scale, causal)
-            return torch.ops.fastsoftmax.softmax_masked(x, dim, False, dtype, backend, mask, scale, causal)
-        return forward(x, dim, log=False, dtype=dtype, backend=backend, fn="softmax", mask=mask, scale=scale,
-                       causal=causal)[0]  # fmt: skip
-    if isinstance(x, torch.Tensor) and _autograd(x):
-        _check("softmax", x, dim, dtype, backend)
-        return torch.ops.fastsoftmax.softmax(x, dim, False, dtype, backend)
-    key = fastpath.key(x, None, dim, dtype, False, backend)
-    if key is not None and (y := fastpath.replay(key, x)) is not None:
-        return y
-    return forward(x, dim, log=False, dtype=dtype, backend=backend, fn="softmax", key=key)[0]
+    Differentiable (only the output, and the mask, are saved for backward)."""
+    return _public_forward(x, dim, False, "softmax", mask, scale, causal, dtype, backend)
 
 
-def log_softmax(
-    x: torch.Tensor, dim: int = -1, *, mask=None, scale=None, causal=False, dtype=None, backend: str = "auto"
-) -> torch.Tensor:
+def log_softmax(x, dim=-1, *, mask=None, scale=None, causal=False, dtype=None, backend="auto") -> torch.Tensor:
     """Log-softmax of x along dim; arguments and conventions as softmax()."""
+    return _public_forward(x, dim, True, "log_softmax", mask, scale, causal, dtype, backend)
+
+
+def _public_backward(dy, y, dim, log, fn, mask, scale, causal, dtype, backend):
     if mask is not None or scale is not None or causal is not False:
-        if isinstance(x, torch.Tensor) and _autograd(x):
-            d, _ = _check("log_softmax", x, dim, dtype, backend)
-            masking.check("log_softmax", x, d, mask, scale, causal)
-            return torch.ops.fastsoftmax.softmax_masked(x, dim, True, dtype, backend, mask, scale, causal)
-        return forward(x, dim, log=True, dtype=dtype, backend=backend, fn="log_softmax", mask=mask, scale=scale,
-                       causal=causal)[0]  # fmt: skip
-    if isinstance(x, torch.Tensor) and _autograd(x):
-        _check("log_softmax", x, dim, dtype, backend)
-        return torch.ops.fastsoftmax.softmax(x, dim, True, dtype, backend)
-    key = fastpath.key(x, None, dim, dtype, True, backend)
-    if key is not None and (y := fastpath.replay(key, x)) is not None:
-        return y
-    return forward(x, dim, log=True, dtype=dtype, backend=backend, fn="log_softmax", key=key)[0]
-
-
-def softmax_backward(dy: torch.Tensor, y: torch.Tensor, dim: int = -1, *, dtype=None, backend: str = "auto"):
-    """dx = y * (dy - sum(y * dy)) along dim, from softmax's output y; 0 on fully masked rows (y all 0)."""
-    key = fastpath.key(y, dy, dim, dtype, False, backend)
+        return backward(dy, y, dim, log=log, dtype=dtype, backend=backend, fn=fn, mask=mask, scale=scale,
+                        causal=causal)  # fmt: skip
+    key = fastpath.key(y, dy, dim, dtype, log, backend)
     if key is not None and (dx := fastpath.replay(key, y, dy)) is not None:
         return dx
-    return backward(dy, y, dim, log=False, dtype=dtype, backend=backend, fn="softmax_backward", key=key)
+    return backward(dy, y, dim, log=log, dtype=dtype, backend=backend, fn=fn, key=key)
 
 
-def log_softmax_backward(dy: torch.Tensor, y: torch.Tensor, dim: int = -1, *, dtype=None, backend: str = "auto"):
-    """dx = dy - exp(y) * sum(dy) along dim, from log_softmax's output y; 0 on fully masked rows (y all -inf)."""
-    key = fastpath.key(y, dy, dim, dtype, True, backend)
-    if key is not None and (dx := fastpath.replay(key, y, dy)) is not None:
-        return dx
-    return backward(dy, y, dim, log=True, dtype=dtype, backend=backend, fn="log_softmax_backward", key=key)
+def softmax_backward(dy, y, dim=-1, *, mask=None, scale=None, causal=False, dtype=None, backend="auto"):
+    """dx = y * (dy - sum(y * dy)) along dim, from softmax's output y; 0 on fully masked rows (y all 0).
+    mask, scale, causal: the forward's (dx = scale * dz, 0 at masked positions)."""
+    return _public_backward(dy, y, dim, False, "softmax_backward", mask, scale, causal, dtype, backend)
+
+
+def log_softmax_backward(dy, y, dim=-1, *, mask=None, scale=None, causal=False, dtype=None, backend="auto"):
+    """dx = dy - exp(y) * sum(dy) along dim, from log_softmax's output y; 0 on fully masked rows (y all -inf).
+    mask, scale, causal: as softmax_backward."""
+    return _public_backward(dy, y, dim, True, "log_softmax_backward", mask, scale, causal, dtype, backend)
 
 
 class Softmax(torch.nn.Module):

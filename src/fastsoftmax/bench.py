@@ -50,6 +50,7 @@ class Record:
     graph_ms: float | None = None
     graph_gbps: float | None = None
     err_ratio: float | None = None  # worst error / fastsoftmax's tolerance on the checked rows
+    case: str | None = None  # --masked: which attention-scores case
 
     def json(self) -> dict:
         d = asdict(self)
@@ -591,11 +592,169 @@ def tune(shapes, dtypes, passes, device: str, progress=sys.stderr, jobs: int = 0
     })  # fmt: skip
 
 
+# ---- --masked: attention scores, softmax(scale * x + mask) -------------------------------------------------
+
+ATTENTION = (8, 16, 2048)  # (B, H, S): scores of shape (B, H, S, S), softmax over the keys
+MASKED_CASES = {  # name: (padding mask, causal); every case scales by 1/sqrt(128)
+    "padding": (True, False),
+    "causal": (False, True),
+    "padding+causal": (True, True),
+}
+MASKED_IMPLS = ("fastsoftmax", "fastsoftmax-triton", "torch", "torch.compile")
+SCALE = 128**-0.5
+
+
+def masked_inputs(shape, dtype, device, pad: bool):
+    """Scores and a (B, 1, 1, S) bool padding mask: batch b keeps its first S - b*S/(2B) keys (every row keeps
+    at least half; none is fully masked, so torch's NaN convention does not enter)."""
+    b, h, s = shape
+    gen = torch.Generator(device=device).manual_seed(b * h + s)
+    x = torch.randn(b, h, s, s, device=device, dtype=dtype, generator=gen) * 3
+    if not pad:
+        return x, None
+    keep = s - torch.arange(b, device=device) * s // (2 * b)
+    return x, (torch.arange(s, device=device)[None, :] < keep[:, None])[:, None, None, :]
+
+
+def _torch_masked(pad, causal, compiled: bool):
+    """What an attention layer does with torch ops: scale, masked_fill, softmax; its autograd backward."""
+    s = None
+
+    def fwd(x):
+        nonlocal s
+        z = x * SCALE
+        if pad is not None:
+            z = z.masked_fill(~pad, float("-inf"))
+        if causal:
+            n = x.shape[-1]
+            s = s if s is not None else torch.ones(n, n, dtype=torch.bool, device=x.device).tril()
+            z = z.masked_fill(~s, float("-inf"))
+        return torch.softmax(z, -1)
+
+    def bwd(dy, y):
+        dz = torch.ops.aten._softmax_backward_data(dy, y, -1, y.dtype)
+        if causal:
+            n = y.shape[-1]
+            dz = dz.masked_fill(~torch.ones(n, n, dtype=torch.bool, device=y.device).tril(), 0)
+        if pad is not None:
+            dz = dz.masked_fill(~pad, 0)
+        return dz * SCALE
+
+    if compiled:
+        fwd, bwd = torch.compile(fwd, dynamic=False), torch.compile(bwd, dynamic=False)
+    return fwd, bwd
+
+
+def _masked_check(out, x, y, dy, pad, causal, pass_) -> tuple[float, str | None]:
+    """First and last query rows against the float64 torch path of fastsoftmax (masking.py's semantics)."""
+    import fastsoftmax as fs
+
+    from .reference import TOLERANCE
+
+    rows = [0, x.shape[-2] - 1]
+    sel = (slice(None), slice(None), rows)
+    m = pad
+    if causal:  # the causal rule of the full problem, for the selected query rows
+        n = x.shape[-1]
+        keep = torch.ones(n, n, dtype=torch.bool, device=x.device).tril()[rows]
+        m = keep[None, None] if m is None else (m & keep[None, None])
+    if pass_ == "fwd":
+        ref = fs.softmax(x[sel].double(), mask=m, scale=SCALE, backend="torch")
+    else:
+        ref = fs.softmax_backward(dy[sel].double(), y[sel].double(), mask=m, scale=SCALE, backend="torch")
+    got = out[sel].double()
+    if not torch.equal(got.isnan(), ref.isnan()):
+        return float("nan"), "NaN where the reference has none or vice versa"
+    rtol, atol = TOLERANCE[out.dtype]
+    fin = ref.isfinite()
+    ratio = ((got[fin] - ref[fin]).abs() / (4 * (atol + rtol * ref[fin].abs()))).max().item()
+    return ratio, (f"error {ratio:.2g}x the tolerance" if ratio > 1 else None)
+
+
+def _masked_fn(name, pass_, x, y, dy, pad, causal):
+    """The no-argument callable an implementation runs for one masked problem."""
+    import fastsoftmax as fs
+
+    if name.startswith("fastsoftmax"):
+        be = BUILDERS[name][1]
+        if pass_ == "fwd":
+            return lambda: fs.softmax(x, mask=pad, scale=SCALE, causal=causal, backend=be)
+        return lambda: fs.softmax_backward(dy, y, mask=pad, scale=SCALE, causal=causal, backend=be)
+    fwd, bwd = _torch_masked(pad, causal, name == "torch.compile")
+    return (lambda: fwd(x)) if pass_ == "fwd" else (lambda: bwd(dy, y))
+
+
+def run_masked(dtypes, passes, impls, device: str = "cuda", shape=ATTENTION, out=sys.stdout) -> dict:
+    """Every (case, pass, dtype, impl) on attention scores; GB/s counts the mask bytes read."""
+    import triton
+
+    import fastsoftmax as fs
+
+    copy = copy_gbps(device)
+    records = []
+    for case, (pad_on, causal) in MASKED_CASES.items():
+        for pass_ in passes:
+            for dt in dtypes:
+                x, pad = masked_inputs(shape, getattr(torch, dt), device, pad_on)
+                y = fs.softmax(x, mask=pad, scale=SCALE, causal=causal, backend="torch")
+                dy = torch.randn_like(x)
+                mask_bytes = pad.numel() if pad is not None else 0
+                nbytes = (2 if pass_ == "fwd" else 3) * x.numel() * x.element_size() + mask_bytes
+                for name in impls:
+                    m, n = x.numel() // x.shape[-1], x.shape[-1]
+                    rec = Record(name, BUILDERS[name][1], dt, m, n, pass_, None, None, False, None, case=case)
+                    try:
+                        fn = _masked_fn(name, pass_, x, y, dy, pad, causal)
+                        rec.err_ratio, problem = _masked_check(fn(), x, y, dy, pad, causal, pass_)
+                        if problem:
+                            raise Unsupported(f"wrong result: {problem}")
+                        rec.ms = time_ms(fn, device)
+                        rec.gbps = nbytes / rec.ms / 1e6
+                        rec.ok = True
+                    except Exception as e:  # recorded with its reason
+                        rec.error = f"{type(e).__name__}: {str(e).strip()[:200]}"
+                    records.append(rec)
+                del x, y, dy
+    doc = {
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu (smoke run: wall-clock timing)",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__, "triton": triton.__version__, "copy_gbps": copy,
+        "shape": list(shape), "scale": SCALE, "records": [r.json() for r in records],
+        "method": "do_bench median, L2 flushed; GB/s counts x, y (dy, dx) and the mask bytes",
+    }  # fmt: skip
+    if out is not None:
+        print(f"{doc['device']}: copy {copy:.0f} GB/s; scores {tuple(shape)} -> (B, H, S, S); {doc['method']}",
+              file=out)  # fmt: skip
+        print(f"{'case':15} {'pass':4} {'dtype':9}" + "".join(f" {i[:18]:>18}" for i in impls) + "  %copy  xtorch",
+              file=out)  # fmt: skip
+        for case in MASKED_CASES:
+            for pass_ in passes:
+                for dt in dtypes:
+                    row = {r.impl: r for r in records if (r.case, r.pass_, r.dtype) == (case, pass_, dt)}
+                    cells = "".join(f" {(_num(r.gbps) if r.ok else 'unsupported'):>18}" for r in row.values())
+                    f, t = row.get("fastsoftmax"), row.get("torch")
+                    pct = f" {100 * f.gbps / copy:5.0f}%" if f and f.ok else "      -"
+                    sp = f" {f.gbps / t.gbps:7.2f}" if f and f.ok and t and t.ok else "       -"
+                    print(f"{case:15} {pass_:4} {dt:9}{cells} {pct}{sp}", file=out)
+        for r in records:
+            if r.error:
+                print(f"  {r.impl} {r.case} {r.pass_} {r.dtype}: {r.error}", file=out)
+    return doc
+
+
 def main(args) -> int:
     device = args.device
     if device == "cuda" and not torch.cuda.is_available():
         print("fastsoftmax bench: no CUDA device (use --device cpu for a smoke run)", file=sys.stderr)
         return 2
+    if args.masked:
+        impls = args.impls.split(",") if args.impls else list(MASKED_IMPLS)
+        shape = tuple(int(v) for v in args.attention.split(",")) if args.attention else ATTENTION
+        doc = run_masked(args.dtypes.split(","), args.passes.split(","), impls, device, shape)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(doc, f, indent=1)
+        return 0
     impls = args.impls.split(",") if args.impls else list(IMPLS)
     bad = [i for i in impls if i not in BUILDERS]
     if bad:

@@ -215,6 +215,13 @@ def main(argv=None) -> int:
         help="processes that fill the compile caches before timing "
         "(timing itself runs in one process); default: CPU cores - 2, at most 12, on a GPU; 0: none",
     )
+    b.add_argument(
+        "--masked",
+        action="store_true",
+        help="attention scores instead of the shape suite: "
+        "softmax(scale * x + mask) with a padding mask, causal, both (issue: masked softmax)",
+    )
+    b.add_argument("--attention", default=None, metavar="B,H,S", help="--masked scores shape (default 8,16,2048)")
     b.set_defaults(fn=bench)
     args = p.parse_args(argv)
     return args.fn(args)

@@ -44,8 +44,17 @@ class TorchBackend:
         # In the layout every backend promises (and the custom op's fake implementation states).
         return alloc(x, out_dtype).copy_(y), (lse.to(torch.float32) if want_lse else None)
 
-    def backward(self, dy, y, dim, out_dtype, log, path=None):
+    def backward(self, dy, y, dim, out_dtype, log, path=None, spec=None):
         heuristics.record(heuristics.Plan("torch", "reference"))
+        if spec is not None and spec.active:
+            wide = torch.float64 in (y.dtype, dy.dtype, out_dtype)
+            dz = softmax_backward_torch(dy, y, dim, log, torch.float64 if wide else torch.float32)
+            if spec.scale is not None:
+                dz = dz * spec.scale
+            removed = masking.removed(y, spec.mask, spec.causal)
+            if removed is not None:
+                dz = dz.masked_fill(removed, 0.0)
+            return alloc(y, out_dtype).copy_(dz)
         return alloc(y, out_dtype).copy_(softmax_backward_torch(dy, y, dim, log, out_dtype))
 
 
@@ -149,10 +158,13 @@ class TritonBackend:
                 return y, _kernels("softmax_fwd").forward(x, y, dim, log, want_lse, path, spec)[1]
             return y, _kernels("softmax_fwd").forward(x, y, dim, log, want_lse, path)[1]
 
-    def backward(self, dy, y, dim, out_dtype, log, path=None):
+    def backward(self, dy, y, dim, out_dtype, log, path=None, spec=None):
         dx = alloc(y, out_dtype)
         with _on_device(y):
-            _kernels("softmax_bwd").backward(dy, y, dx, dim, log, path)
+            if spec is not None and spec.active:
+                _kernels("softmax_bwd").backward(dy, y, dx, dim, log, path, spec)
+            else:
+                _kernels("softmax_bwd").backward(dy, y, dx, dim, log, path)
         return dx
 
 
@@ -197,7 +209,9 @@ class CudaBackend:
         with _on_device(x):
             return y, _cuda_kernels().forward(x, y, dim, log, want_lse, path)
 
-    def backward(self, dy, y, dim, out_dtype, log, path=None):
+    def backward(self, dy, y, dim, out_dtype, log, path=None, spec=None):
+        if spec is not None and spec.active:
+            raise RuntimeError("backend='cuda' has no masks, scale or causal yet: use backend='triton' or 'auto'")
         dx = alloc(y, out_dtype)
         with _on_device(y):
             _cuda_kernels().backward(dy, y, dx, dim, log, path)

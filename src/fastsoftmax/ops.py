@@ -75,14 +75,28 @@ def _setup_masked(ctx, inputs, output):
     ctx.dim, ctx.log, ctx.x_dtype, ctx.backend, ctx.scale, ctx.causal = dim, log, x.dtype, backend, scale, causal
 
 
+@torch.library.custom_op("fastsoftmax::softmax_backward_masked", mutates_args=())
+def softmax_backward_masked(
+    dy: torch.Tensor, y: torch.Tensor, dim: int, log: bool, dtype: torch.dtype, backend: str,
+    mask: torch.Tensor | None, scale: float | None, causal: bool,
+) -> torch.Tensor:  # fmt: skip
+    return api.backward(dy, y, dim, log=log, dtype=dtype, backend=backend, mask=mask, scale=scale, causal=causal)
+
+
+@softmax_backward_masked.register_fake
+def _(dy, y, dim, log, dtype, backend, mask, scale, causal):
+    return torch.empty_like(y, dtype=dtype)
+
+
 def _backward_masked(ctx, dy):
-    """dx = scale * (the plain backward), 0 where a bool mask or the causal rule removed the position; no
+    """dx = scale * (the plain backward), 0 at masked positions (one fused pass on the Triton backend); no
     gradient for the mask or the scale."""
     y, mask = ctx.saved_tensors
-    if torch.is_grad_enabled():
-        dz = softmax_backward_torch(dy, y, ctx.dim % max(y.dim(), 1), ctx.log, ctx.x_dtype) if y.dim() else dy * 0
-    else:
-        dz = softmax_backward(dy, y, ctx.dim, ctx.log, ctx.x_dtype, ctx.backend)
+    if not torch.is_grad_enabled():
+        dx = softmax_backward_masked(dy, y, ctx.dim, ctx.log, ctx.x_dtype, ctx.backend, mask, ctx.scale, ctx.causal)
+        return dx, None, None, None, None, None, None, None
+    # create_graph=True: torch ops, differentiable again
+    dz = softmax_backward_torch(dy, y, ctx.dim % y.dim(), ctx.log, ctx.x_dtype) if y.dim() else dy * 0
     if ctx.scale is not None:
         dz = dz * ctx.scale
     removed = masking.removed(y, mask, ctx.causal)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .softmax_fwd import _edges, _exp, _prologue
+from .softmax_fwd import _edges, _exp, _head, _mask_rows, _prologue
 
 
 @triton.jit
@@ -44,6 +44,22 @@ def _grad(a, f, s, t):
 
 
 @triton.jit
+def _finish(g, ok, col, mrow, q, m_ptr, msn, scale, c_off, MASK: tl.constexpr, CAUSAL: tl.constexpr,
+            SCALED: tl.constexpr):  # fmt: skip
+    """dx from the plain gradient g when the forward had a scale, a mask or the causal rule: times scale, and
+    0 at masked positions (False in a bool mask, -inf in an additive one, above the causal diagonal)."""
+    if SCALED:
+        g = g * scale
+    if MASK == 1:
+        g = tl.where(tl.load(m_ptr + mrow[:, None] + col * msn, mask=ok, other=1) != 0, g, 0.0)
+    if MASK == 2:
+        g = tl.where(tl.load(m_ptr + mrow[:, None] + col * msn, mask=ok, other=0.0) == float("-inf"), 0.0, g)
+    if CAUSAL:
+        g = tl.where(col <= q[:, None] + c_off, g, 0.0)
+    return g
+
+
+@triton.jit
 def _sums_range(y_ptr, dy_ptr, xs, c, ok, length, sxn, j0, j1, s, t, LOG: tl.constexpr, BLOCK_N: tl.constexpr):
     """Add chunks j0 <= j < j1 of the body to the row sums (s, t)."""
     for j in range(j0, j1):
@@ -55,14 +71,16 @@ def _sums_range(y_ptr, dy_ptr, xs, c, ok, length, sxn, j0, j1, s, t, LOG: tl.con
 
 
 @triton.jit
-def _grad_range(y_ptr, dy_ptr, dx_ptr, xs, ys, c, ok, length, sxn, syn, j0, j1, s, t, LOG: tl.constexpr,
+def _grad_range(y_ptr, dy_ptr, dx_ptr, xs, ys, c, ok, length, sxn, syn, j0, j1, s, t, hc, mrow, q, m_ptr, msn,
+                scale, c_off, MASK: tl.constexpr, CAUSAL: tl.constexpr, SCALED: tl.constexpr, LOG: tl.constexpr,
                 BLOCK_N: tl.constexpr):  # fmt: skip
     """Write dx for chunks j0 <= j < j1, last first (the likeliest still in L2)."""
     for k in range(j0, j1):
         cols = (j1 - 1 - (k - j0)) * BLOCK_N + c
         body = ok[:, None] & (cols < length)
         a, f = _load_terms(y_ptr, dy_ptr, xs[:, None] + cols * sxn, body, LOG)
-        tl.store(dx_ptr + ys[:, None] + cols * syn, _grad(a, f, s, t).to(dx_ptr.dtype.element_ty), mask=body)
+        g = _finish(_grad(a, f, s, t), body, hc + cols, mrow, q, m_ptr, msn, scale, c_off, MASK, CAUSAL, SCALED)
+        tl.store(dx_ptr + ys[:, None] + cols * syn, g.to(dx_ptr.dtype.element_ty), mask=body)
 
 
 @triton.jit
@@ -70,8 +88,10 @@ def softmax_bwd_rowblock(
     y_ptr, dx_ptr, dy_ptr,
     n_b, n, n_i, tiles_i,
     sxb, sxn, sxi, syb, syn, syi, x_mis,
+    m_ptr, scale, md1, md2, md3, mb0, mb1, mb2, mb3, msn, c_off,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, VEC: tl.constexpr, INNER: tl.constexpr,
     EDGES: tl.constexpr, Y_VEC: tl.constexpr, IDX64: tl.constexpr, LOG: tl.constexpr,
+    MASK: tl.constexpr, CAUSAL: tl.constexpr, SCALED: tl.constexpr,
 ):  # fmt: skip
     """ROWS rows per program, y and dy held whole in registers. Strides: sx* of y and dy, sy* of dx.
     Precondition: BLOCK_N >= n."""
@@ -81,6 +101,7 @@ def softmax_bwd_rowblock(
     y_ptr += bx
     dy_ptr += bx
     dx_ptr += by
+    mrow, q = _mask_rows(row, md1, md2, md3, mb0, mb1, mb2, mb3)
     body = row_ok[:, None] & (c < length)
     a, f = _load_terms(y_ptr, dy_ptr, xs[:, None] + c * sxn, body, LOG)
     s = tl.sum(a, axis=1)
@@ -90,8 +111,10 @@ def softmax_bwd_rowblock(
         ae, fe = _load_terms(y_ptr, dy_ptr, ox[:, None] + e_idx, e_ok, LOG)
         s += tl.sum(ae, axis=1)
         t += tl.sum(fe, axis=1)
-        tl.store(dx_ptr + oy[:, None] + e_idx, _grad(ae, fe, s, t).to(dx_ptr.dtype.element_ty), mask=e_ok)
-    tl.store(dx_ptr + ys[:, None] + c * syn, _grad(a, f, s, t).to(dx_ptr.dtype.element_ty), mask=body)
+        ge = _finish(_grad(ae, fe, s, t), e_ok, e_idx, mrow, q, m_ptr, msn, scale, c_off, MASK, CAUSAL, SCALED)
+        tl.store(dx_ptr + oy[:, None] + e_idx, ge.to(dx_ptr.dtype.element_ty), mask=e_ok)
+    g = _finish(_grad(a, f, s, t), body, _head(h, EDGES) + c, mrow, q, m_ptr, msn, scale, c_off, MASK, CAUSAL, SCALED)
+    tl.store(dx_ptr + ys[:, None] + c * syn, g.to(dx_ptr.dtype.element_ty), mask=body)
 
 
 @triton.jit
@@ -99,8 +122,10 @@ def softmax_bwd_online(
     y_ptr, dx_ptr, dy_ptr,
     n_b, n, n_i, tiles_i,
     sxb, sxn, sxi, syb, syn, syi, x_mis,
+    m_ptr, scale, md1, md2, md3, mb0, mb1, mb2, mb3, msn, c_off,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, VEC: tl.constexpr, INNER: tl.constexpr,
     EDGES: tl.constexpr, Y_VEC: tl.constexpr, IDX64: tl.constexpr, LOG: tl.constexpr,
+    MASK: tl.constexpr, CAUSAL: tl.constexpr, SCALED: tl.constexpr,
 ):  # fmt: skip
     """Rows of any length in BLOCK_N chunks: pass 1 sums (s, t), pass 2 writes dx."""
     bx, by, ox, oy, xs, ys, h, length, c, row, row_ok = _prologue(
@@ -118,9 +143,13 @@ def softmax_bwd_online(
         t += tl.sum(fe, axis=1)
     n_chunks = tl.cdiv(n, BLOCK_N)
     s, t = _sums_range(y_ptr, dy_ptr, xs, c, row_ok, length, sxn, 0, n_chunks, s, t, LOG, BLOCK_N)
+    mrow, q = _mask_rows(row, md1, md2, md3, mb0, mb1, mb2, mb3)
     if EDGES:
-        tl.store(dx_ptr + oy[:, None] + e_idx, _grad(ae, fe, s, t).to(dx_ptr.dtype.element_ty), mask=e_ok)
-    _grad_range(y_ptr, dy_ptr, dx_ptr, xs, ys, c, row_ok, length, sxn, syn, 0, n_chunks, s, t, LOG, BLOCK_N)
+        ge = _finish(_grad(ae, fe, s, t), e_ok, e_idx, mrow, q, m_ptr, msn, scale, c_off, MASK, CAUSAL, SCALED)
+        tl.store(dx_ptr + oy[:, None] + e_idx, ge.to(dx_ptr.dtype.element_ty), mask=e_ok)
+    _grad_range(
+        y_ptr, dy_ptr, dx_ptr, xs, ys, c, row_ok, length, sxn, syn, 0, n_chunks, s, t, _head(h, EDGES), mrow, q,
+        m_ptr, msn, scale, c_off, MASK, CAUSAL, SCALED, LOG, BLOCK_N)  # fmt: skip
 
 
 @triton.jit
@@ -159,9 +188,11 @@ def softmax_bwd_split_write(
     y_ptr, dx_ptr, dy_ptr, ws_ptr,
     n_b, n, n_i, tiles_i,
     sxb, sxn, sxi, syb, syn, syi, x_mis, chunks_per_split, n_splits,
+    m_ptr, scale, md1, md2, md3, mb0, mb1, mb2, mb3, msn, c_off,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, VEC: tl.constexpr, INNER: tl.constexpr,
     EDGES: tl.constexpr, Y_VEC: tl.constexpr, IDX64: tl.constexpr, LOG: tl.constexpr,
     SPLITS: tl.constexpr,
+    MASK: tl.constexpr, CAUSAL: tl.constexpr, SCALED: tl.constexpr,
 ):  # fmt: skip
     """Split path, step 2 of 2: program (rows, split) adds the row's per-split (s, t) and writes dx for
     its segment."""
@@ -177,14 +208,18 @@ def softmax_bwd_split_write(
     ws = ws_ptr + (row[:, None] * n_splits + k) * 2
     s = tl.sum(tl.load(ws, mask=ws_ok, other=0.0), axis=1)
     t = tl.sum(tl.load(ws + 1, mask=ws_ok, other=0.0), axis=1)
+    mrow, q = _mask_rows(row, md1, md2, md3, mb0, mb1, mb2, mb3)
     if EDGES:
         e_idx, e_ok = _edges(h, length, n, row_ok, VEC)
         e_ok = e_ok & (split == 0)
         ae, fe = _load_terms(y_ptr, dy_ptr, ox[:, None] + e_idx, e_ok, LOG)
-        tl.store(dx_ptr + oy[:, None] + e_idx, _grad(ae, fe, s, t).to(dx_ptr.dtype.element_ty), mask=e_ok)
+        ge = _finish(_grad(ae, fe, s, t), e_ok, e_idx, mrow, q, m_ptr, msn, scale, c_off, MASK, CAUSAL, SCALED)
+        tl.store(dx_ptr + oy[:, None] + e_idx, ge.to(dx_ptr.dtype.element_ty), mask=e_ok)
     j0 = split * chunks_per_split
     j1 = tl.minimum(j0 + chunks_per_split, tl.cdiv(n, BLOCK_N))
-    _grad_range(y_ptr, dy_ptr, dx_ptr, xs, ys, c, row_ok, length, sxn, syn, j0, j1, s, t, LOG, BLOCK_N)
+    _grad_range(
+        y_ptr, dy_ptr, dx_ptr, xs, ys, c, row_ok, length, sxn, syn, j0, j1, s, t, _head(h, EDGES), mrow, q, m_ptr,
+        msn, scale, c_off, MASK, CAUSAL, SCALED, LOG, BLOCK_N)  # fmt: skip
 
 
 KERNELS = {
@@ -199,15 +234,23 @@ from dataclasses import replace  # noqa: E402
 
 import torch  # noqa: E402
 
-from .. import fastpath  # noqa: E402
+from .. import fastpath, masking  # noqa: E402
 from ..layout import plan_layout  # noqa: E402
 from .launch import aligned_view, launch, prepare  # noqa: E402
+from .softmax_fwd import _mask_args  # noqa: E402
 
 
-def backward(dy: torch.Tensor, y: torch.Tensor, dx: torch.Tensor, dim: int, log: bool, path: str | None = None):
+def backward(
+    dy: torch.Tensor, y: torch.Tensor, dx: torch.Tensor, dim: int, log: bool, path: str | None = None,
+    spec=masking.NONE,
+):  # fmt: skip
     """Write the gradient of softmax (or log_softmax) along ``dim`` into dx, from the forward output y and
-    the output gradient dy (all the same shape). Returns the plan that ran."""
+    the output gradient dy (all the same shape). Returns the plan that ran. ``spec``: the forward's mask,
+    scale or causal rule (dx scaled, 0 at masked positions); then dim is the last dim, rows in logical order."""
     y, lay = plan_layout(y, dx, dim)
+    if spec.active and (lay.I != 1 or lay.copied):
+        raise AssertionError("masked rows must be y's rows in logical order (dispatch ensures it)")
+    margs, mflags = _mask_args(spec, y)
     # dy is addressed with y's element offsets (in its own dtype): it needs y's strides and the same
     # 16-byte misalignment, which for another element size means both aligned.
     aligned_alike = (dy.data_ptr() - y.data_ptr()) % 16 == 0 and (dy.dtype == y.dtype or y.data_ptr() % 16 == 0)
@@ -222,14 +265,14 @@ def backward(dy: torch.Tensor, y: torch.Tensor, dx: torch.Tensor, dim: int, log:
     L = prepare(y, dx, lay, inputs=2, path=path)
     dy_arg = aligned_view(dy, L.x_mis)
     sx, sy = L.strides[:3], L.strides[3:]
-    tail = dict(**L.flags, Y_VEC=L.y_vec, LOG=log, num_warps=L.plan.num_warps)
+    tail = dict(**L.flags, **mflags, Y_VEC=L.y_vec, LOG=log, num_warps=L.plan.num_warps)
     if L.plan.path == "split":
         sums, write = KERNELS["split"]
         ws = fastpath.scratch(torch.empty(L.n_rows * L.plan.splits * 2, dtype=torch.float32, device=y.device))
         args = (L.x_arg, dy_arg, ws, *L.rows_args, *sx, L.x_mis, L.chunks_per_split, L.plan.splits)
         launch(sums, L.grid, args, dict(**L.flags, LOG=log, num_warps=L.plan.num_warps))
-        args = (L.x_arg, dx, dy_arg, ws, *L.rows_args, *sx, *sy, L.x_mis, L.chunks_per_split, L.plan.splits)
+        args = (L.x_arg, dx, dy_arg, ws, *L.rows_args, *sx, *sy, L.x_mis, L.chunks_per_split, L.plan.splits, *margs)
         launch(write, L.grid, args, dict(**tail, SPLITS=triton.next_power_of_2(L.plan.splits)))
     else:
-        launch(KERNELS[L.plan.path], L.grid, (L.x_arg, dx, dy_arg, *L.rows_args, *sx, *sy, L.x_mis), tail)
+        launch(KERNELS[L.plan.path], L.grid, (L.x_arg, dx, dy_arg, *L.rows_args, *sx, *sy, L.x_mis, *margs), tail)
     return L.plan

@@ -202,15 +202,10 @@ def _normalise(z, e, f, LOG: tl.constexpr):
 
 @triton.jit
 def softmax_fwd_rowblock(
-    x_ptr, y_ptr, lse_ptr,
-    n_b, n, n_i, tiles_i,
-    sxb, sxn, sxi, syb, syn, syi, x_mis,
-    m_ptr, scale, md1, md2, md3, mb0, mb1, mb2, mb3, msn, c_off,
-    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, VEC: tl.constexpr, INNER: tl.constexpr,
-    EDGES: tl.constexpr, Y_VEC: tl.constexpr, IDX64: tl.constexpr, LOG: tl.constexpr,
-    MASK: tl.constexpr, CAUSAL: tl.constexpr, SCALED: tl.constexpr,
-    WRITE_LSE: tl.constexpr,
-):  # fmt: skip
+    x_ptr, y_ptr, lse_ptr, n_b, n, n_i, tiles_i, sxb, sxn, sxi, syb, syn, syi, x_mis, m_ptr, scale, md1, md2, md3,
+    mb0, mb1, mb2, mb3, msn, c_off, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, VEC: tl.constexpr, INNER: tl.constexpr,
+    EDGES: tl.constexpr, Y_VEC: tl.constexpr, IDX64: tl.constexpr, LOG: tl.constexpr, MASK: tl.constexpr, CAUSAL:
+    tl.constexpr, SCALED: tl.constexpr, WRITE_LSE: tl.constexpr):  # fmt: skip  # fmt: skip
     """ROWS rows per program, each held whole in registers. Precondition: BLOCK_N >= n."""
     bx, by, ox, oy, xs, ys, h, length, c, row, row_ok = _prologue(
         n_b, n, n_i, tiles_i, sxb, sxi, syb, syi, x_mis, ROWS, BLOCK_N, VEC, INNER, EDGES, Y_VEC, IDX64
@@ -220,19 +215,8 @@ def softmax_fwd_rowblock(
     mrow, q = _mask_rows(row, md1, md2, md3, mb0, mb1, mb2, mb3)
     body = row_ok[:, None] & (c < length)
     x = _load_logits(
-        x_ptr + xs[:, None] + c * sxn,
-        body,
-        _head(h, EDGES) + c,
-        mrow,
-        q,
-        m_ptr,
-        msn,
-        scale,
-        c_off,
-        MASK,
-        CAUSAL,
-        SCALED,
-    )
+        x_ptr + xs[:, None] + c * sxn, body, _head(h, EDGES) + c, mrow, q, m_ptr, msn, scale, c_off, MASK, CAUSAL,
+        SCALED)  # fmt: skip
     m = tl.max(x, axis=1)
     if EDGES:
         e_idx, e_ok = _edges(h, length, n, row_ok, VEC)
@@ -295,38 +279,19 @@ def _write_range(x_ptr, y_ptr, xs, ys, c, ok, length, sxn, syn, j0, j1, m_safe, 
     for k in range(j0, j1):
         cols = (j1 - 1 - (k - j0)) * BLOCK_N + c
         body = ok[:, None] & (cols < length)
-        z = (
-            _load_logits(
-                x_ptr + xs[:, None] + cols * sxn,
-                body,
-                hc + cols,
-                mrow,
-                q,
-                m_ptr,
-                msn,
-                scale,
-                c_off,
-                MASK,
-                CAUSAL,
-                SCALED,
-            )
-            - m_safe[:, None]
-        )
+        x = _load_logits(x_ptr + xs[:, None] + cols * sxn, body, hc + cols, mrow, q, m_ptr, msn, scale, c_off, MASK,
+                         CAUSAL, SCALED)  # fmt: skip
+        z = x - m_safe[:, None]
         y = _normalise(z, _exp(z), f, LOG)
         tl.store(y_ptr + ys[:, None] + cols * syn, y.to(y_ptr.dtype.element_ty), mask=body)
 
 
 @triton.jit
 def softmax_fwd_online(
-    x_ptr, y_ptr, lse_ptr,
-    n_b, n, n_i, tiles_i,
-    sxb, sxn, sxi, syb, syn, syi, x_mis,
-    m_ptr, scale, md1, md2, md3, mb0, mb1, mb2, mb3, msn, c_off,
-    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, VEC: tl.constexpr, INNER: tl.constexpr,
-    EDGES: tl.constexpr, Y_VEC: tl.constexpr, IDX64: tl.constexpr, LOG: tl.constexpr,
-    MASK: tl.constexpr, CAUSAL: tl.constexpr, SCALED: tl.constexpr,
-    WRITE_LSE: tl.constexpr,
-):  # fmt: skip
+    x_ptr, y_ptr, lse_ptr, n_b, n, n_i, tiles_i, sxb, sxn, sxi, syb, syn, syi, x_mis, m_ptr, scale, md1, md2, md3,
+    mb0, mb1, mb2, mb3, msn, c_off, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, VEC: tl.constexpr, INNER: tl.constexpr,
+    EDGES: tl.constexpr, Y_VEC: tl.constexpr, IDX64: tl.constexpr, LOG: tl.constexpr, MASK: tl.constexpr, CAUSAL:
+    tl.constexpr, SCALED: tl.constexpr, WRITE_LSE: tl.constexpr):  # fmt: skip  # fmt: skip
     """Rows of any length in BLOCK_N chunks: pass 1 carries (max, rescaled sum), pass 2 normalises."""
     bx, by, ox, oy, xs, ys, h, length, c, row, row_ok = _prologue(
         n_b, n, n_i, tiles_i, sxb, sxi, syb, syi, x_mis, ROWS, BLOCK_N, VEC, INNER, EDGES, Y_VEC, IDX64
@@ -345,60 +310,16 @@ def softmax_fwd_online(
         m, s = _chunk_stats(xe)
     n_chunks = tl.cdiv(n, BLOCK_N)
     m, s = _stats_range(
-        x_ptr,
-        xs,
-        c,
-        row_ok,
-        length,
-        sxn,
-        0,
-        n_chunks,
-        m,
-        s,
-        hc,
-        mrow,
-        q,
-        m_ptr,
-        msn,
-        scale,
-        c_off,
-        MASK,
-        CAUSAL,
-        SCALED,
-        BLOCK_N,
-    )
+        x_ptr, xs, c, row_ok, length, sxn, 0, n_chunks, m, s, hc, mrow, q, m_ptr, msn, scale, c_off, MASK, CAUSAL,
+        SCALED, BLOCK_N)  # fmt: skip
     m_safe = _safe_max(m)
     f = _row_factor(s, LOG)
     if EDGES:
         ze = xe - m_safe[:, None]
         tl.store(y_ptr + oy[:, None] + e_idx, _normalise(ze, _exp(ze), f, LOG).to(y_ptr.dtype.element_ty), mask=e_ok)
     _write_range(
-        x_ptr,
-        y_ptr,
-        xs,
-        ys,
-        c,
-        row_ok,
-        length,
-        sxn,
-        syn,
-        0,
-        n_chunks,
-        m_safe,
-        f,
-        hc,
-        mrow,
-        q,
-        m_ptr,
-        msn,
-        scale,
-        c_off,
-        MASK,
-        CAUSAL,
-        SCALED,
-        LOG,
-        BLOCK_N,
-    )
+        x_ptr, y_ptr, xs, ys, c, row_ok, length, sxn, syn, 0, n_chunks, m_safe, f, hc, mrow, q, m_ptr, msn, scale,
+        c_off, MASK, CAUSAL, SCALED, LOG, BLOCK_N)  # fmt: skip
     if WRITE_LSE:
         tl.store(lse_ptr + row, m_safe + tl.math.log2(s) * LN2, mask=row_ok)
 
@@ -426,45 +347,14 @@ def softmax_fwd_split_stats(
     if EDGES:
         e_idx, e_ok = _edges(h, length, n, row_ok, VEC)
         xe = _load_logits(
-            x_ptr + ox[:, None] + e_idx,
-            e_ok & (split == 0),
-            e_idx,
-            mrow,
-            q,
-            m_ptr,
-            msn,
-            scale,
-            c_off,
-            MASK,
-            CAUSAL,
-            SCALED,
-        )
+            x_ptr + ox[:, None] + e_idx, e_ok & (split == 0), e_idx, mrow, q, m_ptr, msn, scale, c_off, MASK,
+            CAUSAL, SCALED)  # fmt: skip
         m, s = _chunk_stats(xe)
     j0 = split * chunks_per_split
     j1 = tl.minimum(j0 + chunks_per_split, tl.cdiv(n, BLOCK_N))
     m, s = _stats_range(
-        x_ptr,
-        xs,
-        c,
-        row_ok,
-        length,
-        sxn,
-        j0,
-        j1,
-        m,
-        s,
-        _head(h, EDGES),
-        mrow,
-        q,
-        m_ptr,
-        msn,
-        scale,
-        c_off,
-        MASK,
-        CAUSAL,
-        SCALED,
-        BLOCK_N,
-    )
+        x_ptr, xs, c, row_ok, length, sxn, j0, j1, m, s, _head(h, EDGES), mrow, q, m_ptr, msn, scale, c_off, MASK,
+        CAUSAL, SCALED, BLOCK_N)  # fmt: skip
     ws = ws_ptr + (row * n_splits + split) * 2
     tl.store(ws, m, mask=row_ok)
     tl.store(ws + 1, s, mask=row_ok)
@@ -472,15 +362,11 @@ def softmax_fwd_split_stats(
 
 @triton.jit
 def softmax_fwd_split_write(
-    x_ptr, y_ptr, lse_ptr, ws_ptr,
-    n_b, n, n_i, tiles_i,
-    sxb, sxn, sxi, syb, syn, syi, x_mis, chunks_per_split, n_splits,
-    m_ptr, scale, md1, md2, md3, mb0, mb1, mb2, mb3, msn, c_off,
-    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, VEC: tl.constexpr, INNER: tl.constexpr,
-    EDGES: tl.constexpr, Y_VEC: tl.constexpr, IDX64: tl.constexpr, LOG: tl.constexpr,
-    MASK: tl.constexpr, CAUSAL: tl.constexpr, SCALED: tl.constexpr,
-    WRITE_LSE: tl.constexpr, SPLITS: tl.constexpr,
-):  # fmt: skip
+    x_ptr, y_ptr, lse_ptr, ws_ptr, n_b, n, n_i, tiles_i, sxb, sxn, sxi, syb, syn, syi, x_mis, chunks_per_split,
+    n_splits, m_ptr, scale, md1, md2, md3, mb0, mb1, mb2, mb3, msn, c_off, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+    VEC: tl.constexpr, INNER: tl.constexpr, EDGES: tl.constexpr, Y_VEC: tl.constexpr, IDX64: tl.constexpr, LOG:
+    tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr, SCALED: tl.constexpr, WRITE_LSE: tl.constexpr, SPLITS:
+    tl.constexpr):  # fmt: skip  # fmt: skip
     """Split path, step 2 of 2: program (rows, split) merges the row's per-split statistics (the same
     merge crosses GPUs for a vocabulary split across ranks) and normalises its segment."""
     split = tl.program_id(1)
@@ -512,32 +398,8 @@ def softmax_fwd_split_write(
     j0 = split * chunks_per_split
     j1 = tl.minimum(j0 + chunks_per_split, tl.cdiv(n, BLOCK_N))
     _write_range(
-        x_ptr,
-        y_ptr,
-        xs,
-        ys,
-        c,
-        row_ok,
-        length,
-        sxn,
-        syn,
-        j0,
-        j1,
-        m_safe,
-        f,
-        _head(h, EDGES),
-        mrow,
-        q,
-        m_ptr,
-        msn,
-        scale,
-        c_off,
-        MASK,
-        CAUSAL,
-        SCALED,
-        LOG,
-        BLOCK_N,
-    )
+        x_ptr, y_ptr, xs, ys, c, row_ok, length, sxn, syn, j0, j1, m_safe, f, _head(h, EDGES), mrow, q, m_ptr, msn,
+        scale, c_off, MASK, CAUSAL, SCALED, LOG, BLOCK_N)  # fmt: skip
     if WRITE_LSE:
         tl.store(lse_ptr + row, m_safe + tl.math.log2(s) * LN2, mask=row_ok & (split == 0))
 
