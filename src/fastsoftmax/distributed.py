@@ -1,0 +1,201 @@
+"""Softmax, log_softmax and cross-entropy over logits split along the last dim across a torch.distributed
+process group: rank r holds a contiguous slice of the classes (slices may differ in width, be empty of
+finite values, or be empty), in rank order.
+
+One collective per forward: every rank all-gathers per-row statistics (its slice's logsumexp, and for
+cross-entropy the target logit if the target falls in its slice, the sum of its logits and its width), and
+merges them into the row's global logsumexp. Megatron-LM's vocabulary-parallel cross-entropy uses three
+all-reduces (max, sum of exp, target logit); a logsumexp carries max and sum in one number.
+
+Backward: softmax and log_softmax need one all-reduce of a per-row sum (sum(y*dy), or sum(dy)); the
+cross-entropy backward needs none (dlogits come from the saved global logsumexp).
+
+Conventions as the rest of the library: a row that is -inf on every rank gives zeros (softmax) / -inf
+(log_softmax), NaN or +inf anywhere in a row gives NaN across it. Works with NCCL (CUDA tensors) and gloo
+(CPU tensors). The local arithmetic is torch ops on the shard (one read for the statistics, one read and
+one write for the output).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .loss import REDUCTIONS, _assert_targets
+
+
+def _gather(stats: torch.Tensor, group) -> torch.Tensor:
+    """(world, *stats.shape): every rank's stats, in rank order (one all-gather)."""
+    world = dist.get_world_size(group)
+    out = [torch.empty_like(stats) for _ in range(world)]
+    dist.all_gather(out, stats.contiguous(), group=group)
+    return torch.stack(out)
+
+
+def _local_lse(x: torch.Tensor) -> torch.Tensor:
+    """Per-row logsumexp of a shard, fp32 (fp64 for fp64): -inf for an all -inf (or empty) slice, +inf where
+    the slice holds +inf, NaN where it holds NaN."""
+    xc = x.to(torch.float64 if x.dtype == torch.float64 else torch.float32)
+    if x.shape[-1] == 0:
+        return xc.new_full(x.shape[:-1], float("-inf"))
+    m = xc.amax(-1, keepdim=True)
+    m_safe = torch.where(m.isfinite(), m, torch.zeros_like(m))
+    lse = (m_safe + (xc - m_safe).exp().sum(-1, keepdim=True).log()).squeeze(-1)
+    return torch.where(m.squeeze(-1) == float("inf"), float("inf"), lse)
+
+
+def _merge_lse(lses: torch.Tensor) -> torch.Tensor:
+    """Merge per-rank logsumexps (dim 0): -inf if all are, NaN if any is NaN or +inf (the library's rule for
+    a row holding NaN or +inf)."""
+    bad = lses.isnan().any(0) | (lses == float("inf")).any(0)
+    m = lses.amax(0)
+    m_safe = torch.where(m == float("-inf"), torch.zeros_like(m), m)
+    out = m_safe + (lses - m_safe).exp().sum(0).log()
+    return torch.where(bad, float("nan"), out)
+
+
+def _normalise(x: torch.Tensor, lse: torch.Tensor, log: bool, dtype) -> torch.Tensor:
+    xc = x.to(lse.dtype)
+    full_masked = (lse == float("-inf"))[..., None]
+    if log:
+        y = torch.where(full_masked, float("-inf"), xc - lse[..., None])
+    else:
+        y = (xc - torch.where(full_masked, 0.0, lse[..., None])).exp()
+    return y.to(dtype)
+
+
+class _Softmax(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, log, group, dtype):
+        lse = _merge_lse(_gather(_local_lse(x), group))
+        y = _normalise(x, lse, log, dtype or x.dtype)
+        ctx.save_for_backward(y)
+        ctx.log, ctx.group, ctx.x_dtype = log, group, x.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        (y,) = ctx.saved_tensors
+        wide = torch.float64 if torch.float64 in (y.dtype, dy.dtype) else torch.float32
+        yc, dyc = y.to(wide), dy.to(wide)
+        f = yc.exp() if ctx.log else yc
+        a = dyc if ctx.log else yc * dyc
+        sums = torch.stack([a.sum(-1), f.sum(-1)])
+        dist.all_reduce(sums, group=ctx.group)
+        s, t = sums[0], sums[1]
+        dx = torch.where((t == 0)[..., None], 0.0, a - f * s[..., None])
+        return dx.to(ctx.x_dtype), None, None, None
+
+
+def _check_shard(fn, x, group):
+    if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point:
+        raise TypeError(f"{fn}: expected a floating-point torch.Tensor shard")
+    if x.dim() < 1:
+        raise ValueError(f"{fn}: the shard needs the split class dim (the last)")
+    if not dist.is_initialized():
+        raise RuntimeError(f"{fn}: torch.distributed is not initialised (init_process_group first)")
+
+
+def softmax(x: torch.Tensor, *, group=None, dtype=None) -> torch.Tensor:
+    """Softmax along the last dim of logits whose last dim is split across ``group`` (this rank's slice)."""
+    _check_shard("distributed.softmax", x, group)
+    return _Softmax.apply(x, False, group, dtype)
+
+
+def log_softmax(x: torch.Tensor, *, group=None, dtype=None) -> torch.Tensor:
+    """Log-softmax along the last dim of logits whose last dim is split across ``group``."""
+    _check_shard("distributed.log_softmax", x, group)
+    return _Softmax.apply(x, True, group, dtype)
+
+
+_widths: dict = {}  # (group, world, rank, local width) -> every rank's width, as last seen
+
+
+def _group_key(group):
+    return id(group) if group is not None else None
+
+
+class _CrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, target, ignore_index, reduction, smoothing, group):
+        v_local = x.shape[-1]
+        t = target.reshape(-1)
+        xf = x.reshape(t.shape[0], v_local)
+        stat = torch.float64 if x.dtype == torch.float64 else torch.float32
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        key = (_group_key(group), world, rank, v_local)
+        widths = _widths.get(key)
+        if widths is None:  # first call with this slice width: learn every rank's (one more collective, once)
+            widths = tuple(int(w) for w in _gather(torch.tensor([float(v_local)], device=x.device), group)[:, 0])
+            _widths[key] = widths
+        lse = _local_lse(xf)
+        sum_x = xf.to(stat).sum(-1) if smoothing else torch.zeros_like(lse)
+
+        def stats(widths):
+            offset = sum(widths[:rank])
+            local_t = t - offset
+            own = (t != ignore_index) & (local_t >= 0) & (local_t < v_local)
+            x_t = torch.zeros_like(lse)
+            if v_local:
+                x_t = torch.where(own, xf.to(stat).gather(-1, torch.where(own, local_t, 0).long()[:, None])[:, 0], 0.0)
+            st = torch.stack([lse, x_t, sum_x], -1)
+            head = torch.tensor([[float(v_local), 0.0, 0.0]], dtype=stat, device=x.device)
+            return torch.cat([head, st]), offset
+
+        st, offset = stats(widths)
+        g = _gather(st, group)  # (world, 1 + M, 3): the one collective
+        seen = tuple(int(w) for w in g[:, 0, 0])
+        if seen != widths:  # another rank's slice width changed since the last call: once more, with the new widths
+            widths = _widths[key] = seen
+            st, offset = stats(widths)
+            g = _gather(st, group)
+        v_total = sum(widths)
+        _assert_targets(t, v_total, ignore_index)
+        g = g[:, 1:]
+        lse_g = _merge_lse(g[..., 0])
+        x_t_g = g[..., 1].sum(0)
+        keep = t != ignore_index
+        if smoothing:
+            loss = lse_g - (1 - smoothing) * x_t_g - smoothing * g[..., 2].sum(0) / v_total
+        else:
+            loss = lse_g - x_t_g
+        loss = torch.where(keep, loss, 0.0)
+        ctx.save_for_backward(x, target, lse_g)
+        ctx.args = (ignore_index, reduction, smoothing, offset, v_total)
+        if reduction == "none":
+            return loss.to(x.dtype).reshape(target.shape)
+        total = loss.sum()
+        return (total if reduction == "sum" else total / keep.sum()).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, target, lse = ctx.saved_tensors
+        ignore_index, reduction, smoothing, offset, v_total = ctx.args
+        v_local = x.shape[-1]
+        t = target.reshape(-1)
+        xf = x.reshape(t.shape[0], v_local).to(lse.dtype)
+        keep = t != ignore_index
+        g = grad.reshape(-1).to(lse.dtype) if reduction == "none" else grad.to(lse.dtype).expand(t.shape[0])
+        if reduction == "mean":
+            g = g / keep.sum()
+        p = (xf - torch.where(lse == float("-inf"), 0.0, lse)[:, None]).exp()
+        local_t = t - offset
+        own = keep & (local_t >= 0) & (local_t < v_local)
+        hot = torch.zeros_like(p)
+        if v_local:
+            hot.scatter_(-1, torch.where(own, local_t, 0).long()[:, None], own.to(p.dtype)[:, None])
+        d = p - (1 - smoothing) * hot - smoothing / v_total
+        dx = torch.where(keep[:, None], d * g[:, None], 0.0)
+        return dx.to(x.dtype).reshape(x.shape), None, None, None, None, None
+
+
+def cross_entropy(logits, target, *, group=None, ignore_index=-100, reduction="mean", label_smoothing=0.0):
+    """torch.nn.functional.cross_entropy of the full logits (classes along the last dim, split across
+    ``group``; ``logits`` is this rank's slice) with global class indices as targets, on every rank."""
+    _check_shard("distributed.cross_entropy", logits, group)
+    if tuple(target.shape) != tuple(logits.shape[:-1]):
+        raise ValueError(f"distributed.cross_entropy: target has shape {tuple(target.shape)}, expected "
+                         f"{tuple(logits.shape[:-1])}")  # fmt: skip
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"distributed.cross_entropy: reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    return _CrossEntropy.apply(logits, target, ignore_index, reduction, float(label_smoothing), group)

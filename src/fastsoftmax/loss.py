@@ -1,0 +1,152 @@
+"""fs.cross_entropy: torch.nn.functional.cross_entropy's semantics for logits with the classes along the last
+dim ((M, V), or (..., V) with targets shaped (...)), from one read of the logits forward (a loss and a
+logsumexp per row) and one read + one write backward (dlogits from the saved logsumexp).
+
+Targets outside [0, V) that are not ignore_index raise: on a GPU through torch._assert_async (a device-side
+check, no host synchronisation: the error surfaces at the next synchronising call, as CUDA's own asserts
+do); on the CPU at once. reduction='mean' divides by the number of rows not ignored (all ignored: NaN, as
+torch). Label smoothing e: loss = (1 - e) * nll + e * mean_j(-log p_j), as torch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import dispatch
+
+REDUCTIONS = ("none", "mean", "sum")
+
+
+def _check(logits, target, ignore_index, reduction, label_smoothing, backend):
+    if not isinstance(logits, torch.Tensor) or not isinstance(target, torch.Tensor):
+        raise TypeError("cross_entropy: logits and target must be torch.Tensors")
+    if not logits.dtype.is_floating_point:
+        raise TypeError(f"cross_entropy: logits must be floating point, got {logits.dtype}")
+    if target.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
+        raise TypeError(f"cross_entropy: target must hold class indices (an integer dtype), got {target.dtype}")
+    if logits.dim() < 1 or logits.shape[-1] == 0:
+        raise ValueError(f"cross_entropy: logits need a class dim (the last) of size >= 1, got {tuple(logits.shape)}")
+    if tuple(target.shape) != tuple(logits.shape[:-1]):
+        raise ValueError(f"cross_entropy: target has shape {tuple(target.shape)}, expected logits' shape without "
+                         f"the class dim, {tuple(logits.shape[:-1])}")  # fmt: skip
+    if target.device != logits.device:
+        raise ValueError(f"cross_entropy: target is on {target.device} but logits on {logits.device}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"cross_entropy: reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)):
+        raise TypeError("cross_entropy: label_smoothing must be a float")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"cross_entropy: label_smoothing must be in [0, 1], got {label_smoothing}")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError("cross_entropy: ignore_index must be an int")
+    if backend not in ("auto", "triton", "torch"):
+        raise ValueError(f"cross_entropy: backend must be 'auto', 'triton' or 'torch', got {backend!r}")
+
+
+def _assert_targets(t: torch.Tensor, v: int, ignore_index: int) -> None:
+    bad = ((t < 0) | (t >= v)) & (t != ignore_index)
+    if t.is_cuda:
+        torch._assert_async(~bad.any(), f"cross_entropy: a target is outside [0, {v}) and not ignore_index")
+    elif bad.any():
+        i = int(bad.nonzero()[0, 0])
+        raise IndexError(f"cross_entropy: target {int(t[i])} at row {i} is outside [0, {v}) and not ignore_index")
+
+
+def _backend(x: torch.Tensor, backend: str) -> str:
+    if backend == "torch" or x.dtype == torch.float64:
+        return "torch"
+    tb = dispatch.BACKENDS["triton"]
+    why = tb.unavailable(x, x.dtype)
+    if backend == "triton" and why:
+        raise RuntimeError(f"cross_entropy: backend='triton' cannot run this tensor ({x.device}, {x.dtype}): {why}")
+    if backend == "auto" and (x.device.type != "cuda" or why):
+        return "torch"
+    return "triton"
+
+
+def rows_forward(x, t, ignore_index: int, smoothing: float, backend: str):
+    """(loss per row, lse per row), fp32 (fp64 for fp64 logits), for (M, V) logits and (M,) targets."""
+    if _backend(x, backend) == "torch":
+        xc = x.to(torch.float64 if x.dtype == torch.float64 else torch.float32)
+        m = xc.amax(-1, keepdim=True)
+        m_safe = torch.where(m == float("-inf"), 0.0, m)
+        lse = (m_safe + (xc - m_safe).exp().sum(-1, keepdim=True).log()).squeeze(-1)
+        keep = t != ignore_index
+        x_t = xc.gather(-1, torch.where(keep, t, 0).long()[:, None]).squeeze(-1)
+        loss = lse - x_t if smoothing == 0 else lse - (1 - smoothing) * x_t - smoothing * xc.mean(-1)
+        return torch.where(keep, loss, 0.0), lse
+    from .triton import cross_entropy as k
+
+    with dispatch._on_device(x):
+        return k.forward(x, t, ignore_index, smoothing)
+
+
+def rows_backward(x, t, lse, g, ignore_index: int, smoothing: float, backend: str, dtype):
+    """dlogits (M, V) in ``dtype`` from the saved per-row lse and the per-row upstream gradient g (M,)."""
+    if _backend(x, backend) == "torch":
+        xc = x.to(lse.dtype)
+        lse_safe = torch.where(lse == float("-inf"), 0.0, lse)
+        p = (xc - lse_safe[:, None]).exp()
+        keep = t != ignore_index
+        hot = torch.zeros_like(p).scatter_(-1, torch.where(keep, t, 0).long()[:, None], 1.0)
+        d = p - (1 - smoothing) * hot - smoothing / x.shape[-1]
+        return torch.where(keep[:, None], d * g.to(d.dtype)[:, None], 0.0).to(dtype)
+    from .triton import cross_entropy as k
+
+    dx = torch.empty(x.shape, dtype=dtype, device=x.device)
+    with dispatch._on_device(x):
+        return k.backward(x, t, lse, g.to(torch.float32).contiguous(), ignore_index, smoothing, dx)
+
+
+def _reduce(loss_rows, t, ignore_index, reduction, out_dtype):
+    if reduction == "none":
+        return loss_rows.to(out_dtype)
+    total = loss_rows.sum()
+    if reduction == "sum":
+        return total.to(out_dtype)
+    return (total / (t != ignore_index).sum()).to(out_dtype)
+
+
+def _row_grad(grad, t, ignore_index, reduction, m):
+    """The upstream gradient of each row's loss."""
+    if reduction == "none":
+        return grad.reshape(m)
+    g = grad.reshape(()).expand(m)
+    if reduction == "mean":
+        g = g / (t != ignore_index).sum()
+    return g
+
+
+def cross_entropy(logits, target, *, ignore_index=-100, reduction="mean", label_smoothing=0.0, backend="auto"):
+    """torch.nn.functional.cross_entropy for logits with the classes along the last dim; see the module."""
+    _check(logits, target, ignore_index, reduction, label_smoothing, backend)
+    if (logits.requires_grad and torch.is_grad_enabled()) or torch.compiler.is_compiling():
+        return torch.ops.fastsoftmax.cross_entropy(logits, target, ignore_index, reduction, float(label_smoothing),
+                                                   backend)[0]  # fmt: skip
+    return _forward(logits, target, ignore_index, reduction, float(label_smoothing), backend)[0]
+
+
+def _flat(logits, target):
+    v = logits.shape[-1]
+    x = logits.reshape(-1, v)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    return x, target.reshape(-1)
+
+
+def _forward(logits, target, ignore_index, reduction, smoothing, backend):
+    x, t = _flat(logits, target)
+    _assert_targets(t, x.shape[-1], ignore_index)
+    if x.shape[0] == 0:
+        loss_rows = torch.zeros(0, dtype=torch.float32, device=x.device)
+        lse = loss_rows
+    else:
+        loss_rows, lse = rows_forward(x, t, ignore_index, smoothing, backend)
+    loss = _reduce(loss_rows, t, ignore_index, reduction, logits.dtype)
+    return (loss.reshape(target.shape) if reduction == "none" else loss), lse
+
+
+def _backward(logits, target, lse, grad, ignore_index, reduction, smoothing, backend):
+    x, t = _flat(logits, target)
+    g = _row_grad(grad, t, ignore_index, reduction, x.shape[0])
+    return rows_backward(x, t, lse, g, ignore_index, smoothing, backend, logits.dtype).reshape(logits.shape)

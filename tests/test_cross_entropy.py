@@ -1,0 +1,86 @@
+"""fs.cross_entropy against torch.nn.functional.cross_entropy (float64): every reduction, ignore_index rows,
+label smoothing, odd vocabularies, (B, T, V) logits, every dtype, values and gradients, the Triton kernels
+(interpreter on CPU, compiled with --device cuda) and the torch path; errors before launch."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fastsoftmax as fs
+
+TOL = {torch.float32: (1e-5, 1e-6), torch.bfloat16: (2e-2, 1e-3), torch.float16: (4e-3, 1e-4)}
+
+
+def data(device, dtype, shape, v, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*shape, v, generator=g) * 3
+    x.view(-1, v)[0, 1] = 40.0  # an outlier
+    t = torch.randint(0, v, shape, generator=g)
+    t.view(-1)[1::4] = -100  # ignored rows
+    return x.to(device, dtype), t.to(device)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("v", [7, 513, 5003])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_matches_torch(device, backend, v, dtype):
+    x, t = data(device, dtype, (3, 5), v)
+    rtol, atol = TOL[dtype]
+    for reduction in ("none", "mean", "sum"):
+        for eps in (0.0, 0.2):
+            xg = x.clone().requires_grad_()
+            loss = fs.cross_entropy(xg, t, reduction=reduction, label_smoothing=eps, backend=backend)
+            x64 = x.double().requires_grad_()
+            ref = F.cross_entropy(x64.reshape(-1, v), t.reshape(-1), reduction=reduction, label_smoothing=eps)
+            ref = ref.reshape(t.shape) if reduction == "none" else ref
+            assert loss.dtype == dtype and loss.shape == ref.shape
+            torch.testing.assert_close(loss.double(), ref.detach(), rtol=rtol, atol=atol * 10)
+            g = torch.rand_like(ref) + 0.5
+            (dx,) = torch.autograd.grad(loss, xg, g.to(dtype))
+            (dref,) = torch.autograd.grad(ref, x64, g)
+            assert dx.dtype == dtype and (dx.reshape(-1, v)[1::4] == 0).all()  # ignored rows
+            torch.testing.assert_close(dx.double(), dref, rtol=rtol, atol=atol)
+
+
+def test_all_ignored_mean_is_nan_like_torch(device):
+    x, t = data(device, torch.float32, (4,), 9)
+    t[:] = -100
+    assert fs.cross_entropy(x, t).isnan() and F.cross_entropy(x, t).isnan()
+    assert fs.cross_entropy(x, t, reduction="sum") == 0
+
+
+def test_custom_ignore_index_and_int32_targets(device):
+    x, t = data(device, torch.float32, (6,), 11)
+    t = torch.where(t == -100, 3, t).to(torch.int32)
+    ref = F.cross_entropy(x.double(), t.long(), ignore_index=3)
+    torch.testing.assert_close(fs.cross_entropy(x, t, ignore_index=3, backend="triton").double(), ref)
+
+
+def test_out_of_range_target_raises():
+    x, t = data("cpu", torch.float32, (4,), 9)
+    t[2] = 9
+    with pytest.raises(IndexError, match="target 9 at row 2 is outside"):
+        fs.cross_entropy(x, t)
+    t[2] = -5
+    with pytest.raises(IndexError, match="outside"):
+        fs.cross_entropy(x, t)
+
+
+def test_errors_before_launch():
+    x = torch.randn(4, 9)
+    with pytest.raises(ValueError, match="target has shape"):
+        fs.cross_entropy(x, torch.zeros(5, dtype=torch.long))
+    with pytest.raises(TypeError, match="integer dtype"):
+        fs.cross_entropy(x, torch.zeros(4))
+    with pytest.raises(ValueError, match="reduction"):
+        fs.cross_entropy(x, torch.zeros(4, dtype=torch.long), reduction="avg")
+    with pytest.raises(ValueError, match="label_smoothing"):
+        fs.cross_entropy(x, torch.zeros(4, dtype=torch.long), label_smoothing=1.5)
+
+
+def test_opcheck_and_compile():
+    x = torch.randn(6, 10, requires_grad=True)
+    t = torch.randint(0, 10, (6,))
+    torch.library.opcheck(torch.ops.fastsoftmax.cross_entropy.default, (x, t, -100, "mean", 0.1, "auto"))
+    f = torch.compile(lambda a: fs.cross_entropy(a * 2, t, label_smoothing=0.1), fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(f(x), F.cross_entropy(x * 2, t, label_smoothing=0.1))
