@@ -213,3 +213,21 @@ def test_cpu_masked_smoke_run(tmp_path):
         else:
             assert r["ok"] and r["err_ratio"] <= 1 and r["gbps"] > 0, r
     assert "padding+causal  bwd" in run.stdout
+
+
+def test_cpu_ce_smoke_run(tmp_path):
+    """--ce: cross-entropy forward and forward + backward, each implementation checked first; peers that cannot
+    import are unsupported with the reason."""
+    out_json = tmp_path / "ce.json"
+    cmd = [sys.executable, "-m", "fastsoftmax", "bench", "--device", "cpu", "--ce", "--shapes", "16x300,8x513",
+           "--dtypes", "float32", "--impls", "fastsoftmax,torch,quack", "--json", str(out_json)]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    recs = json.loads(out_json.read_text())["records"]
+    assert len(recs) == 2 * 3 * 2 and {r["pass"] for r in recs} == {"fwd", "fwd+bwd"}
+    for r in recs:
+        if r["impl"] == "quack":
+            assert not r["ok"] and "quack" in r["error"]
+        else:
+            assert r["ok"] and r["err_ratio"] <= 1 and r["gbps"] > 0, r

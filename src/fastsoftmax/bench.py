@@ -14,6 +14,7 @@ Peers: torch eager, torch.compile, Liger-Kernel and QuACK when they can be impor
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import math
@@ -742,11 +743,120 @@ def run_masked(dtypes, passes, impls, device: str = "cuda", shape=ATTENTION, out
     return doc
 
 
+# ---- --ce: cross-entropy over vocabularies -------------------------------------------------------------------
+
+CE_SUITE = [(8192, 32000), (4096, 50257), (4096, 128256), (2048, 151936), (1024, 256000)]
+CE_IMPLS = ("fastsoftmax", "torch", "torch.compile", "liger", "quack")
+
+
+def _ce_builder(name):
+    """loss(x, t) -> scalar mean loss, differentiable, for one implementation."""
+    import torch.nn.functional as F
+
+    import fastsoftmax as fs
+
+    if name == "fastsoftmax":
+        return lambda x, t: fs.cross_entropy(x, t)
+    if name == "torch":
+        return lambda x, t: F.cross_entropy(x, t)
+    if name == "torch.compile":
+        return torch.compile(lambda x, t: F.cross_entropy(x, t), dynamic=False)
+    if name == "liger":
+        from liger_kernel.ops.cross_entropy import LigerCrossEntropyFunction
+
+        return lambda x, t: LigerCrossEntropyFunction.apply(x, t, None, -100, 0.0, 0.0, "mean", None, False, False,
+                                                            False)[0]  # fmt: skip
+    if name == "quack":
+        from quack.cross_entropy import cross_entropy
+
+        return lambda x, t: cross_entropy(x, t, reduction="mean")
+    raise ValueError(name)
+
+
+def run_ce(shapes, dtypes, impls, device: str = "cuda", out=sys.stdout) -> dict:
+    """Forward (loss only) and forward + backward (loss, then dlogits) per implementation. GB/s: the bytes
+    the step must move at least (forward: the logits once; forward + backward: logits twice, dlogits once),
+    the same count for every implementation, so ratios are time ratios."""
+    import torch.nn.functional as F
+    import triton
+
+    copy = copy_gbps(device)
+    records = []
+    for dt in dtypes:
+        for m, v in shapes:
+            gen = torch.Generator(device=device).manual_seed(m + v)
+            x0 = torch.randn(m, v, device=device, dtype=getattr(torch, dt), generator=gen) * 2
+            t = torch.randint(0, v, (m,), device=device, generator=gen)
+            t[::7] = -100
+            x64 = x0[:8].double().requires_grad_()
+            ref = F.cross_entropy(x64, t[:8])
+            (dref,) = torch.autograd.grad(ref, x64)
+            for name in impls:
+                for pass_ in ("fwd", "fwd+bwd"):
+                    rec = Record(name, "auto" if name == "fastsoftmax" else None, dt, m, v, pass_, None, None, False,
+                                 None, case="cross_entropy")  # fmt: skip
+                    try:
+                        f = _ce_builder(name)
+                        xs = x0[:8].clone().requires_grad_()  # the check: 8 rows, against float64 torch
+                        loss = f(xs, t[:8])
+                        (dx,) = torch.autograd.grad(loss, xs)
+                        rel = ((loss.double() - ref).abs() / ref.abs()).item()
+                        gerr = (dx.double() - dref).abs().max().item()
+                        rec.err_ratio = max(rel / 1e-2, gerr / 1e-3)
+                        if not rec.err_ratio <= 1:
+                            raise Unsupported(f"wrong result: loss rel. error {rel:.2g}, dlogits error {gerr:.2g}")
+                        x = x0.clone().requires_grad_(pass_ != "fwd")
+                        if pass_ == "fwd":
+                            fn = lambda f=f, x=x, t=t: f(x, t)  # noqa: E731
+                        else:
+                            fn = lambda f=f, x=x, t=t: torch.autograd.grad(f(x, t), x)  # noqa: E731
+                        with torch.no_grad() if pass_ == "fwd" else contextlib.nullcontext():
+                            rec.ms = time_ms(fn, device)
+                        nbytes = (1 if pass_ == "fwd" else 3) * x0.numel() * x0.element_size()
+                        rec.gbps = nbytes / rec.ms / 1e6
+                        rec.ok = True
+                    except Exception as e:  # recorded with its reason
+                        rec.error = f"{type(e).__name__}: {str(e).strip()[:200]}"
+                    records.append(rec)
+            del x0
+    doc = {
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu (smoke run: wall-clock timing)",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__, "triton": triton.__version__, "copy_gbps": copy,
+        "records": [r.json() for r in records],
+        "method": "do_bench median, L2 flushed; GB/s: minimum bytes of the step (see run_ce)",
+    }  # fmt: skip
+    if out is not None:
+        print(f"{doc['device']}: copy {copy:.0f} GB/s; cross-entropy, mean over rows (1 in 7 ignored)", file=out)
+        print(f"{'pass':8} {'dtype':9} {'shape':14}" + "".join(f" {i[:14]:>14}" for i in impls) + "  %copy",
+              file=out)  # fmt: skip
+        for pass_ in ("fwd", "fwd+bwd"):
+            for dt in dtypes:
+                for m, v in shapes:
+                    row = {r.impl: r for r in records if (r.pass_, r.dtype, r.M, r.N) == (pass_, dt, m, v)}
+                    cells = "".join(f" {(_num(r.gbps) if r.ok else 'unsupported'):>14}" for r in row.values())
+                    f = row.get("fastsoftmax")
+                    pct = f" {100 * f.gbps / copy:5.0f}%" if f and f.ok else "      -"
+                    print(f"{pass_:8} {dt:9} {f'{m}x{v}':14}{cells} {pct}", file=out)
+        for r in records:
+            if r.error:
+                print(f"  {r.impl} {r.pass_} {r.dtype} {r.M}x{r.N}: {r.error}", file=out)
+    return doc
+
+
 def main(args) -> int:
     device = args.device
     if device == "cuda" and not torch.cuda.is_available():
         print("fastsoftmax bench: no CUDA device (use --device cpu for a smoke run)", file=sys.stderr)
         return 2
+    if args.ce:
+        impls = args.impls.split(",") if args.impls else list(CE_IMPLS)
+        shapes = CE_SUITE if args.shapes == "suite" else parse_shapes(args.shapes)
+        doc = run_ce(shapes, args.dtypes.split(","), impls, device)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(doc, f, indent=1)
+        return 0
     if args.masked:
         impls = args.impls.split(",") if args.impls else list(MASKED_IMPLS)
         shape = tuple(int(v) for v in args.attention.split(",")) if args.attention else ATTENTION

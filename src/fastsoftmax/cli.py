@@ -221,6 +221,12 @@ def main(argv=None) -> int:
         help="attention scores instead of the shape suite: "
         "softmax(scale * x + mask) with a padding mask, causal, both (issue: masked softmax)",
     )
+    b.add_argument(
+        "--ce",
+        action="store_true",
+        help="cross-entropy over vocabularies (shapes: its own suite "
+        "unless --shapes MxV,...) against torch, torch.compile, Liger and QuACK",
+    )
     b.add_argument("--attention", default=None, metavar="B,H,S", help="--masked scores shape (default 8,16,2048)")
     b.set_defaults(fn=bench)
     args = p.parse_args(argv)
