@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import fastsoftmax as fs
+from fastsoftmax import heuristics
 
 TOL = {torch.float32: (1e-5, 1e-6), torch.bfloat16: (2e-2, 1e-3), torch.float16: (4e-3, 1e-4)}
 
@@ -30,6 +31,7 @@ def test_matches_torch(device, backend, v, dtype):
         for eps in (0.0, 0.2):
             xg = x.clone().requires_grad_()
             loss = fs.cross_entropy(xg, t, reduction=reduction, label_smoothing=eps, backend=backend)
+            assert heuristics.last_plan().backend == backend and heuristics.last_plan().path == "cross_entropy"
             x64 = x.double().requires_grad_()
             ref = F.cross_entropy(x64.reshape(-1, v), t.reshape(-1), reduction=reduction, label_smoothing=eps)
             ref = ref.reshape(t.shape) if reduction == "none" else ref
@@ -38,6 +40,7 @@ def test_matches_torch(device, backend, v, dtype):
             g = torch.rand_like(ref) + 0.5
             (dx,) = torch.autograd.grad(loss, xg, g.to(dtype))
             (dref,) = torch.autograd.grad(ref, x64, g)
+            assert heuristics.last_plan().backend == backend  # the backward ran there too
             assert dx.dtype == dtype and (dx.reshape(-1, v)[1::4] == 0).all()  # ignored rows
             torch.testing.assert_close(dx.double(), dref, rtol=rtol, atol=atol)
 

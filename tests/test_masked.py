@@ -265,3 +265,17 @@ def test_backward_paths_fused(device, path, force, log):
             removed = masking.removed(x, mask, causal)
             if removed is not None:
                 assert (dx.masked_select(removed.expand(x.shape)) == 0).all(), name
+
+
+def test_mask_over_more_than_four_row_dims(device):
+    """A mask whose broadcast row dims do not merge into four: 'auto' runs torch ops (and says so in the
+    plan), an explicitly named kernel backend raises before any launch."""
+    g = torch.Generator().manual_seed(9)
+    x = (torch.randn(2, 3, 2, 3, 2, 7, generator=g) * 3).to(device)
+    mask = (torch.rand(2, 1, 2, 1, 2, 7, generator=g) > 0.3).to(device)  # five row dims alternate 0 strides
+    assert masking.spec(x, mask, None, False) is None
+    y = fs.softmax(x, mask=mask)
+    assert heuristics.last_plan().backend == "torch"
+    check(y, reference(x, mask, None, False, False), torch.float32)
+    with pytest.raises(RuntimeError, match="at most 4 row dims"):
+        fs.softmax(x, mask=mask, backend="triton")

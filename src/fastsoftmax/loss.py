@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from . import dispatch
+from . import dispatch, heuristics
 
 REDUCTIONS = ("none", "mean", "sum")
 
@@ -67,6 +67,7 @@ def _backend(x: torch.Tensor, backend: str) -> str:
 def rows_forward(x, t, ignore_index: int, smoothing: float, backend: str):
     """(loss per row, lse per row), fp32 (fp64 for fp64 logits), for (M, V) logits and (M,) targets."""
     if _backend(x, backend) == "torch":
+        heuristics.record(heuristics.Plan("torch", "cross_entropy"))
         xc = x.to(torch.float64 if x.dtype == torch.float64 else torch.float32)
         m = xc.amax(-1, keepdim=True)
         m_safe = torch.where(m == float("-inf"), 0.0, m)
@@ -77,6 +78,8 @@ def rows_forward(x, t, ignore_index: int, smoothing: float, backend: str):
         return torch.where(keep, loss, 0.0), lse
     from .triton import cross_entropy as k
 
+    rows, block, warps = k._shape(x.shape[-1])
+    heuristics.record(heuristics.Plan("triton", "cross_entropy", block_n=block, rows=rows, num_warps=warps))
     with dispatch._on_device(x):
         return k.forward(x, t, ignore_index, smoothing)
 
@@ -84,6 +87,7 @@ def rows_forward(x, t, ignore_index: int, smoothing: float, backend: str):
 def rows_backward(x, t, lse, g, ignore_index: int, smoothing: float, backend: str, dtype):
     """dlogits (M, V) in ``dtype`` from the saved per-row lse and the per-row upstream gradient g (M,)."""
     if _backend(x, backend) == "torch":
+        heuristics.record(heuristics.Plan("torch", "cross_entropy"))
         xc = x.to(lse.dtype)
         lse_safe = torch.where(lse == float("-inf"), 0.0, lse)
         p = (xc - lse_safe[:, None]).exp()
@@ -94,6 +98,8 @@ def rows_backward(x, t, lse, g, ignore_index: int, smoothing: float, backend: st
     from .triton import cross_entropy as k
 
     dx = torch.empty(x.shape, dtype=dtype, device=x.device)
+    rows, block, warps = k._shape(x.shape[-1])
+    heuristics.record(heuristics.Plan("triton", "cross_entropy", block_n=block, rows=rows, num_warps=warps))
     with dispatch._on_device(x):
         return k.backward(x, t, lse, g.to(torch.float32).contiguous(), ignore_index, smoothing, dx)
 
