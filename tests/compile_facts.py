@@ -12,14 +12,17 @@ from fastsoftmax import heuristics  # noqa: E402
 from fastsoftmax.triton.compile import compile_forward, ptxas_report  # noqa: E402
 
 
-def facts(path, dtype, n, arch, log=False, backward=False):
+def facts(path, dtype, n, arch, log=False, backward=False, mask=0, causal=False):
     out = []
     n_rows = 8 if path == "split" else 1 << 20
-    for k in compile_forward(path, dtype, n, log=log, arch=arch, n_rows=n_rows, backward=backward):
+    kernels = compile_forward(path, dtype, n, log=log, arch=arch, n_rows=n_rows, backward=backward, mask=mask,
+                              causal=causal, scaled=bool(mask or causal))  # fmt: skip
+    for k in kernels:
         ptx = k.asm["ptx"]
         rep = ptxas_report(ptx, "sm_90a" if arch == 90 else f"sm_{arch}")
         out.append({
-            "path": path, "kernel": k.name, "dtype": dtype, "n": n, "arch": arch, "log": log,
+            "path": path, "kernel": k.name, "dtype": dtype, "n": n, "arch": arch, "log": log, "mask": mask,
+            "causal": causal,
             "num_warps": k.metadata.num_warps,
             "loads": sorted(set(re.findall(r"ld\.global[.\w]*", ptx))),
             "stores": sorted(set(re.findall(r"st\.global[.\w]*", ptx))),
@@ -53,6 +56,14 @@ def main():
             out += facts(path, dtype, 65536, 90, log=True, backward=True)
             out += facts(path, dtype, 50257, 80, backward=True)
         out += facts("rowblock", dtype, 1024, 80, backward=True)
+        # masked, scaled, causal (attention scores): bool and additive masks, forward and backward
+        for mask in (1, 2):
+            for n in (2048, 513):
+                out += facts("rowblock", dtype, n, 90, mask=mask, causal=True)
+                out += facts("rowblock", dtype, n, 90, mask=mask, causal=True, log=True, backward=True)
+            out += facts("online", dtype, 32000, 90, mask=mask)
+            out += facts("split", dtype, 65536, 90, mask=mask, causal=True)
+            out += facts("split", dtype, 65536, 90, mask=mask, causal=True, backward=True)
     json.dump(out, sys.stdout)
 
 

@@ -62,6 +62,17 @@ def test_odd_rows_use_16_byte_body_and_scalar_edges(facts):
                 assert "st.global.v4.b32" in f["stores"], (f["dtype"], f["n"], f["stores"])
 
 
+def test_masked_variants_compile_and_read_the_mask_wide(facts):
+    """The masked kernels (mask, scale and causal in the load step / the dx pass) compile on every path with
+    no spills; on aligned rows the mask too is read with 16-byte loads only."""
+    masked = [f for f in facts if f["mask"]]
+    assert {f["kernel"] for f in masked} >= {"softmax_fwd_rowblock", "softmax_fwd_online", "softmax_fwd_split_write",
+                                               "softmax_bwd_rowblock", "softmax_bwd_split_write"}  # fmt: skip
+    for f in masked:
+        if f["n"] % 16 == 0 and f["kernel"] not in ("softmax_fwd_split_write", "softmax_bwd_split_write"):
+            assert set(f["loads"]) == {"ld.global.v4.b32"}, (f["kernel"], f["mask"], f["loads"])
+
+
 def test_math_units(facts):
     # exp is ex2.approx.f32, as fs.info() says (softmax's backward has no exp)
     assert all(f["ex2"] for f in facts if "_fwd_" in f["kernel"] or f["log"])
