@@ -87,12 +87,12 @@ def _worker(rank, world, init_file, widths):
 
 
 @pytest.mark.parametrize("widths", [(11, 12), (5, 0, 18), (1, 21, 1)], ids=["2-even", "3-with-empty", "3-uneven"])
-def test_vocabulary_parallel_gloo(tmp_path, widths):
+def test_vocabulary_parallel_gloo(tmp_path, monkeypatch, widths):
     assert sum(widths) == V
     init_file = tmp_path / "store"
-    os.environ.pop("TRITON_INTERPRET", None)  # the children run torch ops only
-    if os.path.exists("/sys/class/net/lo"):
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's traffic stays on the loopback interface
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the children run torch ops only
+    if os.path.exists("/sys/class/net/lo") and "GLOO_SOCKET_IFNAME" not in os.environ:
+        monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")  # gloo's traffic stays on the loopback interface
     mp.spawn(_worker, args=(len(widths), str(init_file), widths), nprocs=len(widths), join=True)
 
 

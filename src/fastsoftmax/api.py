@@ -65,22 +65,6 @@ def _masked_problem(impl, tensors, dim, mask, scale, causal, backend, fn):
     return impl, tuple(moved), spec
 
 
-def _forward_masked(x, dim, log, out_dtype, backend, want_lse, fn, mask, scale, causal):
-    """softmax(scale * x + mask) along dim, causal over the last two dims (masking.py's semantics)."""
-    if x.dim() == 0:
-        m = mask.reshape(1) if mask is not None else None
-        y, lse = _forward_masked(x.reshape(1), 0, log, out_dtype, backend, want_lse, fn, m, scale, causal)
-        return y.reshape(()), (lse.reshape(()) if lse is not None else None)
-    impl, path = dispatch.select(backend, x, out_dtype, dim=dim, masked=True)
-    if x.numel() == 0:
-        heuristics.record(heuristics.Plan(impl.name, "empty"))
-        lse = torch.full(x.shape[:dim] + x.shape[dim + 1 :], float("-inf"), device=x.device) if want_lse else None
-        return torch.empty_like(x, dtype=out_dtype), lse
-    impl, (xw,), spec = _masked_problem(impl, (x,), dim, mask, scale, causal, backend, fn)
-    y, lse = impl.forward(xw, x.dim() - 1, out_dtype, log, want_lse, path, spec)
-    return y.movedim(-1, dim), lse
-
-
 def forward(
     x, dim=-1, *, log=False, dtype=None, backend="auto", want_lse=False, fn="softmax", key=None, mask=None,
     scale=None, causal=False,
@@ -89,12 +73,14 @@ def forward(
     backward pass, a loss or another GPU's shard can consume. Returns (y, lse or None). ``key``: the call's
     fastpath key, to record its launches for replay. ``mask``, ``scale``, ``causal``: see masking.py."""
     dim, out_dtype = _check(fn, x, dim, dtype, backend)
-    if mask is not None or scale is not None or causal is not False:
-        masking.check(fn, x, dim % max(x.dim(), 1), mask, scale, causal)
-        return _forward_masked(x, dim, log, out_dtype, backend, want_lse, fn, mask, scale, causal)
-    impl, path = dispatch.select(backend, x, out_dtype, dim=dim)
+    masked = mask is not None or scale is not None or causal is not False
+    if masked:
+        masking.check(fn, x, dim, mask, scale, causal)
+    impl, path = dispatch.select(backend, x, out_dtype, dim=dim, masked=masked)
     if x.dim() == 0:
-        y, lse = forward(x.reshape(1), 0, log=log, dtype=dtype, backend=impl.name, want_lse=want_lse, fn=fn)
+        m = mask.reshape(1) if mask is not None else None
+        y, lse = forward(x.reshape(1), 0, log=log, dtype=dtype, backend=impl.name, want_lse=want_lse, fn=fn, mask=m,
+                         scale=scale, causal=causal)  # fmt: skip
         return y.reshape(()), (lse.reshape(()) if lse is not None else None)
     if x.numel() == 0:
         heuristics.record(heuristics.Plan(impl.name, "empty"))
@@ -102,6 +88,10 @@ def forward(
         if want_lse:  # an empty row is fully masked: lse = -inf
             lse = torch.full(x.shape[:dim] + x.shape[dim + 1 :], float("-inf"), device=x.device)
         return torch.empty_like(x, dtype=out_dtype), lse
+    if masked:  # softmax(scale * x + mask) along dim, causal over the last two dims
+        impl, (xw,), spec = _masked_problem(impl, (x,), dim, mask, scale, causal, backend, fn)
+        y, lse = impl.forward(xw, x.dim() - 1, out_dtype, log, want_lse, path, spec)
+        return y.movedim(-1, dim), lse
     rec = fastpath.start(key) if key is not None and not want_lse else None
     if rec is None:
         return impl.forward(x, dim, out_dtype, log, want_lse, path)
@@ -114,30 +104,13 @@ def forward(
     return y, lse
 
 
-def _backward_masked(dy, y, dim, log, out_dtype, backend, fn, mask, scale, causal):
-    """The gradient when the forward had a mask, scale or causal rule (masking.py): dx = scale * dz, 0 at
-    masked positions."""
-    if y.dim() == 0:
-        m = mask.reshape(1) if mask is not None else None
-        return _backward_masked(dy.reshape(1), y.reshape(1), 0, log, out_dtype, backend, fn, m, scale, causal).reshape(
-            ()
-        )
-    impl, path = dispatch.select(backend, y, out_dtype, dy, dim=dim, masked=True)
-    if y.numel() == 0:
-        heuristics.record(heuristics.Plan(impl.name, "empty"))
-        return torch.empty_like(y, dtype=out_dtype)
-    impl, (yw, dyw), spec = _masked_problem(impl, (y, dy), dim, mask, scale, causal, backend, fn)
-    dx = impl.backward(dyw, yw, y.dim() - 1, out_dtype, log, path, spec)
-    return dx.movedim(-1, dim)
-
-
 def backward(
     dy, y, dim=-1, *, log=False, dtype=None, backend="auto", fn="softmax_backward", key=None, mask=None, scale=None,
     causal=False,
 ):  # fmt: skip
     """The gradient of softmax (log_softmax) from its output y and the output gradient dy; dx in ``dtype``
     (default y's dtype), computed in fp32. ``key``: as forward's. ``mask``, ``scale``, ``causal``: the
-    forward's (masking.py)."""
+    forward's (masking.py): dx = scale * dz, 0 at masked positions."""
     if not isinstance(dy, torch.Tensor):
         raise TypeError(f"{fn}: expected dy to be a torch.Tensor, got {type(dy).__name__}")
     dim, out_dtype = _check(fn, y, dim, dtype, backend)
@@ -147,15 +120,20 @@ def backward(
         raise ValueError(f"{fn}: dy has shape {tuple(dy.shape)} but y has {tuple(y.shape)}")
     if dy.device != y.device:
         raise ValueError(f"{fn}: dy is on {dy.device} but y is on {y.device}")
-    if mask is not None or scale is not None or causal is not False:
-        masking.check(fn, y, dim % max(y.dim(), 1), mask, scale, causal)
-        return _backward_masked(dy, y, dim, log, out_dtype, backend, fn, mask, scale, causal)
-    impl, path = dispatch.select(backend, y, out_dtype, dy, dim=dim)
+    masked = mask is not None or scale is not None or causal is not False
+    if masked:
+        masking.check(fn, y, dim, mask, scale, causal)
+    impl, path = dispatch.select(backend, y, out_dtype, dy, dim=dim, masked=masked)
     if y.dim() == 0:
-        return backward(dy.reshape(1), y.reshape(1), 0, log=log, dtype=dtype, backend=impl.name, fn=fn).reshape(())
+        m = mask.reshape(1) if mask is not None else None
+        return backward(dy.reshape(1), y.reshape(1), 0, log=log, dtype=dtype, backend=impl.name, fn=fn, mask=m,
+                        scale=scale, causal=causal).reshape(())  # fmt: skip
     if y.numel() == 0:
         heuristics.record(heuristics.Plan(impl.name, "empty"))
         return torch.empty_like(y, dtype=out_dtype)
+    if masked:
+        impl, (yw, dyw), spec = _masked_problem(impl, (y, dy), dim, mask, scale, causal, backend, fn)
+        return impl.backward(dyw, yw, y.dim() - 1, out_dtype, log, path, spec).movedim(-1, dim)
     rec = fastpath.start(key) if key is not None else None
     if rec is None:
         return impl.backward(dy, y, dim, out_dtype, log, path)
@@ -212,7 +190,7 @@ def _public_backward(dy, y, dim, log, fn, mask, scale, causal, dtype, backend):
     if mask is not None or scale is not None or causal is not False:
         return backward(dy, y, dim, log=log, dtype=dtype, backend=backend, fn=fn, mask=mask, scale=scale,
                         causal=causal)  # fmt: skip
-    key = fastpath.key(y, dy, dim, dtype, log, backend)
+    key = None if isinstance(y, torch.Tensor) and _autograd(y) else fastpath.key(y, dy, dim, dtype, log, backend)
     if key is not None and (dx := fastpath.replay(key, y, dy)) is not None:
         return dx
     return backward(dy, y, dim, log=log, dtype=dtype, backend=backend, fn=fn, key=key)

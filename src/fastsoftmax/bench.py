@@ -260,7 +260,6 @@ def run(
 ) -> dict:
     """Every measurement, as the JSON document (see the README's schema). jobs > 0: compile caches are
     filled first by that many worker processes (warm)."""
-    import triton
 
     if device == "cuda":
         warm(_jobs_for(shapes, dtypes, passes, lambda *_: impls), jobs, progress)
@@ -304,11 +303,7 @@ def run(
     host["fastsoftmax"] = host_us(lambda: fs.softmax(xs), device)
     host["torch"] = host_us(lambda: torch.softmax(xs, -1), device)
     doc = {
-        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu (smoke run: wall-clock timing)",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "copy_gbps": copy,
+        **_header(device, copy),
         "records": [r.json() for r in records],
         "host_us": host,
         "method": "do_bench median, L2 flushed; graph_* columns: CUDA-graph replay"
@@ -318,6 +313,25 @@ def run(
     if out is not None:
         print_tables(doc, out)
     return doc
+
+
+def _header(device: str, copy: float) -> dict:
+    """The fields every result document starts with: where, when, with what, and the copy bandwidth."""
+    import triton
+
+    return {
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu (smoke run: wall-clock timing)",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "copy_gbps": copy,
+    }
+
+
+def _write_json(doc: dict, path: str | None) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(doc, f, indent=1)
 
 
 def _num(v: float) -> str:
@@ -530,7 +544,6 @@ def default_jobs(device: str) -> int:
 def tune(shapes, dtypes, passes, device: str, progress=sys.stderr, jobs: int = 0) -> dict:
     """Measure every (backend, path) candidate per problem and keep the fastest (CUDA-graph GPU time for
     few-row problems, eager do_bench otherwise); every candidate's GB/s is kept in the entry."""
-    import triton
 
     import fastsoftmax as fs
 
@@ -585,11 +598,8 @@ def tune(shapes, dtypes, passes, device: str, progress=sys.stderr, jobs: int = 0
     from . import info
 
     return tuning.validate({
-        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu (smoke run)",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "generated_by": "fastsoftmax bench --tune", "torch": torch.__version__, "triton": triton.__version__,
-        "nvrtc": info()["nvrtc"], "copy_gbps": copy_gbps(device), "sm_count": sms,
-        "few_rows_per_sm": tuning.FEW_ROWS_PER_SM, "entries": entries,
+        **_header(device, copy_gbps(device)), "generated_by": "fastsoftmax bench --tune", "nvrtc": info()["nvrtc"],
+        "sm_count": sms, "few_rows_per_sm": tuning.FEW_ROWS_PER_SM, "entries": entries,
     })  # fmt: skip
 
 
@@ -617,26 +627,22 @@ def masked_inputs(shape, dtype, device, pad: bool):
     return x, (torch.arange(s, device=device)[None, :] < keep[:, None])[:, None, None, :]
 
 
-def _torch_masked(pad, causal, compiled: bool):
-    """What an attention layer does with torch ops: scale, masked_fill, softmax; its autograd backward."""
-    s = None
+def _torch_masked(pad, keep, compiled: bool):
+    """What an attention layer does with torch ops: scale, masked_fill, softmax; its autograd backward.
+    ``keep``: the causal (S, S) mask, built once outside the timed calls (or None)."""
 
     def fwd(x):
-        nonlocal s
         z = x * SCALE
         if pad is not None:
             z = z.masked_fill(~pad, float("-inf"))
-        if causal:
-            n = x.shape[-1]
-            s = s if s is not None else torch.ones(n, n, dtype=torch.bool, device=x.device).tril()
-            z = z.masked_fill(~s, float("-inf"))
+        if keep is not None:
+            z = z.masked_fill(~keep, float("-inf"))
         return torch.softmax(z, -1)
 
     def bwd(dy, y):
         dz = torch.ops.aten._softmax_backward_data(dy, y, -1, y.dtype)
-        if causal:
-            n = y.shape[-1]
-            dz = dz.masked_fill(~torch.ones(n, n, dtype=torch.bool, device=y.device).tril(), 0)
+        if keep is not None:
+            dz = dz.masked_fill(~keep, 0)
         if pad is not None:
             dz = dz.masked_fill(~pad, 0)
         return dz * SCALE
@@ -656,8 +662,9 @@ def _masked_check(out, x, y, dy, pad, causal, pass_) -> tuple[float, str | None]
     sel = (slice(None), slice(None), rows)
     m = pad
     if causal:  # the causal rule of the full problem, for the selected query rows
-        n = x.shape[-1]
-        keep = torch.ones(n, n, dtype=torch.bool, device=x.device).tril()[rows]
+        from .masking import causal_keep
+
+        keep = causal_keep(x)[rows]
         m = keep[None, None] if m is None else (m & keep[None, None])
     if pass_ == "fwd":
         ref = fs.softmax(x[sel].double(), mask=m, scale=SCALE, backend="torch")
@@ -681,13 +688,14 @@ def _masked_fn(name, pass_, x, y, dy, pad, causal):
         if pass_ == "fwd":
             return lambda: fs.softmax(x, mask=pad, scale=SCALE, causal=causal, backend=be)
         return lambda: fs.softmax_backward(dy, y, mask=pad, scale=SCALE, causal=causal, backend=be)
-    fwd, bwd = _torch_masked(pad, causal, name == "torch.compile")
+    from .masking import causal_keep
+
+    fwd, bwd = _torch_masked(pad, causal_keep(x) if causal else None, name == "torch.compile")
     return (lambda: fwd(x)) if pass_ == "fwd" else (lambda: bwd(dy, y))
 
 
 def run_masked(dtypes, passes, impls, device: str = "cuda", shape=ATTENTION, out=sys.stdout) -> dict:
     """Every (case, pass, dtype, impl) on attention scores; GB/s counts the mask bytes read."""
-    import triton
 
     import fastsoftmax as fs
 
@@ -717,10 +725,7 @@ def run_masked(dtypes, passes, impls, device: str = "cuda", shape=ATTENTION, out
                     records.append(rec)
                 del x, y, dy
     doc = {
-        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu (smoke run: wall-clock timing)",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "torch": torch.__version__, "triton": triton.__version__, "copy_gbps": copy,
-        "shape": list(shape), "scale": SCALE, "records": [r.json() for r in records],
+        **_header(device, copy), "shape": list(shape), "scale": SCALE, "records": [r.json() for r in records],
         "method": "do_bench median, L2 flushed; GB/s counts x, y (dy, dx) and the mask bytes",
     }  # fmt: skip
     if out is not None:
@@ -778,7 +783,6 @@ def run_ce(shapes, dtypes, impls, device: str = "cuda", out=sys.stdout) -> dict:
     the step must move at least (forward: the logits once; forward + backward: logits twice, dlogits once),
     the same count for every implementation, so ratios are time ratios."""
     import torch.nn.functional as F
-    import triton
 
     copy = copy_gbps(device)
     records = []
@@ -820,10 +824,7 @@ def run_ce(shapes, dtypes, impls, device: str = "cuda", out=sys.stdout) -> dict:
                     records.append(rec)
             del x0
     doc = {
-        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu (smoke run: wall-clock timing)",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "torch": torch.__version__, "triton": triton.__version__, "copy_gbps": copy,
-        "records": [r.json() for r in records],
+        **_header(device, copy), "records": [r.json() for r in records],
         "method": "do_bench median, L2 flushed; GB/s: minimum bytes of the step (see run_ce)",
     }  # fmt: skip
     if out is not None:
@@ -852,18 +853,12 @@ def main(args) -> int:
     if args.ce:
         impls = args.impls.split(",") if args.impls else list(CE_IMPLS)
         shapes = CE_SUITE if args.shapes == "suite" else parse_shapes(args.shapes)
-        doc = run_ce(shapes, args.dtypes.split(","), impls, device)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(doc, f, indent=1)
+        _write_json(run_ce(shapes, args.dtypes.split(","), impls, device), args.json)
         return 0
     if args.masked:
         impls = args.impls.split(",") if args.impls else list(MASKED_IMPLS)
         shape = tuple(int(v) for v in args.attention.split(",")) if args.attention else ATTENTION
-        doc = run_masked(args.dtypes.split(","), args.passes.split(","), impls, device, shape)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(doc, f, indent=1)
+        _write_json(run_masked(args.dtypes.split(","), args.passes.split(","), impls, device, shape), args.json)
         return 0
     impls = args.impls.split(",") if args.impls else list(IMPLS)
     bad = [i for i in impls if i not in BUILDERS]
@@ -879,17 +874,14 @@ def main(args) -> int:
             print("fastsoftmax bench --tune: no candidate ran on any problem (reasons above); nothing written",
                   file=sys.stderr)  # fmt: skip
             return 1
-        with open(args.tune, "w") as f:
-            json.dump(doc, f, indent=1)
+        _write_json(doc, args.tune)
         print(f"wrote {len(doc['entries'])} entries to {args.tune}")
         return 0
     jobs = default_jobs(device) if args.jobs is None else args.jobs
     doc = run(
         parse_shapes(args.shapes), args.dtypes.split(","), args.passes.split(","), impls, device, args.graph, jobs=jobs
     )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(doc, f, indent=1)
+    _write_json(doc, args.json)
     if args.plot:
         plot(doc, args.plot)
     return 0

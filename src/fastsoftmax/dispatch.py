@@ -35,26 +35,21 @@ class TorchBackend:
     def unavailable(self, x, out_dtype, dy=None):
         return None
 
-    def forward(self, x, dim, out_dtype, log, want_lse, path=None, spec=None):
+    def forward(self, x, dim, out_dtype, log, want_lse, path=None, spec=masking.NONE):
         heuristics.record(heuristics.Plan("torch", "reference"))
-        if spec is not None and spec.active:
+        if spec.active:
             x = masking.logits(x, spec.mask, spec.scale, spec.causal, torch.float64 if x.dtype == torch.float64
                                or out_dtype == torch.float64 else torch.float32)  # fmt: skip
         y, lse = softmax_torch(x, dim, log, out_dtype)
         # In the layout every backend promises (and the custom op's fake implementation states).
         return alloc(x, out_dtype).copy_(y), (lse.to(torch.float32) if want_lse else None)
 
-    def backward(self, dy, y, dim, out_dtype, log, path=None, spec=None):
+    def backward(self, dy, y, dim, out_dtype, log, path=None, spec=masking.NONE):
         heuristics.record(heuristics.Plan("torch", "reference"))
-        if spec is not None and spec.active:
+        if spec.active:
             wide = torch.float64 in (y.dtype, dy.dtype, out_dtype)
             dz = softmax_backward_torch(dy, y, dim, log, torch.float64 if wide else torch.float32)
-            if spec.scale is not None:
-                dz = dz * spec.scale
-            removed = masking.removed(y, spec.mask, spec.causal)
-            if removed is not None:
-                dz = dz.masked_fill(removed, 0.0)
-            return alloc(y, out_dtype).copy_(dz)
+            return alloc(y, out_dtype).copy_(masking.finish_grad(dz, y, spec.mask, spec.scale, spec.causal))
         return alloc(y, out_dtype).copy_(softmax_backward_torch(dy, y, dim, log, out_dtype))
 
 
@@ -151,20 +146,15 @@ class TritonBackend:
             return "the Triton kernels were loaded for the interpreter (TRITON_INTERPRET=1); CUDA needs them compiled"
         return None
 
-    def forward(self, x, dim, out_dtype, log, want_lse, path=None, spec=None):
+    def forward(self, x, dim, out_dtype, log, want_lse, path=None, spec=masking.NONE):
         y = alloc(x, out_dtype)
         with _on_device(x):
-            if spec is not None and spec.active:
-                return y, _kernels("softmax_fwd").forward(x, y, dim, log, want_lse, path, spec)[1]
-            return y, _kernels("softmax_fwd").forward(x, y, dim, log, want_lse, path)[1]
+            return y, _kernels("softmax_fwd").forward(x, y, dim, log, want_lse, path, spec)[1]
 
-    def backward(self, dy, y, dim, out_dtype, log, path=None, spec=None):
+    def backward(self, dy, y, dim, out_dtype, log, path=None, spec=masking.NONE):
         dx = alloc(y, out_dtype)
         with _on_device(y):
-            if spec is not None and spec.active:
-                _kernels("softmax_bwd").backward(dy, y, dx, dim, log, path, spec)
-            else:
-                _kernels("softmax_bwd").backward(dy, y, dx, dim, log, path)
+            _kernels("softmax_bwd").backward(dy, y, dx, dim, log, path, spec)
         return dx
 
 
@@ -202,16 +192,12 @@ class CudaBackend:
             return f"the CUDA kernels need compute capability 8.0 or newer (this GPU: {cc // 10}.{cc % 10})"
         return None
 
-    def forward(self, x, dim, out_dtype, log, want_lse, path=None, spec=None):
-        if spec is not None and spec.active:
-            raise RuntimeError("backend='cuda' has no masks, scale or causal yet: use backend='triton' or 'auto'")
+    def forward(self, x, dim, out_dtype, log, want_lse, path=None):  # no masks: select() keeps them off
         y = alloc(x, out_dtype)
         with _on_device(x):
             return y, _cuda_kernels().forward(x, y, dim, log, want_lse, path)
 
-    def backward(self, dy, y, dim, out_dtype, log, path=None, spec=None):
-        if spec is not None and spec.active:
-            raise RuntimeError("backend='cuda' has no masks, scale or causal yet: use backend='triton' or 'auto'")
+    def backward(self, dy, y, dim, out_dtype, log, path=None):
         dx = alloc(y, out_dtype)
         with _on_device(y):
             _cuda_kernels().backward(dy, y, dx, dim, log, path)

@@ -21,7 +21,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .loss import REDUCTIONS, _assert_targets
+from .loss import REDUCTIONS, _assert_targets, _reduce, _row_grad, dlogits_torch
+from .reference import logsumexp_torch
 
 
 def _gather(stats: torch.Tensor, group) -> torch.Tensor:
@@ -33,15 +34,11 @@ def _gather(stats: torch.Tensor, group) -> torch.Tensor:
 
 
 def _local_lse(x: torch.Tensor) -> torch.Tensor:
-    """Per-row logsumexp of a shard, fp32 (fp64 for fp64): -inf for an all -inf (or empty) slice, +inf where
-    the slice holds +inf, NaN where it holds NaN."""
-    xc = x.to(torch.float64 if x.dtype == torch.float64 else torch.float32)
+    """Per-row logsumexp of a shard (reference.logsumexp_torch), -inf for an empty slice."""
     if x.shape[-1] == 0:
-        return xc.new_full(x.shape[:-1], float("-inf"))
-    m = xc.amax(-1, keepdim=True)
-    m_safe = torch.where(m.isfinite(), m, torch.zeros_like(m))
-    lse = (m_safe + (xc - m_safe).exp().sum(-1, keepdim=True).log()).squeeze(-1)
-    return torch.where(m.squeeze(-1) == float("inf"), float("inf"), lse)
+        stat = torch.float64 if x.dtype == torch.float64 else torch.float32
+        return x.new_full(x.shape[:-1], float("-inf"), dtype=stat)
+    return logsumexp_torch(x)
 
 
 def _merge_lse(lses: torch.Tensor) -> torch.Tensor:
@@ -162,30 +159,16 @@ class _CrossEntropy(torch.autograd.Function):
         loss = torch.where(keep, loss, 0.0)
         ctx.save_for_backward(x, target, lse_g)
         ctx.args = (ignore_index, reduction, smoothing, offset, v_total)
-        if reduction == "none":
-            return loss.to(x.dtype).reshape(target.shape)
-        total = loss.sum()
-        return (total if reduction == "sum" else total / keep.sum()).to(x.dtype)
+        out = _reduce(loss, t, ignore_index, reduction, x.dtype)
+        return out.reshape(target.shape) if reduction == "none" else out
 
     @staticmethod
     def backward(ctx, grad):
         x, target, lse = ctx.saved_tensors
         ignore_index, reduction, smoothing, offset, v_total = ctx.args
-        v_local = x.shape[-1]
         t = target.reshape(-1)
-        xf = x.reshape(t.shape[0], v_local).to(lse.dtype)
-        keep = t != ignore_index
-        g = grad.reshape(-1).to(lse.dtype) if reduction == "none" else grad.to(lse.dtype).expand(t.shape[0])
-        if reduction == "mean":
-            g = g / keep.sum()
-        p = (xf - torch.where(lse == float("-inf"), 0.0, lse)[:, None]).exp()
-        local_t = t - offset
-        own = keep & (local_t >= 0) & (local_t < v_local)
-        hot = torch.zeros_like(p)
-        if v_local:
-            hot.scatter_(-1, torch.where(own, local_t, 0).long()[:, None], own.to(p.dtype)[:, None])
-        d = p - (1 - smoothing) * hot - smoothing / v_total
-        dx = torch.where(keep[:, None], d * g[:, None], 0.0)
+        g = _row_grad(grad, t, ignore_index, reduction, t.shape[0]).to(lse.dtype)
+        dx = dlogits_torch(x.reshape(t.shape[0], x.shape[-1]), t, lse, g, ignore_index, smoothing, offset, v_total)
         return dx.to(x.dtype).reshape(x.shape), None, None, None, None, None
 
 

@@ -35,10 +35,8 @@ _X, _D, _Y = "x", "d", "y"  # roles of tensors in a recorded launch; ("scratch",
 
 def key(x, d, dim, dtype, log: bool, backend):
     """The cache key of a call: None when it cannot take the fast path (or the arguments are not plain:
-    the full path checks them and raises)."""
-    if not ENABLED or type(x) is not torch.Tensor or not x.is_cuda or x.requires_grad and torch.is_grad_enabled():
-        return None
-    if torch.compiler.is_compiling():
+    the full path checks them and raises). Callers have ruled out autograd and torch.compile tracing."""
+    if not ENABLED or type(x) is not torch.Tensor or not x.is_cuda:
         return None
     if type(dim) is not int or not (dtype is None or isinstance(dtype, torch.dtype)) or type(backend) is not str:
         return None
@@ -53,7 +51,7 @@ def key(x, d, dim, dtype, log: bool, backend):
 def replay(k, x: torch.Tensor, d: torch.Tensor | None = None) -> torch.Tensor | None:
     """The output of a recorded call, or None (not recorded, or something forbids the replay now)."""
     entry = _cache.get(k)
-    if entry is None or heuristics.forced() is not None or heuristics.poisoning() or not hooks_idle():
+    if entry is None or heuristics.overridden() or not hooks_idle():
         return None
     if torch.cuda.current_device() != k[3]:
         return None
@@ -75,7 +73,7 @@ def recording() -> _Recording | None:
 
 
 def start(k) -> _Recording | None:
-    if k is None or heuristics.forced() is not None or heuristics.poisoning() or len(_cache) >= MAX_ENTRIES:
+    if k is None or heuristics.overridden() or len(_cache) >= MAX_ENTRIES:
         return None
     rec = _state.rec = _Recording()
     return rec

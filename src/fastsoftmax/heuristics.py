@@ -171,6 +171,11 @@ def poisoning() -> bool:
     return getattr(_state, "poison", False)
 
 
+def overridden() -> bool:
+    """Whether a force() block is active on this thread (overrides or poisoning): one read for the hot path."""
+    return getattr(_state, "force", None) is not None
+
+
 def record(plan: Plan) -> Plan:
     _state.last = plan
     return plan

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from . import dispatch, heuristics
+from .reference import logsumexp_torch
 
 REDUCTIONS = ("none", "mean", "sum")
 
@@ -68,10 +69,8 @@ def rows_forward(x, t, ignore_index: int, smoothing: float, backend: str):
     """(loss per row, lse per row), fp32 (fp64 for fp64 logits), for (M, V) logits and (M,) targets."""
     if _backend(x, backend) == "torch":
         heuristics.record(heuristics.Plan("torch", "cross_entropy"))
-        xc = x.to(torch.float64 if x.dtype == torch.float64 else torch.float32)
-        m = xc.amax(-1, keepdim=True)
-        m_safe = torch.where(m == float("-inf"), 0.0, m)
-        lse = (m_safe + (xc - m_safe).exp().sum(-1, keepdim=True).log()).squeeze(-1)
+        lse = logsumexp_torch(x)
+        xc = x.to(lse.dtype)
         keep = t != ignore_index
         x_t = xc.gather(-1, torch.where(keep, t, 0).long()[:, None]).squeeze(-1)
         loss = lse - x_t if smoothing == 0 else lse - (1 - smoothing) * x_t - smoothing * xc.mean(-1)
@@ -84,17 +83,26 @@ def rows_forward(x, t, ignore_index: int, smoothing: float, backend: str):
         return k.forward(x, t, ignore_index, smoothing)
 
 
+def dlogits_torch(x, t, lse, g, ignore_index: int, smoothing: float, offset: int = 0, v_total: int | None = None):
+    """dlogits with torch ops, in lse's dtype, for the classes [offset, offset + V) of v_total (a slice of
+    a vocabulary split across ranks; by default the whole row)."""
+    xc = x.to(lse.dtype)
+    p = (xc - torch.where(lse == float("-inf"), 0.0, lse)[:, None]).exp()
+    keep = t != ignore_index
+    local = t - offset
+    own = keep & (local >= 0) & (local < x.shape[-1])
+    hot = torch.zeros_like(p)
+    if x.shape[-1]:
+        hot.scatter_(-1, torch.where(own, local, 0).long()[:, None], own.to(p.dtype)[:, None])
+    d = p - (1 - smoothing) * hot - smoothing / (v_total or x.shape[-1])
+    return torch.where(keep[:, None], d * g.to(d.dtype)[:, None], 0.0)
+
+
 def rows_backward(x, t, lse, g, ignore_index: int, smoothing: float, backend: str, dtype):
     """dlogits (M, V) in ``dtype`` from the saved per-row lse and the per-row upstream gradient g (M,)."""
     if _backend(x, backend) == "torch":
         heuristics.record(heuristics.Plan("torch", "cross_entropy"))
-        xc = x.to(lse.dtype)
-        lse_safe = torch.where(lse == float("-inf"), 0.0, lse)
-        p = (xc - lse_safe[:, None]).exp()
-        keep = t != ignore_index
-        hot = torch.zeros_like(p).scatter_(-1, torch.where(keep, t, 0).long()[:, None], 1.0)
-        d = p - (1 - smoothing) * hot - smoothing / x.shape[-1]
-        return torch.where(keep[:, None], d * g.to(d.dtype)[:, None], 0.0).to(dtype)
+        return dlogits_torch(x, t, lse, g, ignore_index, smoothing).to(dtype)
     from .triton import cross_entropy as k
 
     dx = torch.empty(x.shape, dtype=dtype, device=x.device)

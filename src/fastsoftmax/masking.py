@@ -118,6 +118,12 @@ def spec(x: torch.Tensor, mask, scale, causal: bool) -> Spec | None:
                 col, offset)  # fmt: skip
 
 
+def causal_keep(x: torch.Tensor) -> torch.Tensor:
+    """(Sq, Sk) bool: key k is visible from query q when k <= q + (Sk - Sq) (bottom-right aligned)."""
+    sq, sk = x.shape[-2], x.shape[-1]
+    return torch.ones(sq, sk, dtype=torch.bool, device=x.device).tril(sk - sq)
+
+
 def logits(x: torch.Tensor, mask, scale, causal, dtype=None) -> torch.Tensor:
     """z = scale * x, masked, causal, in ``dtype`` (default fp32, fp64 for fp64): the torch path and the
     reference. Removed positions are -inf."""
@@ -131,9 +137,7 @@ def logits(x: torch.Tensor, mask, scale, causal, dtype=None) -> torch.Tensor:
         else:
             z = z + mask.to(dtype)
     if causal:
-        sq, sk = x.shape[-2], x.shape[-1]
-        keep = torch.ones(sq, sk, dtype=torch.bool, device=x.device).tril(sk - sq)
-        z = z.masked_fill(~keep, float("-inf"))
+        z = z.masked_fill(~causal_keep(x), float("-inf"))
     return z
 
 
@@ -144,7 +148,14 @@ def removed(x: torch.Tensor, mask, causal) -> torch.Tensor | None:
     if mask is not None:
         out = ~mask if mask.dtype == torch.bool else mask == float("-inf")
     if causal:
-        sq, sk = x.shape[-2], x.shape[-1]
-        c = ~torch.ones(sq, sk, dtype=torch.bool, device=x.device).tril(sk - sq)
+        c = ~causal_keep(x)
         out = c if out is None else (out | c)
     return out
+
+
+def finish_grad(dz: torch.Tensor, y: torch.Tensor, mask, scale, causal) -> torch.Tensor:
+    """dx from the plain gradient dz (torch ops): times scale, 0 at the masked positions."""
+    if scale is not None:
+        dz = dz * scale
+    gone = removed(y, mask, causal)
+    return dz if gone is None else dz.masked_fill(gone, 0.0)

@@ -97,12 +97,7 @@ def _backward_masked(ctx, dy):
         return dx, None, None, None, None, None, None, None
     # create_graph=True: torch ops, differentiable again
     dz = softmax_backward_torch(dy, y, ctx.dim % y.dim(), ctx.log, ctx.x_dtype) if y.dim() else dy * 0
-    if ctx.scale is not None:
-        dz = dz * ctx.scale
-    removed = masking.removed(y, mask, ctx.causal)
-    if removed is not None:
-        dz = dz.masked_fill(removed, 0)
-    return dz, None, None, None, None, None, None, None
+    return masking.finish_grad(dz, y, mask, ctx.scale, ctx.causal), None, None, None, None, None, None, None
 
 
 softmax_masked.register_autograd(_backward_masked, setup_context=_setup_masked)

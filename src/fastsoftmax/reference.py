@@ -32,6 +32,15 @@ def softmax_torch(
     return y.to(out_dtype), lse.to(torch.float32 if compute_dtype != torch.float64 else torch.float64)
 
 
+def logsumexp_torch(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Per-row logsumexp with softmax_torch's conventions, fp32 (fp64 for fp64 x): -inf for an all -inf row,
+    NaN for a row holding NaN or +inf. Precondition: x.shape[dim] > 0."""
+    xc = x.to(torch.float64 if x.dtype == torch.float64 else torch.float32)
+    m = xc.amax(dim, keepdim=True)
+    m_safe = torch.where(m == float("-inf"), 0.0, m)
+    return (m_safe + (xc - m_safe).exp().sum(dim, keepdim=True).log()).squeeze(dim)
+
+
 def softmax_backward_torch(
     dy: torch.Tensor, y: torch.Tensor, dim: int, log: bool, out_dtype: torch.dtype, compute_dtype=None
 ) -> torch.Tensor:

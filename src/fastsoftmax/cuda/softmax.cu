@@ -318,6 +318,13 @@ template <int N> __device__ __forceinline__ void load_dy(Raw<D_T> (&r)[N], const
     for (int k = 0; k < N; ++k) load_or_pad<D_T>(r[k], v0 + k * step, R.nv, R.db, R.vd, R.dwide, R.ds, false);
 }
 
+// The backward's batch: body vectors v0, v0 + step, ... of y (padded with ypad's identity) and of dy (0).
+template <int N> __device__ __forceinline__ void load_y_dy(Raw<IN_T> (&ry)[N], Raw<D_T> (&rd)[N], const Row& R,
+                                                           int v0, int step, bool ypad) {
+    load_body<N>(ry, R, v0, step, ypad);
+    load_dy<N>(rd, R, v0, step);
+}
+
 #if FS_KIND == 1 || FS_KIND == 2
 // CTAs per SM ptxas must leave room for, from a register budget per thread: 64 for the fp32 forward and the
 // streaming forward (measured on the H200: 1.1-1.6x faster than at 128, no spills), else 128 (16-bit rows
@@ -453,15 +460,13 @@ extern "C" __global__ void __launch_bounds__(GROUP * ROWS, MIN_CTAS) fs_bwd(cons
     for (int v0 = T.g; v0 < R.nv; v0 += BATCH * T.G) {
         Raw<IN_T> ry[BATCH];
         Raw<D_T> rd[BATCH];
-        load_body<BATCH>(ry, R, v0, T.G, ypad);
-        load_dy<BATCH>(rd, R, v0, T.G);
+        load_y_dy<BATCH>(ry, rd, R, v0, T.G, ypad);
         sums<BATCH>(s, t, ry, rd, p.log);
     }
 #else
     Raw<IN_T> ry[K];
     Raw<D_T> rd[K];
-    load_body<K>(ry, R, T.g, T.G, ypad);
-    load_dy<K>(rd, R, T.g, T.G);
+    load_y_dy<K>(ry, rd, R, T.g, T.G, ypad);
     sums<K>(s, t, ry, rd, p.log);
 #endif
     Pair st = reduce<false>({s, t});
@@ -473,8 +478,7 @@ extern "C" __global__ void __launch_bounds__(GROUP * ROWS, MIN_CTAS) fs_bwd(cons
     for (int v0 = T.g; v0 < R.nv; v0 += BATCH * T.G) {
         Raw<IN_T> ry2[BATCH];
         Raw<D_T> rd2[BATCH];
-        load_body<BATCH>(ry2, R, v0, T.G, ypad);
-        load_dy<BATCH>(rd2, R, v0, T.G);
+        load_y_dy<BATCH>(ry2, rd2, R, v0, T.G, ypad);
         write_body<BATCH>(R, v0, T.G, [&](int k, int j) {
             return grad(elem<IN_T>(ry2[k], j), elem<D_T>(rd2[k], j), s, t, p.log);
         });
