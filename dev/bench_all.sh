@@ -1,17 +1,45 @@
 #!/usr/bin/env bash
-# The benchmark run behind bench/results/h200.*, in one device call (about 7 minutes on an H200), after the
-# peers are installed (dev/peers.sh): re-tune auto's table (fwd and bwd), use it, then the suite against
-# every peer, then the masked attention-scores cases. Usage: bash dev/bench_all.sh "$OUT" [notune]
+# The benchmark runs behind bench/results/h200*.{json,png,txt}, after the peers are installed (dev/peers.sh).
+# Usage (device):  bash dev/bench_all.sh STEP "$OUT"
+#   tune     re-tune auto's table (fwd and bwd; about 4 minutes): $OUT/nvidia_h200.json, also kept in
+#            /tmp/fs_tuned.json for the next call on the same warm machine (the working tree is copied anew)
+#   suite    the shape suite against every peer (auto reads /tmp/fs_tuned.json when there), then the masked
+#            attention-scores cases: $OUT/h200.{json,png,txt}, $OUT/h200_masked.{json,txt}
+#   ce       cross-entropy against torch, torch.compile, Liger and QuACK: $OUT/h200_ce.{json,txt}
+#   cuda     every CUDA variant beside the Triton backend and torch eager (dev/bench_cuda.py all)
 set -u
-out=$1
+step=$1
+out=$2
 export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD/src PYTHONUNBUFFERED=1
-if [ "${2:-}" != notune ]; then
-    timeout 240 python3 -m fastsoftmax bench --tune "$out/nvidia_h200.json" --jobs 14 > "$out/tune.txt" 2>&1 \
-        && cp "$out/nvidia_h200.json" src/fastsoftmax/tuning/nvidia_h200.json
+case "$step" in
+tune)
+    timeout 290 python3 -m fastsoftmax bench --tune "$out/nvidia_h200.json" --jobs 14 > "$out/tune.txt" 2>&1 \
+        && cp "$out/nvidia_h200.json" /tmp/fs_tuned.json
     echo "tune rc=$?" >> "$out/tune.txt"
-fi
-timeout 240 python3 -m fastsoftmax bench --jobs 14 --json "$out/h200.json" --plot "$out/h200.png" > "$out/h200.txt" 2> "$out/bench_err.txt"
-echo "bench rc=$?" >> "$out/h200.txt"
-timeout 120 python3 -m fastsoftmax bench --masked --json "$out/h200_masked.json" > "$out/h200_masked.txt" 2>&1
-echo "masked rc=$?" >> "$out/h200_masked.txt"
-grep -E "geometric|host|rc=" "$out/h200.txt"; cat "$out/h200_masked.txt"
+    tail -n 2 "$out/tune.txt"
+    ;;
+suite)
+    [ -f /tmp/fs_tuned.json ] && cp /tmp/fs_tuned.json src/fastsoftmax/tuning/nvidia_h200.json
+    timeout 300 python3 -m fastsoftmax bench --jobs 14 --json "$out/h200.json" --plot "$out/h200.png" \
+        > "$out/h200.txt" 2> "$out/bench_err.txt"
+    echo "bench rc=$?" >> "$out/h200.txt"
+    timeout 150 python3 -m fastsoftmax bench --masked --json "$out/h200_masked.json" > "$out/h200_masked.txt" 2>&1
+    echo "masked rc=$?" >> "$out/h200_masked.txt"
+    grep -E "geometric|host|rc=" "$out/h200.txt"
+    tail -n 30 "$out/h200_masked.txt"
+    ;;
+ce)
+    [ -f /tmp/fs_tuned.json ] && cp /tmp/fs_tuned.json src/fastsoftmax/tuning/nvidia_h200.json
+    timeout 400 python3 -m fastsoftmax bench --ce --json "$out/h200_ce.json" > "$out/h200_ce.txt" 2>&1
+    echo "ce rc=$?" >> "$out/h200_ce.txt"
+    tail -n 30 "$out/h200_ce.txt"
+    ;;
+cuda)
+    timeout 500 python3 dev/bench_cuda.py all > "$out/bench_cuda.txt" 2>&1
+    echo "bench_cuda rc=$?" >> "$out/bench_cuda.txt"
+    ;;
+*)
+    echo "usage: $0 tune|suite|ce|cuda OUT" >&2
+    exit 2
+    ;;
+esac

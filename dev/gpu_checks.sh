@@ -1,19 +1,38 @@
 #!/usr/bin/env bash
-# The GPU checks a change to the kernels needs, in one device call (about 6 minutes on an H200):
-# the whole test suite with compiled kernels, then compute-sanitizer's three tools on every CUDA variant.
-# Usage (device tool): bash dev/gpu_checks.sh "$OUT"   — logs land in the given folder.
+# The GPU checks a change to the kernels needs, in one device call (about 5 minutes on an H200):
+# the whole test suite with compiled kernels (four pytest processes at once, by module group, so the
+# compiles overlap), then compute-sanitizer's three tools on every CUDA variant (three processes at once).
+# On a machine with several GPUs the processes are spread over them (CUDA_VISIBLE_DEVICES).
+# Usage (device tool): bash dev/gpu_checks.sh "$OUT" [tests|sanitize]   — logs land in the given folder.
 set -u
 out=${1:-.}
 export PYTHONPATH=$PWD/src
+what=${2:-all}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$out/gpu.txt"
-timeout 330 python3 -m pytest --device cuda tests -q -p no:cacheprovider -rfE > "$out/pytest_cuda.txt" 2>&1
-echo "pytest rc=$?" >> "$out/pytest_cuda.txt"
+ngpu=$(wc -l < "$out/gpu.txt")
+if [ "$what" != sanitize ]; then
+groups=("tests/test_gpu.py tests/test_forward.py" "tests/test_backward.py tests/test_api.py tests/test_properties.py"
+        "tests/test_masked.py tests/test_cross_entropy.py tests/test_distributed.py"
+        "tests/test_cuda.py tests/test_cuda_build.py tests/test_bench.py tests/test_snapshot.py")
+i=0
+for g in "${groups[@]}"; do
+    # shellcheck disable=SC2086
+    (CUDA_VISIBLE_DEVICES=$((i % ngpu)) timeout 400 python3 -m pytest --device cuda $g -q -p no:cacheprovider -rfE --durations=5 > "$out/pytest_cuda_$i.txt" 2>&1
+     echo "pytest rc=$?" >> "$out/pytest_cuda_$i.txt") &
+    i=$((i + 1))
+done
+wait
+fi
+[ "$what" = tests ] && { tail -n 3 "$out"/pytest_cuda_*.txt; exit 0; }
+i=0
 for t in memcheck racecheck synccheck; do
     args=(--tool "$t" --error-exitcode 1)
     small=()
     [ "$t" = memcheck ] && args+=(--report-api-errors no)  # cuda-bindings probes newer driver entry points
     [ "$t" = racecheck ] && small=(small)
-    timeout 100 compute-sanitizer "${args[@]}" python3 dev/sanitize_cuda.py "${small[@]}" > "$out/san_$t.txt" 2>&1
-    echo "$t rc=$?" >> "$out/san_$t.txt"
+    (CUDA_VISIBLE_DEVICES=$((i % ngpu)) timeout 150 compute-sanitizer "${args[@]}" python3 dev/sanitize_cuda.py "${small[@]}" > "$out/san_$t.txt" 2>&1
+     echo "$t rc=$?" >> "$out/san_$t.txt") &
+    i=$((i + 1))
 done
-tail -n 3 "$out"/pytest_cuda.txt "$out"/san_*.txt
+wait
+tail -n 3 "$out"/pytest_cuda_*.txt "$out"/san_*.txt 2>/dev/null
