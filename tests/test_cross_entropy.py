@@ -45,6 +45,26 @@ def test_matches_torch(device, backend, v, dtype):
             torch.testing.assert_close(dx.double(), dref, rtol=rtol, atol=atol)
 
 
+@pytest.mark.parametrize("rows,block_n,num_warps", [(1, 256, 2), (4, 1024, 4), (2, 8192, 8)])
+def test_forced_launch_shapes(device, rows, block_n, num_warps):
+    """Every launch shape the rule or a tuning sweep can give (several rows a program, chunks shorter and
+    longer than the row) computes the same loss and dlogits; the recorded plan is the forced one."""
+    x, t = data(device, torch.bfloat16, (7,), 3001)
+    x64 = x.double().requires_grad_()
+    ref = F.cross_entropy(x64, t, label_smoothing=0.1)
+    (dref,) = torch.autograd.grad(ref, x64)
+    xg = x.clone().requires_grad_()
+    with heuristics.force(rows=rows, block_n=block_n, num_warps=num_warps, poison=True):
+        loss = fs.cross_entropy(xg, t, label_smoothing=0.1, backend="triton")
+        want = heuristics.Plan("triton", "cross_entropy", block_n=block_n, rows=rows, num_warps=num_warps)
+        assert heuristics.last_plan() == want
+        (dx,) = torch.autograd.grad(loss, xg)
+        assert heuristics.last_plan() == want
+    rtol, atol = TOL[torch.bfloat16]
+    torch.testing.assert_close(loss.double(), ref.detach(), rtol=rtol, atol=atol * 10)
+    torch.testing.assert_close(dx.double(), dref, rtol=rtol, atol=atol)
+
+
 def test_all_ignored_mean_is_nan_like_torch(device):
     x, t = data(device, torch.float32, (4,), 9)
     t[:] = -100

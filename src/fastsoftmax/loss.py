@@ -65,6 +65,17 @@ def _backend(x: torch.Tensor, backend: str) -> str:
     return "triton"
 
 
+def _launch(k, v: int) -> tuple[int, int, int]:
+    """(ROWS, BLOCK_N, num_warps) of the cross-entropy kernels for rows of v classes: the module's rule, or
+    what heuristics.force() sets (rows=, block_n=, num_warps=; tests and dev/sweep_ce.py); recorded."""
+    rows, block, warps = k._shape(v)
+    f = heuristics.forced()
+    if f:
+        rows, block, warps = f.get("rows", rows), f.get("block_n", block), f.get("num_warps", warps)
+    heuristics.record(heuristics.Plan("triton", "cross_entropy", block_n=block, rows=rows, num_warps=warps))
+    return rows, block, warps
+
+
 def rows_forward(x, t, ignore_index: int, smoothing: float, backend: str):
     """(loss per row, lse per row), fp32 (fp64 for fp64 logits), for (M, V) logits and (M,) targets."""
     if _backend(x, backend) == "torch":
@@ -77,10 +88,9 @@ def rows_forward(x, t, ignore_index: int, smoothing: float, backend: str):
         return torch.where(keep, loss, 0.0), lse
     from .triton import cross_entropy as k
 
-    rows, block, warps = k._shape(x.shape[-1])
-    heuristics.record(heuristics.Plan("triton", "cross_entropy", block_n=block, rows=rows, num_warps=warps))
+    shape = _launch(k, x.shape[-1])
     with dispatch._on_device(x):
-        return k.forward(x, t, ignore_index, smoothing)
+        return k.forward(x, t, ignore_index, smoothing, shape)
 
 
 def dlogits_torch(x, t, lse, g, ignore_index: int, smoothing: float, offset: int = 0, v_total: int | None = None):
@@ -106,10 +116,9 @@ def rows_backward(x, t, lse, g, ignore_index: int, smoothing: float, backend: st
     from .triton import cross_entropy as k
 
     dx = torch.empty(x.shape, dtype=dtype, device=x.device)
-    rows, block, warps = k._shape(x.shape[-1])
-    heuristics.record(heuristics.Plan("triton", "cross_entropy", block_n=block, rows=rows, num_warps=warps))
+    shape = _launch(k, x.shape[-1])
     with dispatch._on_device(x):
-        return k.backward(x, t, lse, g.to(torch.float32).contiguous(), ignore_index, smoothing, dx)
+        return k.backward(x, t, lse, g.to(torch.float32).contiguous(), ignore_index, smoothing, dx, shape)
 
 
 def _reduce(loss_rows, t, ignore_index, reduction, out_dtype):

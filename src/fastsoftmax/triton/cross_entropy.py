@@ -13,6 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ..heuristics import poisoning
 from .softmax_fwd import _exp, _merge, _safe_max
 
 LN2 = tl.constexpr(0.6931471805599453)
@@ -85,23 +86,29 @@ def _shape(v: int) -> tuple[int, int, int]:
     return rows, block, 4 if block * rows <= 2048 else 8
 
 
-def forward(x, t, ignore_index: int, smoothing: float):
-    """(loss per row fp32, lse per row fp32) of (M, V) logits x (unit stride along V) and (M,) targets."""
+def forward(x, t, ignore_index: int, smoothing: float, shape: tuple[int, int, int]):
+    """(loss per row fp32, lse per row fp32) of (M, V) logits x (unit stride along V) and (M,) targets;
+    ``shape``: (ROWS, BLOCK_N, num_warps)."""
     import torch
 
     m, v = x.shape
     loss = torch.empty(m, dtype=torch.float32, device=x.device)
     lse = torch.empty(m, dtype=torch.float32, device=x.device)
-    rows, block, warps = _shape(v)
+    if poisoning():  # tests: every output element must be written by the kernel
+        loss.fill_(float("nan"))
+        lse.fill_(float("nan"))
+    rows, block, warps = shape
     ce_fwd[(triton.cdiv(m, rows),)](x, t, loss, lse, m, v, x.stride(0), ignore_index, float(smoothing),
                                     ROWS=rows, BLOCK_N=block, SMOOTH=smoothing != 0.0, num_warps=warps)  # fmt: skip
     return loss, lse
 
 
-def backward(x, t, lse, g, ignore_index: int, smoothing: float, dx):
+def backward(x, t, lse, g, ignore_index: int, smoothing: float, dx, shape: tuple[int, int, int]):
     """Write dlogits of (M, V) logits into dx from the saved lse and the per-row upstream gradient g."""
     m, v = x.shape
-    rows, block, warps = _shape(v)
+    if poisoning():
+        dx.fill_(float("nan"))
+    rows, block, warps = shape
     ce_bwd[(triton.cdiv(m, rows),)](x, t, lse, g, dx, m, v, x.stride(0), dx.stride(0), g.stride(0) if g.dim() else 0,
                                     ignore_index, float(smoothing), ROWS=rows, BLOCK_N=block,
                                     SMOOTH=smoothing != 0.0, num_warps=warps)  # fmt: skip

@@ -1,0 +1,90 @@
+"""Launch-shape sweep on the GPU for two kernels whose shape comes from a fixed rule, each config checked
+before timing (do_bench median, L2 flushed; GB/s counts the bytes the step must move):
+  ce       the cross-entropy kernels (forward: logits read once; backward: read once, dlogits written once),
+           BLOCK_N x num_warps, one row a program, over vocabularies of 32K-256K.
+  masked   the masked rowblock forward on attention scores (8, 16, 2048) with a padding mask, causal and
+           a scale (GB/s counts the mask bytes): rows per program x warps, bf16 and fp32.
+Usage (device):  python3 dev/sweep_ce.py [ce] [masked] > $OUT/sweep_ce.txt
+"""
+
+import sys
+
+import torch
+import torch.nn.functional as F
+import triton
+
+import fastsoftmax as fs
+from fastsoftmax import heuristics, loss
+from fastsoftmax.bench import ATTENTION, SCALE, copy_gbps, masked_inputs
+
+CE_SHAPES = [(8192, 32000), (4096, 50257), (4096, 128256), (2048, 151936), (1024, 256000)]
+CE_CONFIGS = [(b, w) for b in (2048, 4096, 8192, 16384, 32768) for w in (4, 8, 16) if b // (32 * w) <= 64]
+
+
+def bench(fn):
+    return triton.testing.do_bench(fn, return_mode="median")
+
+
+def ce_row(dt, m, v):
+    g = torch.Generator(device="cuda").manual_seed(v)
+    x = torch.randn(m, v, device="cuda", dtype=dt, generator=g) * 2
+    t = torch.randint(0, v, (m,), device="cuda", generator=g)
+    t[::7] = -100
+    ref = F.cross_entropy(x[:16].double(), t[:16], reduction="none")
+    gw = torch.full((m,), 1.0 / m, device="cuda")
+    nb = x.numel() * x.element_size()
+    lse = [None]
+
+    def fwd():
+        out = loss.rows_forward(x, t, -100, 0.0, "triton")
+        lse[0] = out[1]
+        return out
+
+    def bwd():
+        return loss.rows_backward(x, t, lse[0], gw, -100, 0.0, "triton", dt)
+
+    fwd()
+    d = heuristics.last_plan()
+    cells = [f"rule {d.block_n}/{d.num_warps}: {nb / bench(fwd) / 1e6:.0f}|{2 * nb / bench(bwd) / 1e6:.0f}"]
+    for block, warps in CE_CONFIGS:
+        with heuristics.force(rows=1, block_n=block, num_warps=warps):
+            if not torch.allclose(fwd()[0][:16].double(), ref, rtol=2e-2, atol=1e-3):
+                cells.append(f"{block}/{warps}: WRONG")
+                continue
+            cells.append(f"{block}/{warps}: {nb / bench(fwd) / 1e6:.0f}|{2 * nb / bench(bwd) / 1e6:.0f}")
+    print(f"ce {str(dt)[6:]:8} {m}x{v} (fwd|bwd GB/s per BLOCK_N/warps): " + "  ".join(cells), flush=True)
+
+
+def masked_row(dt):
+    b, h, s = ATTENTION
+    x, pad = masked_inputs(ATTENTION, dt, "cuda", pad=True)
+    nb = 2 * x.numel() * x.element_size() + pad.numel()
+
+    def run():
+        return fs.softmax(x, mask=pad, scale=SCALE, causal=True, backend="triton")
+
+    ref = run().float()
+    plan = heuristics.last_plan()
+    cells = [f"rule {plan.path} rows={plan.rows} warps={plan.num_warps}: {nb / bench(run) / 1e6:.0f}"]
+    for rows in (1, 2, 4):
+        for warps in (1, 2, 4, 8):
+            with heuristics.force(path="rowblock", rows=rows, num_warps=warps):
+                if not torch.allclose(run().float(), ref, rtol=1e-2, atol=1e-5):
+                    cells.append(f"{rows}/{warps}: DIFFERS")
+                    continue
+                cells.append(f"{rows}/{warps}: {nb / bench(run) / 1e6:.0f}")
+    print(f"masked causal+padding fwd {str(dt)[6:]:8} ({b},{h},{s},{s}); rows/warps GB/s: " + "  ".join(cells),
+          flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    copy = copy_gbps("cuda")
+    print(f"{torch.cuda.get_device_name(0)}: copy {copy:.0f} GB/s, torch {torch.__version__}, "
+          f"triton {triton.__version__}")  # fmt: skip
+    which = sys.argv[1:] or ["ce", "masked"]
+    for dt in (torch.bfloat16, torch.float32):
+        if "ce" in which:
+            for m, v in CE_SHAPES:
+                ce_row(dt, m, v)
+        if "masked" in which:
+            masked_row(dt)
