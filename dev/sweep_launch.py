@@ -1,10 +1,13 @@
-"""Launch-shape sweep on the GPU for two kernels whose shape comes from a fixed rule, each config checked
+"""Launch-shape sweep on the GPU for kernels whose shape comes from a fixed rule, each config checked
 before timing (do_bench median, L2 flushed; GB/s counts the bytes the step must move):
   ce       the cross-entropy kernels (forward: logits read once; backward: read once, dlogits written once),
            BLOCK_N x num_warps, one row a program, over vocabularies of 32K-256K.
   masked   the masked rowblock forward on attention scores (8, 16, 2048) with a padding mask, causal and
            a scale (GB/s counts the mask bytes): rows per program x warps, bf16 and fp32.
-Usage (device):  python3 dev/sweep_ce.py [ce] [masked] > $OUT/sweep_ce.txt
+  rowblock the Triton rowblock path (the row in registers, one read) at 16K-64K elements: warps per row
+           (more warps: fewer values per thread, fewer registers), forward and backward, beside the path
+           the rules pick.
+Usage (device):  python3 dev/sweep_launch.py [ce] [masked] [rowblock] > $OUT/sweep_launch.txt
 """
 
 import sys
@@ -18,7 +21,7 @@ from fastsoftmax import heuristics, loss
 from fastsoftmax.bench import ATTENTION, SCALE, copy_gbps, masked_inputs
 
 CE_SHAPES = [(8192, 32000), (4096, 50257), (4096, 128256), (2048, 151936), (1024, 256000)]
-CE_CONFIGS = [(b, w) for b in (2048, 4096, 8192, 16384, 32768) for w in (4, 8, 16) if b // (32 * w) <= 64]
+CE_CONFIGS = [(2048, 4), (4096, 4)] + [(b, w) for b in (4096, 8192, 16384, 32768) for w in (8, 16) if b <= 2048 * w]
 
 
 def bench(fn):
@@ -77,14 +80,50 @@ def masked_row(dt):
           flush=True)  # fmt: skip
 
 
+ROWBLOCK = {  # pass, dtype -> suite shapes
+    ("fwd", torch.bfloat16): [(8192, 16384), (4096, 32000), (4096, 32768), (8192, 50257), (2048, 65536)],
+    ("fwd", torch.float32): [(4096, 32768), (8192, 50257), (2048, 65536)],
+    ("bwd", torch.bfloat16): [(8192, 16384), (4096, 32000), (4096, 32768)],
+    ("bwd", torch.float32): [(8192, 16384), (4096, 32768)],
+}
+
+
+def rowblock_row(pass_, dt, m, n):
+    g = torch.Generator(device="cuda").manual_seed(n)
+    x = torch.randn(m, n, device="cuda", dtype=dt, generator=g) * 3
+    y = torch.softmax(x.float(), -1).to(dt)
+    dy = torch.randn(m, n, device="cuda", dtype=dt, generator=g)
+    nb = (2 if pass_ == "fwd" else 3) * x.numel() * x.element_size()
+
+    def run():
+        if pass_ == "fwd":
+            return fs.softmax(x, backend="triton")
+        return fs.softmax_backward(dy, y, backend="triton")
+
+    ref = run().float()
+    d = heuristics.last_plan()
+    cells = [f"rule {d.path}/{d.num_warps}w: {nb / bench(run) / 1e6:.0f}"]
+    for warps in (8, 16, 32):
+        with heuristics.force(path="rowblock", rows=1, num_warps=warps):
+            if not torch.allclose(run().float(), ref, rtol=1e-2, atol=1e-5):
+                cells.append(f"rowblock/{warps}w: DIFFERS")
+                continue
+            cells.append(f"rowblock/{warps}w: {nb / bench(run) / 1e6:.0f}")
+    print(f"rowblock {pass_} {str(dt)[6:]:8} {m}x{n} GB/s: " + "  ".join(cells), flush=True)
+
+
 if __name__ == "__main__":
     copy = copy_gbps("cuda")
     print(f"{torch.cuda.get_device_name(0)}: copy {copy:.0f} GB/s, torch {torch.__version__}, "
           f"triton {triton.__version__}")  # fmt: skip
-    which = sys.argv[1:] or ["ce", "masked"]
+    which = sys.argv[1:] or ["ce", "masked", "rowblock"]
     for dt in (torch.bfloat16, torch.float32):
         if "ce" in which:
             for m, v in CE_SHAPES:
                 ce_row(dt, m, v)
         if "masked" in which:
             masked_row(dt)
+        if "rowblock" in which:
+            for pass_ in ("fwd", "bwd"):
+                for m, n in ROWBLOCK[pass_, dt]:
+                    rowblock_row(pass_, dt, m, n)
