@@ -23,7 +23,7 @@ def facts(path, dtype, n, arch, log=False, backward=False, mask=0, causal=False)
         out.append({
             "path": path, "kernel": k.name, "dtype": dtype, "n": n, "arch": arch, "log": log, "mask": mask,
             "causal": causal,
-            "num_warps": k.metadata.num_warps,
+            "num_warps": k.metadata.num_warps, "backward": backward,
             "loads": sorted(set(re.findall(r"ld\.global[.\w]*", ptx))),
             "stores": sorted(set(re.findall(r"st\.global[.\w]*", ptx))),
             "ex2": "ex2.approx" in ptx, "div_rn": "div.rn.f32" in ptx,
@@ -48,7 +48,7 @@ def main():
         out += facts("rowblock", dtype, 1024, 80)
         out += facts("online", dtype, 50257, 80)
         out += facts("split", dtype, 50257, 80)
-        for n in (256, 513, 4096, heuristics.ROWBLOCK_MAX_N // 2):
+        for n in (256, 513, 4096, heuristics.BWD_LONG_N, 32000, heuristics.ROWBLOCK_MAX_N):
             for log in (False, True):
                 out += facts("rowblock", dtype, n, 90, log=log, backward=True)
         for path in ("online", "split"):

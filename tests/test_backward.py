@@ -46,6 +46,21 @@ def test_paths_against_oracle(device, path, force, n, dtype, log):
     assert (dx[5] == 0).all() and dx[9].isnan().all()  # special rows: 0 fully masked, 4 NaN among -inf
 
 
+@pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_long_rows_take_rowblock_with_more_warps(device, dtype, log):
+    """Unforced, a backward row of BWD_LONG_N < N <= ROWBLOCK_MAX_N is held in registers by BWD_LONG_WARPS
+    warps (one read of y and dy), and is right, special rows included."""
+    n = heuristics.BWD_LONG_N + 3617
+    gen = torch.Generator().manual_seed(n)
+    x = torch.cat([random_logits((1, n), dtype, gen), special_rows(n, dtype, gen)[[0, 6, 7]]]).to(device)
+    dy = random_logits(x.shape, dtype, gen, scale=1.0).to(device)
+    y, dx, plan = forward_backward(x, dy, -1, log)
+    assert (plan.path, plan.num_warps, plan.rows) == ("rowblock", heuristics.BWD_LONG_WARPS, 1)
+    assert_grad(dx, dy, y, -1, log)
+    assert (dx[1] == 0).all()  # the fully masked row
+
+
 @pytest.mark.parametrize("log", [False, True])
 @pytest.mark.parametrize("path,force", PATHS, ids=[p for p, _ in PATHS])
 def test_nan_in_dy(device, path, force, log):

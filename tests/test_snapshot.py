@@ -1,6 +1,7 @@
 """Snapshot facts of the compiled Triton kernels, without a GPU: every variant the heuristics table can
 produce compiles for sm_90a and sm_80, moves data with 16-byte vector instructions (scalar code only for
-the edges of rows that are not 16-byte aligned), uses ex2.approx, and spills nothing (ptxas -v).
+the edges of rows that are not 16-byte aligned), uses ex2.approx, and spills nothing (ptxas -v) but where
+heuristics.py takes a measured spill (the backward rowblock past BWD_LONG_N).
 
 The kernels are compiled in a separate process (tests/compile_facts.py): the interpreter tests in this
 process need TRITON_INTERPRET=1, under which Triton hands out interpreted functions that cannot compile."""
@@ -13,6 +14,8 @@ import tempfile
 from pathlib import Path
 
 import pytest
+
+from fastsoftmax import heuristics
 
 
 @pytest.fixture(scope="module")
@@ -38,8 +41,18 @@ def test_every_variant_compiles(facts):
 
 
 def test_no_spills(facts):
-    bad = [f for f in facts if f["spill_stores"] or f["spill_loads"] or f["stack_bytes"]]
+    """No kernel spills, except the backward rowblock on rows longer than heuristics.BWD_LONG_N, which the table
+    takes knowingly (measured 1.3-1.45x the spill-free online path; heuristics.py): its spills stay small."""
+
+    def known(f):
+        return f["backward"] and f["path"] == "rowblock" and f["n"] > heuristics.BWD_LONG_N
+
+    bad = [f for f in facts if (f["spill_stores"] or f["spill_loads"] or f["stack_bytes"]) and not known(f)]
     assert not bad, [(f["path"], f["dtype"], f["n"], f["spill_stores"]) for f in bad]
+    long_bwd = [f for f in facts if known(f)]
+    assert long_bwd and all(f["num_warps"] == heuristics.BWD_LONG_WARPS for f in long_bwd)
+    # measured 2026-11-29 with Triton 3.6: 36-80 bytes (softmax), up to 168 (fp32 log_softmax)
+    assert all(f["spill_stores"] <= 256 and f["spill_loads"] <= 256 for f in long_bwd), long_bwd
 
 
 def test_aligned_rows_use_only_16_byte_accesses(facts):

@@ -460,7 +460,7 @@ def candidates(n: int, n_rows: int, elsize: int, pass_: str, device: str) -> lis
     from . import dispatch, heuristics
 
     inputs = 1 if pass_ == "fwd" else 2
-    out = [("triton", p) for p in heuristics.PATHS if p != "rowblock" or n <= heuristics.ROWBLOCK_MAX_N // inputs]
+    out = [("triton", p) for p in heuristics.PATHS if p != "rowblock" or n <= heuristics.ROWBLOCK_MAX_N]
     if device == "cuda" and not dispatch.cuda_import_error():
         from .cuda.kernels import _device_facts, launch_shape
 

@@ -22,13 +22,21 @@ Measured on an NVIDIA H200 on 2026-11-29 (dev/sweep_forward.py, triton 3.6, torc
     256 rows it ties online (bf16 1,992 vs 2,009), at 512 rows it is within 4% either way, so rows split
     below 2 per SM. Timed eagerly, small shapes measure host launch overhead instead (split's two
     launches: 25 GB/s at 8x131072), which the benchmark issue addresses.
-Backward (inputs=2: y and dy held per element): the same rules with half the row per thread and rowblock
-up to N = 16384. Measured 2026-11-29 (dev/sweep_forward.py bwd, bench_quick.py bwd; copy 4,223 GB/s):
+Backward (inputs=2: y and dy held per element): the same rules with half the row per thread (rowblock up
+to N = 16384 until 2026-11-29; now up to 32768, below). Measured 2026-11-29 (dev/sweep_forward.py bwd,
+bench_quick.py bwd; copy 4,223 GB/s):
 rowblock 4,220-4,335 GB/s for N = 256..16384 (bf16 N = 513: 3,476), online 2,550-2,900 (5 units of
 traffic: the 3/5 ceiling), split best for few long rows in GPU time (bf16 8x131072 612 vs torch 248).
 Not taken (they spill, see test_no_spills): bf16 rowblock at N = 32000 (3,722 vs online 2,844), bf16
 N = 16384 with 4 warps (4,180 vs 3,914).
-ptxas reports no spills for any rowblock shape this table produces (tests/test_snapshot.py).
+Backward rows of 16384 < N <= 32768: rowblock with 16 warps (BWD_LONG_WARPS), though ptxas spills 36-80
+bytes per thread there (fp32 log_softmax: 168; the only rowblock shapes that spill, as tests/test_snapshot.py
+checks), because it is 1.3-1.45x the 2-read online path: measured 2026-11-29 (dev/sweep_launch.py rowblock, copy 4,247
+GB/s) bf16 4096x32000 4,106 GB/s (8 warps 3,847, 32 warps 3,757; online 2,840), 4096x32768 4,120; fp32
+4096x32768 3,860 (8 warps 4,050 with 255 registers, 32 warps 3,013; online 2,890). The forward gains
+nothing from more warps there (bf16 4096x32768: 16 warps 3,299, 32 warps 3,272) nor from rowblock past
+32768 (bf16 2048x65536 2,792 vs online 2,838).
+ptxas reports no spills for any other rowblock shape this table produces (tests/test_snapshot.py).
 """
 
 from __future__ import annotations
@@ -41,7 +49,9 @@ from typing import NamedTuple
 PATHS = ("rowblock", "online", "split")  # the Triton backend's
 CUDA_PATHS = ("three_pass", "warp", "block", "cluster", "online")  # the CUDA backend's variants
 
-ROWBLOCK_MAX_N = 32768  # longest row one program holds in registers (elements)
+ROWBLOCK_MAX_N = 32768  # longest row one program holds in registers (elements), forward and backward
+BWD_LONG_N = 16384  # backward rows longer than this get BWD_LONG_WARPS on the rowblock path
+BWD_LONG_WARPS = 16
 BYTES_PER_THREAD = 128  # row bytes each thread of a rowblock program holds
 ONLINE_BLOCK = 8192  # elements per online chunk along the row
 ONLINE_WARPS = 16
@@ -106,7 +116,7 @@ def launch_shape(
         return Shape(
             path, block, rows, min(16, max(1, rows * block // 512)), split_count(n, block, n_rows, sm_count, path)
         )
-    if path is None and n > ROWBLOCK_MAX_N // inputs:
+    if path is None and n > ROWBLOCK_MAX_N:
         few_rows = n_rows < SPLIT_BELOW_ROWS_PER_SM * sm_count
         path = "split" if few_rows and split_count(n, SPLIT_BLOCK, n_rows, sm_count, "split") > 1 else "online"
     path = path or "rowblock"
@@ -119,6 +129,8 @@ def launch_shape(
     per_warp = 32 * BYTES_PER_THREAD // (elsize * inputs)  # row elements one warp holds
     rows = min(_pow2(n_rows), 1 << (max(1, per_warp // n).bit_length() - 1))
     warps = min(32, _pow2_near(max(1.0, n * rows / per_warp)))
+    if inputs > 1 and n > BWD_LONG_N:
+        warps = BWD_LONG_WARPS
     return Shape(path, _pow2(n), rows, warps)
 
 

@@ -4,7 +4,9 @@ logsumexp per row) and one read + one write backward (dlogits from the saved log
 
 Targets outside [0, V) that are not ignore_index raise: on a GPU through torch._assert_async (a device-side
 check, no host synchronisation: the error surfaces at the next synchronising call, as CUDA's own asserts
-do); on the CPU at once. reduction='mean' divides by the number of rows not ignored (all ignored: NaN, as
+do); on the CPU at once. On the Triton path the check is a by-product of the forward's last kernel
+(ce_finish), so a forward is three launches (rows, finish, assert) and a backward one; the kernels never
+address memory with a bad target. reduction='mean' divides by the number of rows not ignored (all ignored: NaN, as
 torch). Label smoothing e: loss = (1 - e) * nll + e * mean_j(-log p_j), as torch.
 """
 
@@ -65,10 +67,10 @@ def _backend(x: torch.Tensor, backend: str) -> str:
     return "triton"
 
 
-def _launch(k, v: int) -> tuple[int, int, int]:
+def _launch(k, v: int, elsize: int, backward: bool) -> tuple[int, int, int]:
     """(ROWS, BLOCK_N, num_warps) of the cross-entropy kernels for rows of v classes: the module's rule, or
-    what heuristics.force() sets (rows=, block_n=, num_warps=; tests and dev/sweep_ce.py); recorded."""
-    rows, block, warps = k._shape(v)
+    what heuristics.force() sets (rows=, block_n=, num_warps=; tests and dev/sweep_launch.py); recorded."""
+    rows, block, warps = k._shape(v, elsize, backward)
     f = heuristics.forced()
     if f:
         rows, block, warps = f.get("rows", rows), f.get("block_n", block), f.get("num_warps", warps)
@@ -76,21 +78,22 @@ def _launch(k, v: int) -> tuple[int, int, int]:
     return rows, block, warps
 
 
-def rows_forward(x, t, ignore_index: int, smoothing: float, backend: str):
-    """(loss per row, lse per row), fp32 (fp64 for fp64 logits), for (M, V) logits and (M,) targets."""
-    if _backend(x, backend) == "torch":
-        heuristics.record(heuristics.Plan("torch", "cross_entropy"))
-        lse = logsumexp_torch(x)
-        xc = x.to(lse.dtype)
-        keep = t != ignore_index
-        x_t = xc.gather(-1, torch.where(keep, t, 0).long()[:, None]).squeeze(-1)
-        loss = lse - x_t if smoothing == 0 else lse - (1 - smoothing) * x_t - smoothing * xc.mean(-1)
-        return torch.where(keep, loss, 0.0), lse
-    from .triton import cross_entropy as k
+def _rows_torch(x, t, ignore_index: int, smoothing: float):
+    """(loss per row, lse per row), fp32 (fp64 for fp64 logits), with torch ops."""
+    lse = logsumexp_torch(x)
+    xc = x.to(lse.dtype)
+    keep = t != ignore_index
+    x_t = xc.gather(-1, torch.where(keep, t, 0).long()[:, None]).squeeze(-1)
+    loss = lse - x_t if smoothing == 0 else lse - (1 - smoothing) * x_t - smoothing * xc.mean(-1)
+    return torch.where(keep, loss, 0.0), lse
 
-    shape = _launch(k, x.shape[-1])
-    with dispatch._on_device(x):
-        return k.forward(x, t, ignore_index, smoothing, shape)
+
+def _raise_bad_targets(ok: torch.Tensor, t: torch.Tensor, v: int, ignore_index: int) -> None:
+    """After the Triton forward: ok (a 0-d tensor) is 1 when every target not ignored was in [0, v)."""
+    if t.is_cuda:
+        torch._assert_async(ok, f"cross_entropy: a target is outside [0, {v}) and not ignore_index")
+    elif not ok.item():
+        _assert_targets(t, v, ignore_index)
 
 
 def dlogits_torch(x, t, lse, g, ignore_index: int, smoothing: float, offset: int = 0, v_total: int | None = None):
@@ -158,18 +161,43 @@ def _flat(logits, target):
 
 
 def _forward(logits, target, ignore_index, reduction, smoothing, backend):
+    """(loss, stats): stats (M + 2,) holds each row's logsumexp, then the number of rows not ignored (the
+    mean's divisor, for the backward), then 1.0 if every target was in range."""
     x, t = _flat(logits, target)
-    _assert_targets(t, x.shape[-1], ignore_index)
-    if x.shape[0] == 0:
-        loss_rows = torch.zeros(0, dtype=torch.float32, device=x.device)
-        lse = loss_rows
+    m, v = x.shape
+    if m and _backend(x, backend) == "triton":
+        from .triton import cross_entropy as k
+
+        shape = _launch(k, v, x.element_size(), backward=False)
+        with dispatch._on_device(x):
+            loss, stats = k.forward(x, t, ignore_index, smoothing, reduction, logits.dtype, shape)
+        _raise_bad_targets(stats[m + 1], t, v, ignore_index)
+        return (loss.reshape(target.shape) if reduction == "none" else loss), stats
+    _assert_targets(t, v, ignore_index)
+    if m:
+        heuristics.record(heuristics.Plan("torch", "cross_entropy"))
+        loss_rows, lse = _rows_torch(x, t, ignore_index, smoothing)
     else:
-        loss_rows, lse = rows_forward(x, t, ignore_index, smoothing, backend)
+        loss_rows = lse = torch.zeros(0, dtype=torch.float32, device=x.device)
+    kept = (t != ignore_index).sum().to(lse.dtype)
+    stats = torch.cat([lse, kept[None], torch.ones(1, dtype=lse.dtype, device=x.device)])
     loss = _reduce(loss_rows, t, ignore_index, reduction, logits.dtype)
-    return (loss.reshape(target.shape) if reduction == "none" else loss), lse
+    return (loss.reshape(target.shape) if reduction == "none" else loss), stats
 
 
-def _backward(logits, target, lse, grad, ignore_index, reduction, smoothing, backend):
+def _backward(logits, target, stats, grad, ignore_index, reduction, smoothing, backend):
     x, t = _flat(logits, target)
-    g = _row_grad(grad, t, ignore_index, reduction, x.shape[0])
-    return rows_backward(x, t, lse, g, ignore_index, smoothing, backend, logits.dtype).reshape(logits.shape)
+    m, v = x.shape
+    if m and _backend(x, backend) == "triton":
+        from .triton import cross_entropy as k
+
+        shape = _launch(k, v, x.element_size(), backward=True)
+        g = grad.reshape(m) if reduction == "none" else grad.reshape(())
+        dx = torch.empty(x.shape, dtype=logits.dtype, device=x.device)
+        with dispatch._on_device(x):
+            k.backward(x, t, stats, g, ignore_index, smoothing, reduction == "mean", dx, shape)
+        return dx.reshape(logits.shape)
+    if m:
+        heuristics.record(heuristics.Plan("torch", "cross_entropy"))
+    g = _row_grad(grad, t, ignore_index, reduction, m).to(stats.dtype)
+    return dlogits_torch(x, t, stats[:m], g, ignore_index, smoothing).to(logits.dtype).reshape(logits.shape)

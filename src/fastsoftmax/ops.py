@@ -116,32 +116,32 @@ def _(logits, target, ignore_index, reduction, label_smoothing, backend):
     rows = logits.numel() // logits.shape[-1]
     stat = torch.float64 if logits.dtype == torch.float64 else torch.float32
     shape = target.shape if reduction == "none" else ()
-    return logits.new_empty(shape), logits.new_empty((rows,), dtype=stat)
+    return logits.new_empty(shape), logits.new_empty((rows + 2,), dtype=stat)  # loss._forward's stats
 
 
 @torch.library.custom_op("fastsoftmax::cross_entropy_backward", mutates_args=())
 def cross_entropy_backward(
-    logits: torch.Tensor, target: torch.Tensor, lse: torch.Tensor, grad: torch.Tensor, ignore_index: int,
+    logits: torch.Tensor, target: torch.Tensor, stats: torch.Tensor, grad: torch.Tensor, ignore_index: int,
     reduction: str, label_smoothing: float, backend: str,
 ) -> torch.Tensor:  # fmt: skip
-    return loss._backward(logits, target, lse, grad, ignore_index, reduction, label_smoothing, backend)
+    return loss._backward(logits, target, stats, grad, ignore_index, reduction, label_smoothing, backend)
 
 
 @cross_entropy_backward.register_fake
-def _(logits, target, lse, grad, ignore_index, reduction, label_smoothing, backend):
+def _(logits, target, stats, grad, ignore_index, reduction, label_smoothing, backend):
     return torch.empty_like(logits)
 
 
 def _setup_ce(ctx, inputs, output):
     logits, target, ignore_index, reduction, label_smoothing, backend = inputs
-    ctx.save_for_backward(logits, target, output[1])  # the logits and one logsumexp per row
+    ctx.save_for_backward(logits, target, output[1])  # the logits; one logsumexp per row, the rows kept
     ctx.args = (ignore_index, reduction, label_smoothing, backend)
     ctx.mark_non_differentiable(output[1])
 
 
 def _backward_ce(ctx, grad_loss, _grad_lse):
-    logits, target, lse = ctx.saved_tensors
-    dx = cross_entropy_backward(logits, target, lse, grad_loss, *ctx.args)
+    logits, target, stats = ctx.saved_tensors
+    dx = cross_entropy_backward(logits, target, stats, grad_loss, *ctx.args)
     return dx, None, None, None, None, None
 
 
