@@ -21,10 +21,11 @@ tune)
 suite)
     [ -f /tmp/fs_tuned.json ] && cp /tmp/fs_tuned.json src/fastsoftmax/tuning/nvidia_h200.json
     timeout 300 python3 -m fastsoftmax bench --jobs 14 --json "$out/h200.json" --plot "$out/h200.png" \
-        > "$out/h200.txt" 2> "$out/bench_err.txt"
+        > "$out/h200.txt" 2> /tmp/fs_bench_err.txt  # the progress bar; the device tool returns few files
     echo "bench rc=$?" >> "$out/h200.txt"
     timeout 150 python3 -m fastsoftmax bench --masked --json "$out/h200_masked.json" > "$out/h200_masked.txt" 2>&1
     echo "masked rc=$?" >> "$out/h200_masked.txt"
+    tail -n 4 /tmp/fs_bench_err.txt
     grep -E "geometric|host|rc=" "$out/h200.txt"
     tail -n 30 "$out/h200_masked.txt"
     ;;
