@@ -15,7 +15,7 @@ for dt, (m, v) in ((torch.bfloat16, (8192, 32000)), (torch.bfloat16, (4096, 5025
     t = torch.randint(0, v, (m,), device="cuda", generator=g)
     t[::7] = -100
 
-    def step():
+    def step(x=x, t=t):
         return torch.autograd.grad(fs.cross_entropy(x, t), x)
 
     for _ in range(5):
