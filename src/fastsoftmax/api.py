@@ -157,7 +157,11 @@ def _public_forward(x, dim, log, fn, mask, scale, causal, dtype, backend):
     if isinstance(x, torch.Tensor) and _autograd(x):
         d, _ = _check(fn, x, dim, dtype, backend)
         if not masked:
-            return torch.ops.fastsoftmax.softmax(x, dim, log, dtype, backend)
+            if torch.compiler.is_compiling():
+                return torch.ops.fastsoftmax.softmax(x, dim, log, dtype, backend)
+            from .ops import SoftmaxEager
+
+            return SoftmaxEager.apply(x, dim, log, dtype, backend)
         masking.check(fn, x, d, mask, scale, causal)
         return torch.ops.fastsoftmax.softmax_masked(x, dim, log, dtype, backend, mask, scale, causal)
     if masked:

@@ -146,10 +146,31 @@ def _row_grad(grad, t, ignore_index, reduction, m):
 def cross_entropy(logits, target, *, ignore_index=-100, reduction="mean", label_smoothing=0.0, backend="auto"):
     """torch.nn.functional.cross_entropy for logits with the classes along the last dim; see the module."""
     _check(logits, target, ignore_index, reduction, label_smoothing, backend)
-    if (logits.requires_grad and torch.is_grad_enabled()) or torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():
         return torch.ops.fastsoftmax.cross_entropy(logits, target, ignore_index, reduction, float(label_smoothing),
                                                    backend)[0]  # fmt: skip
+    if logits.requires_grad and torch.is_grad_enabled():
+        return _CrossEntropyEager.apply(logits, target, ignore_index, reduction, float(label_smoothing), backend)[0]
     return _forward(logits, target, ignore_index, reduction, float(label_smoothing), backend)[0]
+
+
+class _CrossEntropyEager(torch.autograd.Function):
+    """The eager autograd path: the custom op's forward and backward (ops.py) without its dispatch layers,
+    which cost ~0.4 ms of host time per call on the H200 (dev/profile_ce.py), more than the kernels of
+    8192x32000 bf16 logits. torch.compile traces the custom op instead."""
+
+    @staticmethod
+    def forward(ctx, logits, target, ignore_index, reduction, smoothing, backend):
+        out, stats = _forward(logits, target, ignore_index, reduction, smoothing, backend)
+        ctx.save_for_backward(logits, target, stats)
+        ctx.args = (ignore_index, reduction, smoothing, backend)
+        ctx.mark_non_differentiable(stats)
+        return out, stats
+
+    @staticmethod
+    def backward(ctx, grad, _grad_stats):
+        logits, target, stats = ctx.saved_tensors
+        return _backward(logits, target, stats, grad, *ctx.args), None, None, None, None, None
 
 
 def _flat(logits, target):
