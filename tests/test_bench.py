@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 
-from fastsoftmax import bench
+from fastsoftmax import bench, heuristics
 
 KEYS = {"impl", "backend", "dtype", "M", "N", "pass", "ms", "gbps", "ok", "error", "graph_ms", "graph_gbps"}
 KEYS |= {"err_ratio", "case"}
@@ -87,6 +87,32 @@ def test_cpu_tune_writes_a_table_auto_can_read(tmp_path):
         assert e["candidates"][f"{e['backend']}/{e['path']}"] == e["gbps"]
         assert {"triton/rowblock", "triton/online", "triton/split"} == set(e["candidates"]), run.stderr[-3000:]
     assert tuning.choose(doc, "bwd", "float32", 80, 2, 132) == (doc["entries"][3]["backend"], doc["entries"][3]["path"])
+
+
+def test_tune_times_a_replacing_pick_twice(monkeypatch):
+    """A candidate that would replace the default is timed again, with the default: an outlier slow timing of
+    the default (first timing) does not hand the bucket to another path."""
+    from fastsoftmax import bench
+
+    calls = []
+    scripted = {"triton/rowblock": [10.0, 1.0], "triton/online": [5.0, 5.0], "triton/split": [6.0]}
+
+    def fake_time_ms(fn, device):
+        if heuristics.forced() is None:  # the copy bandwidth for the table's header
+            return 1.0
+        name = f"triton/{heuristics.forced()['path']}"
+        calls.append(name)
+        return scripted[name].pop(0)
+
+    monkeypatch.setattr(bench, "time_ms", fake_time_ms)
+    monkeypatch.setattr(bench, "candidates", lambda *a: [("triton", "rowblock"), ("triton", "online"),
+                                                         ("triton", "split")])  # fmt: skip
+    doc = bench.tune([(2, 64)], ["float32"], ["fwd"], "cpu", progress=None)
+    (e,) = doc["entries"]
+    # first timings: online (5 ms) beat rowblock (10 ms, the outlier); timed again, rowblock takes 1 ms
+    assert calls == ["triton/rowblock", "triton/online", "triton/split", "triton/rowblock", "triton/online"]
+    assert e["default"] == "triton/rowblock" and (e["backend"], e["path"]) == ("triton", "rowblock")
+    assert e["candidates"]["triton/rowblock"] == 2 * (2 * 64) * 4 / 1.0 / 1e6  # bytes read + written, 1 ms
 
 
 def test_tune_rows_classes(monkeypatch, device):

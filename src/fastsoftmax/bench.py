@@ -567,26 +567,38 @@ def tune(shapes, dtypes, passes, device: str, progress=sys.stderr, jobs: int = 0
                 y, dy = torch.softmax(x, -1), torch.randn(m, n, device=device, dtype=dtype)
                 nbytes = (2 if pass_ == "fwd" else 3) * x.numel() * x.element_size()
                 results = {}
-                for backend, path in candidates(n, m, x.element_size(), pass_, device):
+
+                def gbps(name, x=x, y=y, dy=dy, pass_=pass_, cls=cls, nbytes=nbytes):
+                    backend, path = name.split("/")
                     with heuristics.force(path=path):
                         if pass_ == "fwd":
-                            fn = lambda b=backend, x=x: fs.softmax(x, backend=b)  # noqa: E731
+                            fn = lambda: fs.softmax(x, backend=backend)  # noqa: E731
                         else:
-                            fn = lambda b=backend, y=y, dy=dy: fs.softmax_backward(dy, y, backend=b)  # noqa: E731
-                        try:
-                            problem = _check(fn(), x, y, dy, pass_)[1]
-                            if problem:
-                                raise Unsupported(problem)
-                            timed = graphed(fn) if device == "cuda" and cls == "few" else fn
-                            results[f"{backend}/{path}"] = nbytes / time_ms(timed, device) / 1e6
-                        except Exception as e:  # a candidate that fails is left out, and said
-                            if progress is not None:
-                                progress.write(f"  {pass_} {dt} {m}x{n} {backend}/{path}: {type(e).__name__}: {e}\n")
+                            fn = lambda: fs.softmax_backward(dy, y, backend=backend)  # noqa: E731
+                        problem = _check(fn(), x, y, dy, pass_)[1]
+                        if problem:
+                            raise Unsupported(problem)
+                        timed = graphed(fn) if device == "cuda" and cls == "few" else fn
+                        return nbytes / time_ms(timed, device) / 1e6
+
+                for backend, path in candidates(n, m, x.element_size(), pass_, device):
+                    try:
+                        results[f"{backend}/{path}"] = gbps(f"{backend}/{path}")
+                    except Exception as e:  # a candidate that fails is left out, and said
+                        if progress is not None:
+                            progress.write(f"  {pass_} {dt} {m}x{n} {backend}/{path}: {type(e).__name__}: {e}\n")
                 if not results:
                     continue
                 default = "triton/" + heuristics.launch_shape(n, m, x.element_size(), False, sms, None,
                                                               inputs=1 if pass_ == "fwd" else 2).path  # fmt: skip
                 best = tuning.pick(results, default)
+                if best != default and default in results:
+                    # One timing can be an outlier (2026-11-29: rowblock 3,040 GB/s at bwd bf16 65536x1024
+                    # in the tune, 4,215 in the benchmark run after it). A pick that replaces the default is
+                    # timed again, the default too, and each keeps its better figure before picking again.
+                    for name in (default, best):
+                        results[name] = max(results[name], gbps(name))
+                    best = tuning.pick(results, default)
                 backend, path = best.split("/")
                 entries.append({"pass": pass_, "dtype": dt, "rows": cls, "n_max": n, "M": m, "backend": backend,
                                 "path": path, "gbps": results[best], "default": default,
