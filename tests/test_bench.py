@@ -8,6 +8,9 @@ import os
 import subprocess
 import sys
 
+import pytest
+import torch
+
 from fastsoftmax import bench, heuristics
 
 KEYS = {"impl", "backend", "dtype", "M", "N", "pass", "ms", "gbps", "ok", "error", "graph_ms", "graph_gbps"}
@@ -113,6 +116,30 @@ def test_tune_times_a_replacing_pick_twice(monkeypatch):
     assert calls == ["triton/rowblock", "triton/online", "triton/split", "triton/rowblock", "triton/online"]
     assert e["default"] == "triton/rowblock" and (e["backend"], e["path"]) == ("triton", "rowblock")
     assert e["candidates"]["triton/rowblock"] == 2 * (2 * 64) * 4 / 1.0 / 1e6  # bytes read + written, 1 ms
+    assert "probe" not in e  # the default kept: nothing to probe
+
+
+@pytest.mark.parametrize("inside,won", [(2.0, True), (6.0, False)])
+def test_tune_probes_a_pick_inside_its_bucket(monkeypatch, inside, won):
+    """A pick that replaces the default at the bucket's top length (128) must also beat it at an odd length
+    inside the bucket ((64, 128]: 97); the entry records that probe."""
+    from fastsoftmax import bench
+
+    def fake_time_ms(fn, device):
+        f = heuristics.forced()
+        if f is None:  # the copy bandwidth for the table's header
+            return 1.0
+        (n,) = {c.cell_contents.shape[-1] for c in fn.__closure__ if isinstance(c.cell_contents, torch.Tensor)}
+        return {"rowblock": 5.0, "online": inside if n == 97 else 2.0, "split": 9.0}[f["path"]]
+
+    monkeypatch.setattr(bench, "time_ms", fake_time_ms)
+    monkeypatch.setattr(bench, "candidates", lambda *a: [("triton", "rowblock"), ("triton", "online"),
+                                                         ("triton", "split")])  # fmt: skip
+    doc = bench.tune([(2, 64), (2, 128)], ["float32"], ["fwd"], "cpu", progress=None)
+    e = doc["entries"][1]
+    assert e["n_max"] == 128 and e["probe"]["N"] == 97 and set(e["probe"]["candidates"]) == {
+        "triton/rowblock", "triton/online"}  # fmt: skip
+    assert (e["backend"], e["path"]) == (("triton", "online") if won else ("triton", "rowblock"))
 
 
 def test_tune_rows_classes(monkeypatch, device):

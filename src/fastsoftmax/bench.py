@@ -543,7 +543,9 @@ def default_jobs(device: str) -> int:
 
 def tune(shapes, dtypes, passes, device: str, progress=sys.stderr, jobs: int = 0) -> dict:
     """Measure every (backend, path) candidate per problem and keep the fastest (CUDA-graph GPU time for
-    few-row problems, eager do_bench otherwise); every candidate's GB/s is kept in the entry."""
+    few-row problems, eager do_bench otherwise); every candidate's GB/s is kept in the entry. A candidate
+    replaces the heuristics' default only if it still wins when both are timed again, and at an odd length
+    inside the bucket the entry covers (the entry's "probe")."""
 
     import fastsoftmax as fs
 
@@ -557,52 +559,77 @@ def tune(shapes, dtypes, passes, device: str, progress=sys.stderr, jobs: int = 0
 
     if device == "cuda":
         warm(_jobs_for(shapes, dtypes, passes, names), jobs, progress)
+
+    def inputs(m, n, dtype):
+        x = torch.randn(m, n, device=device, dtype=dtype) * 3
+        return x, torch.softmax(x, -1), torch.randn(m, n, device=device, dtype=dtype)
+
+    def gbps(name, pass_, cls, x, y, dy):
+        backend, path = name.split("/")
+        nbytes = (2 if pass_ == "fwd" else 3) * x.numel() * x.element_size()
+        with heuristics.force(path=path):
+            if pass_ == "fwd":
+                fn = lambda: fs.softmax(x, backend=backend)  # noqa: E731
+            else:
+                fn = lambda: fs.softmax_backward(dy, y, backend=backend)  # noqa: E731
+            problem = _check(fn(), x, y, dy, pass_)[1]
+            if problem:
+                raise Unsupported(problem)
+            timed = graphed(fn) if device == "cuda" and cls == "few" else fn
+            return nbytes / time_ms(timed, device) / 1e6
+
     entries = []
     for pass_ in passes:
         for dt in dtypes:
             dtype = getattr(torch, dt)
+            below: dict = {}  # rows class -> the previous length measured: the bucket's lower end
             for m, n in shapes:
                 cls = tuning.rows_class(m, sms)
-                x = torch.randn(m, n, device=device, dtype=dtype) * 3
-                y, dy = torch.softmax(x, -1), torch.randn(m, n, device=device, dtype=dtype)
-                nbytes = (2 if pass_ == "fwd" else 3) * x.numel() * x.element_size()
+                x, y, dy = inputs(m, n, dtype)
                 results = {}
-
-                def gbps(name, x=x, y=y, dy=dy, pass_=pass_, cls=cls, nbytes=nbytes):
-                    backend, path = name.split("/")
-                    with heuristics.force(path=path):
-                        if pass_ == "fwd":
-                            fn = lambda: fs.softmax(x, backend=backend)  # noqa: E731
-                        else:
-                            fn = lambda: fs.softmax_backward(dy, y, backend=backend)  # noqa: E731
-                        problem = _check(fn(), x, y, dy, pass_)[1]
-                        if problem:
-                            raise Unsupported(problem)
-                        timed = graphed(fn) if device == "cuda" and cls == "few" else fn
-                        return nbytes / time_ms(timed, device) / 1e6
-
                 for backend, path in candidates(n, m, x.element_size(), pass_, device):
                     try:
-                        results[f"{backend}/{path}"] = gbps(f"{backend}/{path}")
+                        results[f"{backend}/{path}"] = gbps(f"{backend}/{path}", pass_, cls, x, y, dy)
                     except Exception as e:  # a candidate that fails is left out, and said
                         if progress is not None:
                             progress.write(f"  {pass_} {dt} {m}x{n} {backend}/{path}: {type(e).__name__}: {e}\n")
+                lo, below[cls] = below.get(cls, n // 2), n
                 if not results:
                     continue
                 default = "triton/" + heuristics.launch_shape(n, m, x.element_size(), False, sms, None,
                                                               inputs=1 if pass_ == "fwd" else 2).path  # fmt: skip
                 best = tuning.pick(results, default)
+                probe = None
                 if best != default and default in results:
                     # One timing can be an outlier (2026-11-29: rowblock 3,040 GB/s at bwd bf16 65536x1024
                     # in the tune, 4,215 in the benchmark run after it). A pick that replaces the default is
                     # timed again, the default too, and each keeps its better figure before picking again.
                     for name in (default, best):
-                        results[name] = max(results[name], gbps(name))
+                        results[name] = max(results[name], gbps(name, pass_, cls, x, y, dy))
                     best = tuning.pick(results, default)
+                if best != default and default in results and n - lo > 2:
+                    # The entry covers (lo, n]; a path that wins at n can lose inside (2026-11-29: the CUDA
+                    # cluster took fp32 forward 32K-64K from a win at 65536, and ran 37984 at 0.73x Triton).
+                    # It must also win at an odd length in the middle of the bucket.
+                    n2 = (lo + n) // 2 | 1
+                    m2 = m if cls == "few" else max(m, (m * n) // n2)
+                    del x, y, dy
+                    x, y, dy = inputs(m2, n2, dtype)
+                    probe = {"M": m2, "N": n2, "candidates": {}}
+                    try:
+                        for name in (default, best):
+                            probe["candidates"][name] = gbps(name, pass_, cls, x, y, dy)
+                        if tuning.pick(probe["candidates"], default) != best:
+                            best = default
+                    except Exception as e:  # the pick cannot run inside its bucket: keep the default
+                        probe["error"] = f"{type(e).__name__}: {e}"
+                        best = default
                 backend, path = best.split("/")
-                entries.append({"pass": pass_, "dtype": dt, "rows": cls, "n_max": n, "M": m, "backend": backend,
-                                "path": path, "gbps": results[best], "default": default,
-                                "candidates": results})  # fmt: skip
+                entry = {"pass": pass_, "dtype": dt, "rows": cls, "n_max": n, "M": m, "backend": backend,
+                         "path": path, "gbps": results[best], "default": default, "candidates": results}  # fmt: skip
+                if probe is not None:
+                    entry["probe"] = probe
+                entries.append(entry)
                 if progress is not None:
                     progress.write(f"{pass_} {dt} {m}x{n} ({cls}): {best} {results[best]:.0f} GB/s\n")
                     progress.flush()

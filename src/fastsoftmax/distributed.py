@@ -134,7 +134,7 @@ class _CrossEntropy(torch.autograd.Function):
             own = (t != ignore_index) & (local_t >= 0) & (local_t < v_local)
             x_t = torch.zeros_like(lse)
             if v_local:
-                x_t = torch.where(own, xf.to(stat).gather(-1, torch.where(own, local_t, 0).long()[:, None])[:, 0], 0.0)
+                x_t = torch.where(own, xf.gather(-1, torch.where(own, local_t, 0).long()[:, None])[:, 0].to(stat), 0.0)
             st = torch.stack([lse, x_t, sum_x], -1)
             head = torch.tensor([[float(v_local), 0.0, 0.0]], dtype=stat, device=x.device)
             return torch.cat([head, st]), offset
