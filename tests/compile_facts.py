@@ -67,5 +67,44 @@ def main():
     json.dump(out, sys.stdout)
 
 
+def ce_facts():
+    """The cross-entropy kernels at the launch shapes loss.py takes (triton/cross_entropy.py's _shape), for
+    aligned and odd vocabularies, sm_90a."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from fastsoftmax.triton import cross_entropy as ce
+
+    ty = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+    out = []
+    for dtype in ("bfloat16", "float32"):
+        for v in (32000, 50257, 151936):
+            for backward in (False, True):
+                rows, block, warps = ce._shape(v, 4 if dtype == "float32" else 2, backward)
+                kernel = ce.ce_bwd if backward else ce.ce_fwd
+                ptrs = {"x_ptr": ty[dtype], "t_ptr": "i64", "loss_ptr": "fp32", "lse_ptr": "fp32", "g_ptr": "fp32",
+                        "dx_ptr": ty[dtype]}  # fmt: skip
+                consts = {"ROWS": rows, "BLOCK_N": block, "SMOOTH": True, "MEAN": True}
+                ints = {"v": v, "sx": v, "sdx": v}
+                names = kernel.arg_names
+                sig = {k: "constexpr" if k in consts else f"*{ptrs[k]}" if k in ptrs else "fp32" if k == "smoothing"
+                       else "i32" for k in names}  # fmt: skip
+                div16 = [k for k in names if k in ptrs or (k in ints and ints[k] % 16 == 0)]
+                src = ASTSource(fn=kernel, signature=sig, constexprs={(names.index(k),): c for k, c in consts.items()
+                                                                      if k in names},
+                                attrs={(names.index(k),): [["tt.divisibility", 16]] for k in div16})  # fmt: skip
+                k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+                ptx = k.asm["ptx"]
+                rep = ptxas_report(ptx, "sm_90a")
+                out.append({
+                    "kernel": kernel.__name__, "dtype": dtype, "v": v, "block_n": block, "num_warps": warps,
+                    "loads": sorted(set(re.findall(r"ld\.global[.\w]*", ptx))),
+                    "stores": sorted(set(re.findall(r"st\.global[.\w]*", ptx))),
+                    **{k: v for k, v in rep.items() if k != "log"},
+                })  # fmt: skip
+    json.dump(out, sys.stdout)
+
+
 if __name__ == "__main__":
-    main()
+    ce_facts() if sys.argv[1:] == ["ce"] else main()
