@@ -23,11 +23,15 @@ def assert_grad(dx, dy, y, dim, log, out_dtype=None):
 
 
 def forward_backward(x, dy, dim, log, backend="triton", **force):
-    """y = f(x) and dx from autograd, outputs poisoned, path forced; returns (y, dx, backward plan)."""
+    """y = f(x) and dx from autograd, outputs poisoned, path forced; returns (y, dx, backward plan). The
+    plan comes from the backward function called here with the same arguments (on CUDA autograd runs the
+    backward on its own thread, which records its own plan), and that call must give autograd's dx."""
     x = x.detach().requires_grad_()
     with heuristics.force(poison=True, **force):
         y = FNS[log](x, dim, backend=backend)
         (dx,) = torch.autograd.grad(y, x, dy)
+        direct = BWD[log](dy, y.detach(), dim, dtype=x.dtype, backend=backend)
+    torch.testing.assert_close(direct, dx, rtol=0, atol=0, equal_nan=True)
     return y.detach(), dx, heuristics.last_plan()
 
 
