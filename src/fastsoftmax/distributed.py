@@ -159,7 +159,7 @@ class _CrossEntropy(torch.autograd.Function):
         loss = torch.where(keep, loss, 0.0)
         ctx.save_for_backward(x, target, lse_g)
         ctx.args = (ignore_index, reduction, smoothing, offset, v_total)
-        out = _reduce(loss, t, ignore_index, reduction, x.dtype)
+        out = _reduce(loss, keep.sum(), reduction, x.dtype)
         return out.reshape(target.shape) if reduction == "none" else out
 
     @staticmethod
@@ -167,7 +167,7 @@ class _CrossEntropy(torch.autograd.Function):
         x, target, lse = ctx.saved_tensors
         ignore_index, reduction, smoothing, offset, v_total = ctx.args
         t = target.reshape(-1)
-        g = _row_grad(grad, t, ignore_index, reduction, t.shape[0]).to(lse.dtype)
+        g = _row_grad(grad, (t != ignore_index).sum(), reduction, t.shape[0]).to(lse.dtype)
         dx = dlogits_torch(x.reshape(t.shape[0], x.shape[-1]), t, lse, g, ignore_index, smoothing, offset, v_total)
         return dx.to(x.dtype).reshape(x.shape), None, None, None, None, None
 

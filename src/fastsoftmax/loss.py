@@ -111,35 +111,23 @@ def dlogits_torch(x, t, lse, g, ignore_index: int, smoothing: float, offset: int
     return torch.where(keep[:, None], d * g.to(d.dtype)[:, None], 0.0)
 
 
-def rows_backward(x, t, lse, g, ignore_index: int, smoothing: float, backend: str, dtype):
-    """dlogits (M, V) in ``dtype`` from the saved per-row lse and the per-row upstream gradient g (M,)."""
-    if _backend(x, backend) == "torch":
-        heuristics.record(heuristics.Plan("torch", "cross_entropy"))
-        return dlogits_torch(x, t, lse, g, ignore_index, smoothing).to(dtype)
-    from .triton import cross_entropy as k
-
-    dx = torch.empty(x.shape, dtype=dtype, device=x.device)
-    shape = _launch(k, x.shape[-1])
-    with dispatch._on_device(x):
-        return k.backward(x, t, lse, g.to(torch.float32).contiguous(), ignore_index, smoothing, dx, shape)
-
-
-def _reduce(loss_rows, t, ignore_index, reduction, out_dtype):
+def _reduce(loss_rows, kept, reduction, out_dtype):
+    """``kept``: the number of rows not ignored (a 0-d tensor), the mean's divisor."""
     if reduction == "none":
         return loss_rows.to(out_dtype)
     total = loss_rows.sum()
     if reduction == "sum":
         return total.to(out_dtype)
-    return (total / (t != ignore_index).sum()).to(out_dtype)
+    return (total / kept).to(out_dtype)
 
 
-def _row_grad(grad, t, ignore_index, reduction, m):
-    """The upstream gradient of each row's loss."""
+def _row_grad(grad, kept, reduction, m):
+    """The upstream gradient of each row's loss (``kept``: as _reduce's)."""
     if reduction == "none":
         return grad.reshape(m)
     g = grad.reshape(()).expand(m)
     if reduction == "mean":
-        g = g / (t != ignore_index).sum()
+        g = g / kept
     return g
 
 
@@ -150,27 +138,10 @@ def cross_entropy(logits, target, *, ignore_index=-100, reduction="mean", label_
         return torch.ops.fastsoftmax.cross_entropy(logits, target, ignore_index, reduction, float(label_smoothing),
                                                    backend)[0]  # fmt: skip
     if logits.requires_grad and torch.is_grad_enabled():
-        return _CrossEntropyEager.apply(logits, target, ignore_index, reduction, float(label_smoothing), backend)[0]
+        from .ops import CrossEntropyEager  # the custom op's code without its dispatch (ops.py)
+
+        return CrossEntropyEager.apply(logits, target, ignore_index, reduction, float(label_smoothing), backend)[0]
     return _forward(logits, target, ignore_index, reduction, float(label_smoothing), backend)[0]
-
-
-class _CrossEntropyEager(torch.autograd.Function):
-    """The eager autograd path: the custom op's forward and backward (ops.py) without its dispatch layers,
-    which cost ~0.4 ms of host time per call on the H200 (dev/profile_ce.py), more than the kernels of
-    8192x32000 bf16 logits. torch.compile traces the custom op instead."""
-
-    @staticmethod
-    def forward(ctx, logits, target, ignore_index, reduction, smoothing, backend):
-        out, stats = _forward(logits, target, ignore_index, reduction, smoothing, backend)
-        ctx.save_for_backward(logits, target, stats)
-        ctx.args = (ignore_index, reduction, smoothing, backend)
-        ctx.mark_non_differentiable(stats)
-        return out, stats
-
-    @staticmethod
-    def backward(ctx, grad, _grad_stats):
-        logits, target, stats = ctx.saved_tensors
-        return _backward(logits, target, stats, grad, *ctx.args), None, None, None, None, None
 
 
 def _flat(logits, target):
@@ -202,7 +173,7 @@ def _forward(logits, target, ignore_index, reduction, smoothing, backend):
         loss_rows = lse = torch.zeros(0, dtype=torch.float32, device=x.device)
     kept = (t != ignore_index).sum().to(lse.dtype)
     stats = torch.cat([lse, kept[None], torch.ones(1, dtype=lse.dtype, device=x.device)])
-    loss = _reduce(loss_rows, t, ignore_index, reduction, logits.dtype)
+    loss = _reduce(loss_rows, kept, reduction, logits.dtype)
     return (loss.reshape(target.shape) if reduction == "none" else loss), stats
 
 
@@ -220,5 +191,5 @@ def _backward(logits, target, stats, grad, ignore_index, reduction, smoothing, b
         return dx.reshape(logits.shape)
     if m:
         heuristics.record(heuristics.Plan("torch", "cross_entropy"))
-    g = _row_grad(grad, t, ignore_index, reduction, m).to(stats.dtype)
+    g = _row_grad(grad, stats[m], reduction, m).to(stats.dtype)  # stats[m]: the forward's kept-row count
     return dlogits_torch(x, t, stats[:m], g, ignore_index, smoothing).to(logits.dtype).reshape(logits.shape)

@@ -13,9 +13,17 @@ from . import api, loss, masking
 from .reference import softmax_backward_torch
 
 
+def _softmax(x, dim, log, dtype, backend):
+    return api.forward(x, dim, log=log, dtype=dtype, backend=backend, fn="log_softmax" if log else "softmax")[0]
+
+
+def _softmax_backward(dy, y, dim, log, dtype, backend):
+    return api.backward(dy, y, dim, log=log, dtype=dtype, backend=backend)
+
+
 @torch.library.custom_op("fastsoftmax::softmax", mutates_args=())
 def softmax(x: torch.Tensor, dim: int, log: bool, dtype: torch.dtype | None, backend: str) -> torch.Tensor:
-    return api.forward(x, dim, log=log, dtype=dtype, backend=backend, fn="log_softmax" if log else "softmax")[0]
+    return _softmax(x, dim, log, dtype, backend)
 
 
 @softmax.register_fake
@@ -27,7 +35,7 @@ def _(x, dim, log, dtype, backend):
 def softmax_backward(
     dy: torch.Tensor, y: torch.Tensor, dim: int, log: bool, dtype: torch.dtype, backend: str
 ) -> torch.Tensor:
-    return api.backward(dy, y, dim, log=log, dtype=dtype, backend=backend)
+    return _softmax_backward(dy, y, dim, log, dtype, backend)
 
 
 @softmax_backward.register_fake
@@ -41,37 +49,38 @@ def _setup_context(ctx, inputs, output):
     ctx.dim, ctx.log, ctx.x_dtype, ctx.backend = dim, log, x.dtype, backend
 
 
-def _backward(ctx, dy):
+def _backward(ctx, dy, kernel_backward=None):
+    """``kernel_backward``: what computes dx without create_graph (default: the softmax_backward op)."""
     (y,) = ctx.saved_tensors
     if torch.is_grad_enabled():
         # create_graph=True: a gradient made of torch ops, itself differentiable, so double backward works.
         y1, dy1 = (y, dy) if y.dim() else (y.reshape(1), dy.reshape(1))
         dx = softmax_backward_torch(dy1, y1, ctx.dim % y1.dim(), ctx.log, ctx.x_dtype).reshape(y.shape)
     else:
-        dx = softmax_backward(dy, y, ctx.dim, ctx.log, ctx.x_dtype, ctx.backend)
+        dx = (kernel_backward or softmax_backward)(dy, y, ctx.dim, ctx.log, ctx.x_dtype, ctx.backend)
     return dx, None, None, None, None
 
 
 softmax.register_autograd(_backward, setup_context=_setup_context)
 
 
-class SoftmaxEager(torch.autograd.Function):
-    """The eager autograd path of softmax / log_softmax: the custom op's forward, context and backward
-    without its dispatch layers, which cost ~0.4 ms of host time per call on the H200 (torch.profiler,
-    dev/profile_ce.py: more than the kernels of a 500 MB problem). torch.compile traces the custom op."""
+# Eager autograd: the custom ops' forward, context and backward without the ops' dispatch layers. Under
+# torch.profiler on the H200 (dev/profile_ce.py; the profiler's own overhead included) the ops' wrappers
+# held ~0.4 ms of CPU time per call, more than the kernels of 500 MB of logits; without them fp32
+# cross-entropy fwd+bwd at 8192x32000 went from 73% to 93% of copy (bench/results/h200_ce*.txt).
+# torch.compile traces the custom ops instead (api.py and loss.py choose).
 
+
+class SoftmaxEager(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, log, dtype, backend):
-        y = api.forward(x, dim, log=log, dtype=dtype, backend=backend, fn="log_softmax" if log else "softmax")[0]
+        y = _softmax(x, dim, log, dtype, backend)
         _setup_context(ctx, (x, dim, log, dtype, backend), y)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        if torch.is_grad_enabled():
-            return _backward(ctx, dy)
-        (y,) = ctx.saved_tensors
-        return api.backward(dy, y, ctx.dim, log=ctx.log, dtype=ctx.x_dtype, backend=ctx.backend), None, None, None, None
+        return _backward(ctx, dy, _softmax_backward)
 
 
 @torch.library.custom_op("fastsoftmax::softmax_masked", mutates_args=())
@@ -158,10 +167,23 @@ def _setup_ce(ctx, inputs, output):
     ctx.mark_non_differentiable(output[1])
 
 
-def _backward_ce(ctx, grad_loss, _grad_lse):
+def _backward_ce(ctx, grad_loss, _grad_lse, kernel_backward=None):
     logits, target, stats = ctx.saved_tensors
-    dx = cross_entropy_backward(logits, target, stats, grad_loss, *ctx.args)
+    dx = (kernel_backward or cross_entropy_backward)(logits, target, stats, grad_loss, *ctx.args)
     return dx, None, None, None, None, None
 
 
 cross_entropy.register_autograd(_backward_ce, setup_context=_setup_ce)
+
+
+class CrossEntropyEager(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, ignore_index, reduction, label_smoothing, backend):
+        inputs = (logits, target, ignore_index, reduction, label_smoothing, backend)
+        out = loss._forward(*inputs)
+        _setup_ce(ctx, inputs, out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_lse):
+        return _backward_ce(ctx, grad_loss, grad_lse, loss._backward)

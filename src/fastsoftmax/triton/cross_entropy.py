@@ -127,7 +127,7 @@ def _shape(v: int, elsize: int, backward: bool) -> tuple[int, int, int]:
     of fp32 rows: 16384). Measured on the H200, 2026-11-29 (dev/sweep_launch.py ce, V = 32000..256000):
     the forward at 4 warps (bf16 50257: 2,878 GB/s vs 2,575 at 8), the backward at 16 (fp32 50257:
     16384/16 3,467 vs 4096/8 2,281; others within 1-4%)."""
-    block = min(1 << (v - 1).bit_length(), 16384 if backward and elsize == 4 else 4096)  # plain ints: no Triton helper
+    block = min(1 << (v - 1).bit_length(), 16384 if backward and elsize == 4 else 4096)  # next power of two
     rows = max(1, min(16, 4096 // block))
     if block >= 4096:
         return rows, block, 16 if backward else 4
@@ -154,7 +154,7 @@ def forward(x, t, ignore_index: int, smoothing: float, reduction: str, out_dtype
             o.fill_(float("nan"))
     rows, block, warps = shape
     ce_fwd[(-(-m // rows),)](x, t, rows_loss, stats, m, v, x.stride(0), ignore_index, float(smoothing),
-                                    ROWS=rows, BLOCK_N=block, SMOOTH=smoothing != 0.0, num_warps=warps)  # fmt: skip
+                             ROWS=rows, BLOCK_N=block, SMOOTH=smoothing != 0.0, num_warps=warps)  # fmt: skip
     ce_finish[(1,)](rows_loss, t, out, stats[m:], m, v, ignore_index, REDUCTION=REDUCTIONS[reduction],
                     BLOCK=FINISH_BLOCK, num_warps=4)  # fmt: skip
     return out, stats
@@ -168,6 +168,6 @@ def backward(x, t, stats, g, ignore_index: int, smoothing: float, mean: bool, dx
         dx.fill_(float("nan"))
     rows, block, warps = shape
     ce_bwd[(-(-m // rows),)](x, t, stats, g, dx, m, v, x.stride(0), dx.stride(0), g.stride(0) if g.dim() else 0,
-                                    ignore_index, float(smoothing), ROWS=rows, BLOCK_N=block,
-                                    SMOOTH=smoothing != 0.0, MEAN=mean, num_warps=warps)  # fmt: skip
+                             ignore_index, float(smoothing), ROWS=rows, BLOCK_N=block, SMOOTH=smoothing != 0.0,
+                             MEAN=mean, num_warps=warps)  # fmt: skip
     return dx
