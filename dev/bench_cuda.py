@@ -1,8 +1,10 @@
 """CUDA backend variants vs the Triton backend (auto) vs torch eager, forward and backward, GB/s (forward
 2 bytes moved per element byte, backward 3), do_bench medians with L2 flushed; copy bandwidth first.
 Each implementation is checked against the float64 oracle on a few rows before it is timed.
-Usage: bench_cuda.py [fwd|bwd|all] [graph] [quick] [occupancy] (quick: six shapes, no three_pass;
-occupancy: also each variant under the EXPERIMENTS caps: CTAs per SM, vectors per thread, CTA size)."""
+Usage: bench_cuda.py [fwd|bwd|all] [graph] [quick] [long] [occupancy] (quick: six shapes, no three_pass;
+long: the suite's rows of 16384 and more plus two short shapes, no three_pass, the cluster and block variants
+also under LONG_EXPERIMENTS; occupancy: also each variant under the EXPERIMENTS caps: CTAs per SM, vectors
+per thread, CTA size)."""
 
 import sys
 
@@ -20,6 +22,7 @@ VARIANTS = ["warp", "block", "cluster", "online", "three_pass"]
 # occupancy mode: registers capped for more CTAs per SM, fewer vectors per thread, smaller CTAs
 EXPERIMENTS = [{"min_ctas": 8}, {"min_ctas": 16}, {"k_max": 4}, {"k_max": 2}, {"group_max": 256}, {"group_max": 128},
                {"k_max": 4, "group_max": 256}]  # fmt: skip
+LONG_EXPERIMENTS = [{"k_max": 4}, {"group_max": 256}, {"k_max": 4, "group_max": 256}]
 QUICK = [(131072, 1024), (32768, 4096), (4096, 32000), (2048, 65536), (512, 262144), (8, 131072)]
 
 
@@ -52,7 +55,10 @@ def row(p, x, graph):
     cols.append(f"triton={gbps(fn('triton'), nbytes, graph):.0f}({heuristics.last_plan().path})")
     cols.append(f"cuda={gbps(fn('cuda'), nbytes, graph):.0f}({heuristics.last_plan().path})")
     for v in VARIANTS:
-        for extra in [{}] + (EXPERIMENTS if "occupancy" in sys.argv and v != "three_pass" else []):
+        extras = EXPERIMENTS if "occupancy" in sys.argv and v != "three_pass" else []
+        if "long" in sys.argv and v in ("cluster", "block"):
+            extras = LONG_EXPERIMENTS
+        for extra in [{}] + extras:
             try:
                 with heuristics.force(path=v, **extra):
                     assert ok("cuda")
@@ -67,7 +73,10 @@ def main():
     which = sys.argv[1] if len(sys.argv) > 1 else "all"
     graph = "graph" in sys.argv
     quick = "quick" in sys.argv
-    if quick:
+    shapes = QUICK if quick else SHAPES
+    if "long" in sys.argv:
+        shapes = [(m, n) for m, n in SHAPES if n >= 16384 or (m, n) in ((131072, 1024), (32768, 4096))]
+    if quick or "long" in sys.argv:
         VARIANTS.remove("three_pass")
     src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
@@ -79,7 +88,7 @@ def main():
         if which not in (p, "all"):
             continue
         for dtype in (torch.bfloat16, torch.float32):
-            for m, n in QUICK if quick else SHAPES:
+            for m, n in shapes:
                 x = torch.randn(m, n, device="cuda", dtype=dtype)
                 print(f"{p} {str(dtype)[6:]:9} {m}x{n:<8} {row(p, x, graph)}", flush=True)
 

@@ -21,6 +21,7 @@ pytest.importorskip("cuda.bindings.nvrtc", reason="the CUDA backend's NVRTC bind
 CASES = [  # (variant, dtype, n, rows): what each variant runs on an H200
     ("three_pass", "float32", 513, 4096),
     ("warp", "bfloat16", 513, 4096),
+    ("warp", "float32", 100, 4096),  # a sub-warp row (8 threads): the CTA reduction compiled out
     ("warp", "float32", 1024, 4096),
     ("block", "bfloat16", 8192, 4096),
     ("block", "float32", 16384, 4096),

@@ -60,6 +60,11 @@ class Config:
     def entry(self) -> str:
         return ENTRY[self.kind]
 
+    def entry_for(self, log: bool) -> str:
+        """The kernel's name for softmax or log_softmax: the on-chip and streaming forwards have one entry
+        point each (fs_fwd, fs_fwd_log); the others read the flag from their parameters."""
+        return self.entry + "_log" if log and self.kind == "fwd" else self.entry
+
 
 @dataclass(frozen=True)
 class Compiled:

@@ -177,6 +177,7 @@ def _device_facts(index: int) -> tuple[int, int, str]:
 
 
 _functions: dict = {}
+_modules: dict = {}  # (cfg, index): the loaded cubin, which holds both forward entry points
 _lock = threading.Lock()
 
 
@@ -189,9 +190,10 @@ def _ensure_context(index: int):
         _ok(cu.cuCtxSetCurrent(_ok(cu.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")), "cuCtxSetCurrent")
 
 
-def function(cfg: build.Config, index: int):
-    """The loaded kernel of ``cfg`` on device ``index`` (compiled and loaded once)."""
-    key = (cfg, index)
+def function(cfg: build.Config, index: int, log: bool = False):
+    """The loaded kernel of ``cfg`` on device ``index`` (compiled and loaded once), for softmax or
+    log_softmax (``cfg.entry_for(log)``: the forwards have an entry point each)."""
+    key = (cfg, index, log)
     fn = _functions.get(key)
     if fn is not None:
         return fn
@@ -201,9 +203,11 @@ def function(cfg: build.Config, index: int):
             cu = driver()
             _ok(cu.cuInit(0), "cuInit")
             _ensure_context(index)
-            binary = build.compile_kernel(cfg, _device_facts(index)[2]).binary
-            module = _ok(cu.cuModuleLoadData(binary), f"loading the cubin of {cfg}")
-            fn = _ok(cu.cuModuleGetFunction(module, cfg.entry.encode()), "cuModuleGetFunction")
+            module = _modules.get((cfg, index))
+            if module is None:
+                binary = build.compile_kernel(cfg, _device_facts(index)[2]).binary
+                module = _modules[cfg, index] = _ok(cu.cuModuleLoadData(binary), f"loading the cubin of {cfg}")
+            fn = _ok(cu.cuModuleGetFunction(module, cfg.entry_for(log).encode()), "cuModuleGetFunction")
             if cfg.cluster > 8:
                 attr = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED
                 _ok(cu.cuFuncSetAttribute(fn, attr, 1), "cuFuncSetAttribute(non-portable cluster size)")
@@ -300,7 +304,7 @@ def forward(x: torch.Tensor, y: torch.Tensor, dim: int, log: bool, want_lse: boo
         lay.B * lay.I, lay.I, sxb, sxi, sxn, syb, syi, syn, 0, 0, 0, lay.I, 1, lay.N, int(log),
     )  # fmt: skip
     cfg = _config("fwd", shape, xk, y)
-    fn = function(cfg, index)
+    fn = function(cfg, index, log)
     _record(shape, xk, lay, lay.copied)
     _ensure_context(index)
     _launch(fn, _grid(shape, lay.B * lay.I), shape.group * shape.rows, shape.cluster, params, _stream(y))

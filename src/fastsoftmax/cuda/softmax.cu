@@ -13,6 +13,9 @@
 //   K         16-byte vectors of the row each thread holds in registers (STREAM 0)
 //   STREAM    1: loop over the row twice instead of holding it (any length)
 //
+// Entry points: fs_fwd / fs_fwd_log (FS_KIND 1: softmax / log_softmax, p.log unused), fs_bwd, fs_fwd3 and
+// fs_bwd3 (these read p.log).
+//
 // Semantics (as every fastsoftmax backend): the row max is subtracted before exp; a row that is all -inf
 // gives zeros (softmax) / -inf (log_softmax) and logsumexp -inf; NaN anywhere in a row, or +inf, gives NaN
 // across the row; the backward gives dx = 0 on fully masked rows (sum f == 0) whatever dy holds.
@@ -245,32 +248,46 @@ __device__ __forceinline__ float cluster_load(const float* local, u32 rank) {
     return v;
 }
 
-// Reduce a pair over the GROUP threads of a row in this CTA, then over the CLUSTER CTAs of the row. Every
-// thread of the row ends with the same bits (xor butterflies are symmetric; smem and cluster partials are
-// merged in rank order by every thread). Called once per kernel, by every thread of the CTA.
-template <bool MS> __device__ __forceinline__ Pair reduce(Pair v) {
-    constexpr int W = GROUP < 32 ? GROUP : 32;
+// A pair reduced over the lanes of a warp whose xor offsets are below W (every such lane ends with the
+// same bits: the merges are commutative, so the butterfly is symmetric).
+template <bool MS, int W> __device__ __forceinline__ Pair butterfly(Pair v) {
 #pragma unroll
     for (int off = W / 2; off > 0; off /= 2) {
         Pair o = {__shfl_xor_sync(0xffffffffu, v.a, off), __shfl_xor_sync(0xffffffffu, v.b, off)};
         combine<MS>(v, o);
     }
-    if (GROUP > 32) {
-        __shared__ Pair warps[GROUP > 32 ? GROUP / 32 : 1];
-        if (threadIdx.x % 32 == 0) warps[threadIdx.x / 32] = v;
+    return v;
+}
+
+// Lane 0's pair, in every lane of the warp.
+__device__ __forceinline__ Pair from_lane0(Pair v) {
+    return {__shfl_sync(0xffffffffu, v.a, 0), __shfl_sync(0xffffffffu, v.b, 0)};
+}
+
+// Reduce a pair over the GROUP threads of a row in this CTA, then over the CLUSTER CTAs of the row. Every
+// thread of the row ends with the same bits. Past a warp, each warp merges the per-warp partials by a
+// butterfly over lanes (lane w reading warp w's partial) instead of each thread merging them one by one,
+// and in a cluster lane r reads CTA r's partial through distributed shared memory (per CTA, a few remote
+// loads per warp, not two per rank per thread); lane 0's result is then every lane's (the lanes past the
+// partials merged copies). Called once per kernel, by every thread of the CTA.
+template <bool MS> __device__ __forceinline__ Pair reduce(Pair v) {
+    static_assert(CLUSTER == 1 || GROUP > 32, "a cluster shares rows of one CTA each");
+    v = butterfly<MS, GROUP < 32 ? GROUP : 32>(v);
+    if constexpr (GROUP > 32) {  // one row per CTA
+        constexpr int NW = GROUP / 32;
+        __shared__ Pair warps[NW > 0 ? NW : 1];  // (declared, not used, when GROUP <= 32)
+        const int lane = threadIdx.x % 32;
+        if (lane == 0) warps[threadIdx.x / 32] = v;
         __syncthreads();
-        v = warps[0];
-#pragma unroll
-        for (int w = 1; w < GROUP / 32; ++w) combine<MS>(v, warps[w]);
-    }
-    if (CLUSTER > 1) {
-        __shared__ float part[2];
-        if (threadIdx.x == 0) { part[0] = v.a; part[1] = v.b; }
-        cluster_sync();  // every CTA's partial is written and visible cluster-wide
-        v = {cluster_load(&part[0], 0), cluster_load(&part[1], 0)};
-#pragma unroll
-        for (u32 r = 1; r < CLUSTER; ++r) combine<MS>(v, {cluster_load(&part[0], r), cluster_load(&part[1], r)});
-        cluster_sync();  // no CTA leaves (its shared memory) while another still reads it
+        v = from_lane0(butterfly<MS, NW>(warps[lane < NW ? lane : 0]));  // lanes past NW merged no full set
+        if constexpr (CLUSTER > 1) {
+            __shared__ Pair part;
+            if (threadIdx.x == 0) part = v;
+            cluster_sync();  // every CTA's partial is written and visible cluster-wide
+            if (lane < CLUSTER) v = {cluster_load(&part.a, lane), cluster_load(&part.b, lane)};
+            v = from_lane0(butterfly<MS, CLUSTER < 32 ? CLUSTER : 32>(v));
+            cluster_sync();  // no CTA leaves (its shared memory) while another still reads it
+        }
     }
     return v;
 }
@@ -335,7 +352,7 @@ constexpr int MIN_CTAS = MIN_CTAS_SET;
 // (The one exception, checked by compiling every variant: a lone 512-thread CTA holding 8 fp32 vectors per
 // thread, which ptxas spills 8 bytes for at 64.)
 constexpr bool LONE_FULL_CTA = !STREAM && CLUSTER == 1 && GROUP * ROWS == 512 && K == 8;
-constexpr int REG_BUDGET = FS_KIND == 1 && (STREAM || (IN_T == 0 && !LONE_FULL_CTA)) ? 64 : 128;
+constexpr int REG_BUDGET = FS_KIND == 1 && (STREAM || (K * VEC <= 32 && !LONE_FULL_CTA)) ? 64 : 128;
 constexpr int CTAS_FOR_BUDGET = 65536 / (GROUP * ROWS * REG_BUDGET);
 constexpr int MIN_CTAS = CTAS_FOR_BUDGET < 1 ? 1 : CTAS_FOR_BUDGET > 16 ? 16 : CTAS_FOR_BUDGET;
 #endif
@@ -369,7 +386,8 @@ template <int N> __device__ __forceinline__ void fold(float& m, float& s, const 
     m = mv;
 }
 
-extern "C" __global__ void __launch_bounds__(GROUP * ROWS, MIN_CTAS) fs_fwd(const Params p) {
+#if STREAM
+template <bool LOG> __device__ __forceinline__ void fwd_body(const Params& p) {
     const Thread T = thread_of(p);
     const Row R = row_geometry<IN_T, OUT_T, IN_T>(p, T.row);
 
@@ -381,17 +399,11 @@ extern "C" __global__ void __launch_bounds__(GROUP * ROWS, MIN_CTAS) fs_fwd(cons
         const float base = m == NEG_INF ? 0.f : m;
         s = __expf(hv - base) + __expf(tv - base);
     }
-#if STREAM
     for (int v0 = T.g; v0 < R.nv; v0 += BATCH * T.G) {
         Raw<IN_T> r[BATCH];
         load_body<BATCH>(r, R, v0, T.G, true);
         fold<BATCH>(m, s, r);
     }
-#else
-    Raw<IN_T> r[K];
-    load_body<K>(r, R, T.g, T.G, true);
-    fold<K>(m, s, r);
-#endif
     Pair ms = reduce<true>({m, s});
     m = ms.a;
     const float inv = 1.0f / ms.b, logs = logf(ms.b);
@@ -401,18 +413,84 @@ extern "C" __global__ void __launch_bounds__(GROUP * ROWS, MIN_CTAS) fs_fwd(cons
         row_of(p, T.row, b, i);
         p.lse[b * p.slb + i * p.sli] = m == NEG_INF ? NEG_INF : m + logs;
     }
-    if (T.g < R.h) store1<OUT_T>(R.y + T.g * R.ys, out_value(hv, m, inv, logs, p.log));
-    if (T.g < R.t) store1<OUT_T>(R.yb + ((i64)R.nv * VEC + T.g) * R.ys, out_value(tv, m, inv, logs, p.log));
-#if STREAM
+    if (T.g < R.h) store1<OUT_T>(R.y + T.g * R.ys, out_value(hv, m, inv, logs, LOG));
+    if (T.g < R.t) store1<OUT_T>(R.yb + ((i64)R.nv * VEC + T.g) * R.ys, out_value(tv, m, inv, logs, LOG));
     for (int v0 = T.g; v0 < R.nv; v0 += BATCH * T.G) {
         Raw<IN_T> r2[BATCH];
         load_body<BATCH>(r2, R, v0, T.G, true);
-        write_body<BATCH>(R, v0, T.G, [&](int k, int j) { return out_value(elem<IN_T>(r2[k], j), m, inv, logs, p.log); });
+        write_body<BATCH>(R, v0, T.G, [&](int k, int j) { return out_value(elem<IN_T>(r2[k], j), m, inv, logs, LOG); });
     }
-#else
-    write_body<K>(R, T.g, T.G, [&](int k, int j) { return out_value(elem<IN_T>(r[k], j), m, inv, logs, p.log); });
-#endif
 }
+#else
+// The row held on chip (one read), exp computed once per element for softmax: each thread subtracts its own
+// max mt, holds e = exp(x - mt) as floats, and after the row reduction gives (M, S) writes e * c with
+// c = exp(mt - M) / S. Special rows: M = -inf (all -inf): c = 0, zeros; NaN or +inf anywhere: S is NaN,
+// so c and every output are NaN, also on threads whose own values were all -inf (0 * NaN).
+// log_softmax holds x and writes (x - M) - log S.
+template <bool LOG> __device__ __forceinline__ void fwd_body(const Params& p) {
+    const Thread T = thread_of(p);
+    const Row R = row_geometry<IN_T, OUT_T, IN_T>(p, T.row);
+
+    float hv = NEG_INF, tv = NEG_INF;
+    if (T.g < R.h) hv = load1<IN_T>(R.x + T.g * R.xs);
+    if (T.g < R.t) tv = load1<IN_T>(R.xb + ((i64)R.nv * VEC + T.g) * R.xs);
+    float v[K][VEC];  // the thread's body values as floats (padding: -inf)
+    {
+        Raw<IN_T> r[K];
+        load_body<K>(r, R, T.g, T.G, true);
+#pragma unroll
+        for (int k = 0; k < K; ++k)
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) v[k][j] = elem<IN_T>(r[k], j);
+    }
+    float mt = maxnan(hv, tv);
+#pragma unroll
+    for (int k = 0; k < K; ++k)
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) mt = maxnan(mt, v[k][j]);
+    const float base = mt == NEG_INF ? 0.f : mt;  // all -inf here: exp(-inf - 0) = 0, never NaN
+    float s;
+    if (LOG) {
+        s = __expf(hv - base) + __expf(tv - base);
+#pragma unroll
+        for (int k = 0; k < K; ++k)
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) s += __expf(v[k][j] - base);
+    } else {
+        hv = __expf(hv - base);
+        tv = __expf(tv - base);
+        s = hv + tv;
+#pragma unroll
+        for (int k = 0; k < K; ++k)
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) { v[k][j] = __expf(v[k][j] - base); s += v[k][j]; }
+    }
+    const Pair ms = reduce<true>({mt, s});
+    const float m = ms.a, inv = 1.0f / ms.b, logs = logf(ms.b);
+    if (!T.row_ok) return;
+    if (p.lse && T.g == 0) {
+        i64 b, i;
+        row_of(p, T.row, b, i);
+        p.lse[b * p.slb + i * p.sli] = m == NEG_INF ? NEG_INF : m + logs;
+    }
+    if (LOG) {
+        if (T.g < R.h) store1<OUT_T>(R.y + T.g * R.ys, out_value(hv, m, inv, logs, 1));
+        if (T.g < R.t) store1<OUT_T>(R.yb + ((i64)R.nv * VEC + T.g) * R.ys, out_value(tv, m, inv, logs, 1));
+        write_body<K>(R, T.g, T.G, [&](int k, int j) { return out_value(v[k][j], m, inv, logs, 1); });
+    } else {
+        const float c = m == NEG_INF ? 0.f : (mt == NEG_INF ? 0.f : __expf(mt - m)) * inv;
+        if (T.g < R.h) store1<OUT_T>(R.y + T.g * R.ys, hv * c);
+        if (T.g < R.t) store1<OUT_T>(R.yb + ((i64)R.nv * VEC + T.g) * R.ys, tv * c);
+        write_body<K>(R, T.g, T.G, [&](int k, int j) { return v[k][j] * c; });
+    }
+}
+
+#endif
+
+// Two entry points, softmax and log_softmax (p.log is not read): one body each, so that ptxas allocates
+// registers for one set of held values (a runtime branch between both bodies in one kernel spilled).
+extern "C" __global__ void __launch_bounds__(GROUP * ROWS, MIN_CTAS) fs_fwd(const Params p) { fwd_body<false>(p); }
+extern "C" __global__ void __launch_bounds__(GROUP * ROWS, MIN_CTAS) fs_fwd_log(const Params p) { fwd_body<true>(p); }
 #endif
 
 #if FS_KIND == 2
