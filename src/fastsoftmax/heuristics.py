@@ -144,15 +144,18 @@ def split_count(n: int, block: int, n_rows: int, sm_count: int, path: str) -> in
     return max(1, min(chunks, want, MAX_SPLITS))
 
 
-# Test hooks: force a path or launch shape, poison outputs, and read back what ran (per thread).
+# Test hooks: force a path or launch shape and poison outputs (process-wide: on CUDA autograd runs the
+# backward on its own thread, which must obey the block too), and read back what ran (per thread).
 _state = threading.local()
+_force: dict | None = None
+_poison = False
 
 
 @contextmanager
 def force(*, poison: bool = False, **overrides):
-    """Within the block, every launch uses ``overrides`` (Triton: path=, block_n=, rows=, num_warps=,
-    splits=; CUDA: path= a variant, min_ctas= CTAs per SM its registers must allow, k_max= vectors per thread,
-    group_max= threads per row in a CTA) and, with ``poison``,
+    """Within the block, every launch (on any thread: autograd's too) uses ``overrides`` (Triton: path=,
+    block_n=, rows=, num_warps=, splits=; CUDA: path= a variant, min_ctas= CTAs per SM its registers must
+    allow, k_max= vectors per thread, group_max= threads per row in a CTA) and, with ``poison``,
     outputs are filled with NaN before the kernel writes them."""
     bad = set(overrides) - {"path", "block_n", "rows", "num_warps", "splits", "min_ctas", "k_max", "group_max"}
     if bad:
@@ -167,25 +170,26 @@ def force(*, poison: bool = False, **overrides):
     if "path" in overrides and overrides["path"] not in PATHS + CUDA_PATHS:
         valid = ", ".join(dict.fromkeys(PATHS + CUDA_PATHS))
         raise ValueError(f"unknown path {overrides['path']!r}; valid: {valid} (Triton: {', '.join(PATHS)})")
-    old = getattr(_state, "force", None), getattr(_state, "poison", False)
-    _state.force, _state.poison = overrides, poison
+    global _force, _poison
+    old = _force, _poison
+    _force, _poison = overrides, poison
     try:
         yield
     finally:
-        _state.force, _state.poison = old
+        _force, _poison = old
 
 
 def forced() -> dict | None:
-    return getattr(_state, "force", None)
+    return _force
 
 
 def poisoning() -> bool:
-    return getattr(_state, "poison", False)
+    return _poison
 
 
 def overridden() -> bool:
-    """Whether a force() block is active on this thread (overrides or poisoning): one read for the hot path."""
-    return getattr(_state, "force", None) is not None
+    """Whether a force() block is active (overrides or poisoning): one read for the hot path."""
+    return _force is not None
 
 
 def record(plan: Plan) -> Plan:
