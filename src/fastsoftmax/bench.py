@@ -545,7 +545,7 @@ def tune(shapes, dtypes, passes, device: str, progress=sys.stderr, jobs: int = 0
     """Measure every (backend, path) candidate per problem and keep the fastest (CUDA-graph GPU time for
     few-row problems, eager do_bench otherwise); every candidate's GB/s is kept in the entry. A candidate
     replaces the heuristics' default only if it still wins when both are timed again, and at an odd length
-    inside the bucket the entry covers (the entry's "probe")."""
+    inside the bucket the entry covers (the entry's "probes")."""
 
     import fastsoftmax as fs
 
@@ -599,7 +599,7 @@ def tune(shapes, dtypes, passes, device: str, progress=sys.stderr, jobs: int = 0
                 default = "triton/" + heuristics.launch_shape(n, m, x.element_size(), False, sms, None,
                                                               inputs=1 if pass_ == "fwd" else 2).path  # fmt: skip
                 best = tuning.pick(results, default)
-                probe = None
+                probes = []
                 if best != default and default in results:
                     # One timing can be an outlier (2026-11-29: rowblock 3,040 GB/s at bwd bf16 65536x1024
                     # in the tune, 4,215 in the benchmark run after it). A pick that replaces the default is
@@ -607,15 +607,18 @@ def tune(shapes, dtypes, passes, device: str, progress=sys.stderr, jobs: int = 0
                     for name in (default, best):
                         results[name] = max(results[name], gbps(name, pass_, cls, x, y, dy))
                     best = tuning.pick(results, default)
-                if best != default and default in results and n - lo > 2:
-                    # The entry covers (lo, n]; a path that wins at n can lose inside (2026-11-29: the CUDA
-                    # cluster took fp32 forward 32K-64K from a win at 65536, and ran 37984 at 0.73x Triton).
-                    # It must also win at an odd length in the middle of the bucket.
-                    n2 = (lo + n) // 2 | 1
+                # The entry covers (lo, n]; a path that wins at n can lose inside (2026-11-29: the CUDA cluster
+                # took fp32 forward 32K-64K from a win at 65536, and ran 37984 at 0.73x Triton; 2026-11-30: it
+                # won at 65536 and at the middle, 49153, and still ran 37984 at 0.87x). It must also win at odd
+                # lengths a quarter and half way into the bucket.
+                for n2 in sorted({(3 * lo + n) // 4 | 1, (lo + n) // 2 | 1}):
+                    if best == default or default not in results or not lo < n2 < n:
+                        break
                     m2 = m if cls == "few" else max(m, (m * n) // n2)
                     del x, y, dy
                     x, y, dy = inputs(m2, n2, dtype)
                     probe = {"M": m2, "N": n2, "candidates": {}}
+                    probes.append(probe)
                     try:
                         for name in (default, best):
                             probe["candidates"][name] = gbps(name, pass_, cls, x, y, dy)
@@ -627,8 +630,8 @@ def tune(shapes, dtypes, passes, device: str, progress=sys.stderr, jobs: int = 0
                 backend, path = best.split("/")
                 entry = {"pass": pass_, "dtype": dt, "rows": cls, "n_max": n, "M": m, "backend": backend,
                          "path": path, "gbps": results[best], "default": default, "candidates": results}  # fmt: skip
-                if probe is not None:
-                    entry["probe"] = probe
+                if probes:
+                    entry["probes"] = probes
                 entries.append(entry)
                 if progress is not None:
                     progress.write(f"{pass_} {dt} {m}x{n} ({cls}): {best} {results[best]:.0f} GB/s\n")

@@ -5,8 +5,8 @@ time: a GPU with no table, or a problem outside the table's buckets, gets the Tr
 heuristics.py's rules.
 
 Buckets: an entry measured at row length n_max covers (previous n_max, n_max]; lengths past the largest
-measured one have no entry. Since 2026-11-29 a path other than the default must also win at an odd length
-inside its bucket (bench.tune's probe); the committed H200 table predates that. Rows class: "few" when
+measured one have no entry. A path other than the default must also win at odd lengths a quarter and half
+way into its bucket (bench.tune's probes, recorded in the entry). Rows class: "few" when
 there are fewer than FEW_ROWS_PER_SM rows per SM (the GPU is filled only by spreading a row over several
 SMs), else "many".
 """
