@@ -106,5 +106,44 @@ def ce_facts():
     json.dump(out, sys.stdout)
 
 
+def loop_facts():
+    """The looping forward and backward kernels (online, split) at tiles of 1 and 64 rows, 1 and 8 warps,
+    chunks of 16 to 4096: how many reshapes that may reorder elements (`allow_reorder`) each TTGIR holds.
+    Triton 3.6 put one into a backward whose row sums were reduced inside the chunk loop, and on tiles where
+    a thread holds several rows it mixed rows (wrong gradients on the H200, 2026-11-30)."""
+    import itertools
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from fastsoftmax.triton import softmax_bwd, softmax_fwd
+
+    base = dict(VEC=1, INNER=False, EDGES=False, Y_VEC=False, IDX64=False, MASK=0, CAUSAL=False, SCALED=False,
+                WRITE_LSE=False, md1=1, md2=1, md3=1, msn=0, SPLITS=8)  # fmt: skip
+    kernels = [softmax_fwd.softmax_fwd_online, softmax_fwd.softmax_fwd_split_stats, softmax_bwd.softmax_bwd_online,
+               softmax_bwd.softmax_bwd_split_sums]  # fmt: skip
+    out = []
+    for kernel, (rows, block, warps, log) in itertools.product(
+        kernels, itertools.product((1, 64), (16, 64, 4096), (1, 8), (False, True))
+    ):
+        if rows * block > 65536:
+            continue
+        names = kernel.arg_names
+        consts = {k: v for k, v in {**base, "ROWS": rows, "BLOCK_N": block, "LOG": log}.items() if k in names}
+        sig = {k: "constexpr" if k in consts else "*fp32" if k.endswith("_ptr") else "fp32" if k == "scale"
+               else "i32" for k in names}  # fmt: skip
+        src = ASTSource(
+            fn=kernel,
+            signature=sig,
+            constexprs={(names.index(k),): v for k, v in consts.items()},
+            attrs={(names.index(k),): [["tt.divisibility", 16]] for k in names if k.endswith("_ptr")},
+        )
+        k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+        out.append({"kernel": kernel.__name__, "rows": rows, "block_n": block, "num_warps": warps, "log": log,
+                    "reorders": k.asm["ttgir"].count("allow_reorder"), "triton": triton.__version__})  # fmt: skip
+    json.dump(out, sys.stdout)
+
+
 if __name__ == "__main__":
-    ce_facts() if sys.argv[1:] == ["ce"] else main()
+    {"ce": ce_facts, "loops": loop_facts}.get(sys.argv[1] if sys.argv[1:] else "", main)()

@@ -117,6 +117,25 @@ def test_layouts(device, path, force, shape, dim, make):
         assert_grad(dx, dy, y, dim, log)
 
 
+@pytest.mark.parametrize("path", ["online", "split"])
+@pytest.mark.parametrize(
+    "shape,dim,permute,block_n",
+    [((2, 129, 2), 0, False, 16), ((2, 129), 0, False, 16), ((2, 5, 129), -1, True, 2), ((3, 5, 3, 8), 0, False, 16)],
+)
+def test_strided_rows_on_multi_row_tiles(device, path, shape, dim, permute, block_n):
+    """Short strided rows forced through the looping paths: tiles of 64 rows at 1 warp. On the H200 (Triton
+    3.6) the backward's row sums were rewritten by the compiler and mixed rows 32-63 with rows 0-31 (dx = 0
+    there) or every row (2026-11-30; dev/logs/2026-11-30-h200-debug_online_bwd.txt): the cases seen."""
+    gen = torch.Generator().manual_seed(7)
+    x = random_logits(shape, torch.float32, gen).to(device)
+    x = x.permute(*range(x.dim() - 1, -1, -1)) if permute else x
+    dy = torch.randn(x.shape, generator=gen).to(device)  # contiguous: copied to y's strides when permuted
+    for log in (False, True):
+        y, dx, plan = forward_backward(x, dy, dim, log, path=path, block_n=block_n)
+        assert (plan.path, plan.rows, plan.block_n) == (path, 64, block_n)
+        assert_grad(dx, dy, y, dim, log)
+
+
 @pytest.mark.parametrize("log", [False, True])
 def test_public_backward_functions(device, log):
     gen = torch.Generator().manual_seed(4)

@@ -55,6 +55,19 @@ def test_cross_entropy_kernels():
             assert "ld.global.v4.b32" not in f["loads"], f
 
 
+def test_loop_row_sums_are_never_reordered():
+    """No looping kernel (online, split; forward and backward) holds a reshape that may reorder elements on
+    a tile of several rows: Triton 3.6 (the H200 image's) rewrote the backward's per-chunk row sums into
+    thread-local partial sums that way, and on 64-row tiles at 1 warp mixed rows (wrong gradients,
+    2026-11-30). Multi-row tiles now sum chunks element-wise and reduce once after the loop. Triton 3.8
+    (CI's) rewrites neither form, so this test guards the H200's Triton (the GPU run compiles with it)."""
+    facts = _compile_facts("loops")
+    assert len(facts) == 80 and {f["kernel"] for f in facts} == {
+        "softmax_fwd_online", "softmax_fwd_split_stats", "softmax_bwd_online", "softmax_bwd_split_sums"}  # fmt: skip
+    bad = [f for f in facts if f["reorders"] and f["rows"] > 1]  # within one row a reorder cannot mix rows
+    assert not bad, bad
+
+
 def test_every_variant_compiles(facts):
     kinds = {(f["kernel"], f["arch"]) for f in facts}
     names = ["softmax_fwd_rowblock", "softmax_fwd_online", "softmax_fwd_split_stats", "softmax_fwd_split_write"]

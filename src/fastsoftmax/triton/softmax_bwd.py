@@ -60,13 +60,30 @@ def _finish(g, ok, col, mrow, q, m_ptr, msn, scale, c_off, MASK: tl.constexpr, C
 
 
 @triton.jit
-def _sums_range(y_ptr, dy_ptr, xs, c, ok, length, sxn, j0, j1, s, t, LOG: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Add chunks j0 <= j < j1 of the body to the row sums (s, t)."""
-    for j in range(j0, j1):
-        cols = j * BLOCK_N + c
-        a, f = _load_terms(y_ptr, dy_ptr, xs[:, None] + cols * sxn, ok[:, None] & (cols < length), LOG)
-        s += tl.sum(a, axis=1)
-        t += tl.sum(f, axis=1)
+def _sums_range(y_ptr, dy_ptr, xs, c, ok, length, sxn, j0, j1, s, t, LOG: tl.constexpr, ROWS: tl.constexpr,
+                BLOCK_N: tl.constexpr):  # fmt: skip
+    """Add chunks j0 <= j < j1 of the body to the row sums (s, t). A row sum inside the loop is rewritten by
+    Triton 3.6 into thread-local partial sums through a reshape that may reorder elements: harmless for one
+    row per program, but on tiles where a thread holds several rows (64 rows at 1 warp) it mixed rows, wrong
+    gradients on the H200 (2026-11-30, dev/logs/2026-11-30-h200-debug_online_bwd.txt; Triton 3.8 does not
+    rewrite it). Several rows: the chunks are summed element-wise and reduced once after the loop (more
+    registers, so one row keeps the in-loop sum that was measured)."""
+    if ROWS == 1:
+        for j in range(j0, j1):
+            cols = j * BLOCK_N + c
+            a, f = _load_terms(y_ptr, dy_ptr, xs[:, None] + cols * sxn, ok[:, None] & (cols < length), LOG)
+            s += tl.sum(a, axis=1)
+            t += tl.sum(f, axis=1)
+    else:
+        sa = tl.zeros([ROWS, BLOCK_N], tl.float32)
+        ta = tl.zeros([ROWS, BLOCK_N], tl.float32)
+        for j in range(j0, j1):
+            cols = j * BLOCK_N + c
+            a, f = _load_terms(y_ptr, dy_ptr, xs[:, None] + cols * sxn, ok[:, None] & (cols < length), LOG)
+            sa += a
+            ta += f
+        s += tl.sum(sa, axis=1)
+        t += tl.sum(ta, axis=1)
     return s, t
 
 
@@ -142,7 +159,7 @@ def softmax_bwd_online(
         s += tl.sum(ae, axis=1)
         t += tl.sum(fe, axis=1)
     n_chunks = tl.cdiv(n, BLOCK_N)
-    s, t = _sums_range(y_ptr, dy_ptr, xs, c, row_ok, length, sxn, 0, n_chunks, s, t, LOG, BLOCK_N)
+    s, t = _sums_range(y_ptr, dy_ptr, xs, c, row_ok, length, sxn, 0, n_chunks, s, t, LOG, ROWS, BLOCK_N)
     mrow, q = _mask_rows(row, md1, md2, md3, mb0, mb1, mb2, mb3)
     if EDGES:
         ge = _finish(_grad(ae, fe, s, t), e_ok, e_idx, mrow, q, m_ptr, msn, scale, c_off, MASK, CAUSAL, SCALED)
@@ -177,7 +194,7 @@ def softmax_bwd_split_sums(
         t += tl.sum(fe, axis=1)
     j0 = split * chunks_per_split
     j1 = tl.minimum(j0 + chunks_per_split, tl.cdiv(n, BLOCK_N))
-    s, t = _sums_range(y_ptr, dy_ptr, xs, c, row_ok, length, sxn, j0, j1, s, t, LOG, BLOCK_N)
+    s, t = _sums_range(y_ptr, dy_ptr, xs, c, row_ok, length, sxn, j0, j1, s, t, LOG, ROWS, BLOCK_N)
     ws = ws_ptr + (row * n_splits + split) * 2
     tl.store(ws, s, mask=row_ok)
     tl.store(ws + 1, t, mask=row_ok)
