@@ -386,14 +386,27 @@ template <int N> __device__ __forceinline__ void fold(float& m, float& s, const 
     m = mv;
 }
 
+// This thread's head and tail scalars of x's row (-inf where it has none).
+__device__ __forceinline__ void load_edges(const Thread& T, const Row& R, float& hv, float& tv) {
+    hv = T.g < R.h ? load1<IN_T>(R.x + T.g * R.xs) : NEG_INF;
+    tv = T.g < R.t ? load1<IN_T>(R.xb + ((i64)R.nv * VEC + T.g) * R.xs) : NEG_INF;
+}
+
+// The row's logsumexp, when asked for, by the row's first thread.
+__device__ __forceinline__ void write_lse(const Params& p, const Thread& T, float m, float logs) {
+    if (p.lse && T.g == 0) {
+        i64 b, i;
+        row_of(p, T.row, b, i);
+        p.lse[b * p.slb + i * p.sli] = m == NEG_INF ? NEG_INF : m + logs;
+    }
+}
+
 #if STREAM
 template <bool LOG> __device__ __forceinline__ void fwd_body(const Params& p) {
     const Thread T = thread_of(p);
     const Row R = row_geometry<IN_T, OUT_T, IN_T>(p, T.row);
-
-    float hv = NEG_INF, tv = NEG_INF;
-    if (T.g < R.h) hv = load1<IN_T>(R.x + T.g * R.xs);
-    if (T.g < R.t) tv = load1<IN_T>(R.xb + ((i64)R.nv * VEC + T.g) * R.xs);
+    float hv, tv;
+    load_edges(T, R, hv, tv);
     float m = maxnan(hv, tv), s;
     {
         const float base = m == NEG_INF ? 0.f : m;
@@ -408,11 +421,7 @@ template <bool LOG> __device__ __forceinline__ void fwd_body(const Params& p) {
     m = ms.a;
     const float inv = 1.0f / ms.b, logs = logf(ms.b);
     if (!T.row_ok) return;
-    if (p.lse && T.g == 0) {
-        i64 b, i;
-        row_of(p, T.row, b, i);
-        p.lse[b * p.slb + i * p.sli] = m == NEG_INF ? NEG_INF : m + logs;
-    }
+    write_lse(p, T, m, logs);
     if (T.g < R.h) store1<OUT_T>(R.y + T.g * R.ys, out_value(hv, m, inv, logs, LOG));
     if (T.g < R.t) store1<OUT_T>(R.yb + ((i64)R.nv * VEC + T.g) * R.ys, out_value(tv, m, inv, logs, LOG));
     for (int v0 = T.g; v0 < R.nv; v0 += BATCH * T.G) {
@@ -430,10 +439,8 @@ template <bool LOG> __device__ __forceinline__ void fwd_body(const Params& p) {
 template <bool LOG> __device__ __forceinline__ void fwd_body(const Params& p) {
     const Thread T = thread_of(p);
     const Row R = row_geometry<IN_T, OUT_T, IN_T>(p, T.row);
-
-    float hv = NEG_INF, tv = NEG_INF;
-    if (T.g < R.h) hv = load1<IN_T>(R.x + T.g * R.xs);
-    if (T.g < R.t) tv = load1<IN_T>(R.xb + ((i64)R.nv * VEC + T.g) * R.xs);
+    float hv, tv;
+    load_edges(T, R, hv, tv);
     float v[K][VEC];  // the thread's body values as floats (padding: -inf)
     {
         Raw<IN_T> r[K];
@@ -468,11 +475,7 @@ template <bool LOG> __device__ __forceinline__ void fwd_body(const Params& p) {
     const Pair ms = reduce<true>({mt, s});
     const float m = ms.a, inv = 1.0f / ms.b, logs = logf(ms.b);
     if (!T.row_ok) return;
-    if (p.lse && T.g == 0) {
-        i64 b, i;
-        row_of(p, T.row, b, i);
-        p.lse[b * p.slb + i * p.sli] = m == NEG_INF ? NEG_INF : m + logs;
-    }
+    write_lse(p, T, m, logs);
     if (LOG) {
         if (T.g < R.h) store1<OUT_T>(R.y + T.g * R.ys, out_value(hv, m, inv, logs, 1));
         if (T.g < R.t) store1<OUT_T>(R.yb + ((i64)R.nv * VEC + T.g) * R.ys, out_value(tv, m, inv, logs, 1));
