@@ -68,20 +68,18 @@ def _sums_range(y_ptr, dy_ptr, xs, c, ok, length, sxn, j0, j1, s, t, LOG: tl.con
     gradients on the H200 (2026-11-30, dev/logs/2026-11-30-h200-debug_online_bwd.txt; Triton 3.8 does not
     rewrite it). Several rows: the chunks are summed element-wise and reduced once after the loop (more
     registers, so one row keeps the in-loop sum that was measured)."""
-    if ROWS == 1:
-        for j in range(j0, j1):
-            cols = j * BLOCK_N + c
-            a, f = _load_terms(y_ptr, dy_ptr, xs[:, None] + cols * sxn, ok[:, None] & (cols < length), LOG)
+    sa = tl.zeros([ROWS, BLOCK_N], tl.float32)
+    ta = tl.zeros([ROWS, BLOCK_N], tl.float32)
+    for j in range(j0, j1):
+        cols = j * BLOCK_N + c
+        a, f = _load_terms(y_ptr, dy_ptr, xs[:, None] + cols * sxn, ok[:, None] & (cols < length), LOG)
+        if ROWS == 1:
             s += tl.sum(a, axis=1)
             t += tl.sum(f, axis=1)
-    else:
-        sa = tl.zeros([ROWS, BLOCK_N], tl.float32)
-        ta = tl.zeros([ROWS, BLOCK_N], tl.float32)
-        for j in range(j0, j1):
-            cols = j * BLOCK_N + c
-            a, f = _load_terms(y_ptr, dy_ptr, xs[:, None] + cols * sxn, ok[:, None] & (cols < length), LOG)
+        else:
             sa += a
             ta += f
+    if ROWS > 1:
         s += tl.sum(sa, axis=1)
         t += tl.sum(ta, axis=1)
     return s, t
