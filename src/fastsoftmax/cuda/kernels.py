@@ -217,11 +217,12 @@ def function(cfg: build.Config, index: int, log: bool = False):
 
 def function_attributes(cfg: build.Config, index: int) -> dict:
     """What the driver says about the loaded kernel: registers per thread and local memory per thread
-    (spills and stack; 0 means none). Tests use it where NVRTC's log lacks the ptxas -v lines."""
+    (spills and stack; 0 means none), the larger of the two entry points for a forward, as ptxas.facts
+    reads a log. Tests use it where NVRTC's log lacks the ptxas -v lines."""
     cu = driver()
-    fn = function(cfg, index)
     a = cu.CUfunction_attribute
-    get = lambda attr: _ok(cu.cuFuncGetAttribute(attr, fn), "cuFuncGetAttribute")  # noqa: E731
+    fns = [function(cfg, index, log) for log in ((False, True) if cfg.kind == "fwd" else (False,))]
+    get = lambda attr: max(_ok(cu.cuFuncGetAttribute(attr, fn), "cuFuncGetAttribute") for fn in fns)  # noqa: E731
     return {"registers": get(a.CU_FUNC_ATTRIBUTE_NUM_REGS), "local_bytes": get(a.CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES)}
 
 
