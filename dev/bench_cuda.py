@@ -18,7 +18,7 @@ from fastsoftmax.cuda import build
 from fastsoftmax.reference import compare, compare_grad
 
 SHAPES = [s for s in SUITE if s != (1, 4096)]  # ../shared/BENCHING.md's suite (1x4096: host-bound)
-VARIANTS = ["warp", "block", "cluster", "online", "three_pass"]
+VARIANTS = ["warp", "block", "cluster", "online", "staged", "three_pass"]
 # occupancy mode: registers capped for more CTAs per SM, fewer vectors per thread, smaller CTAs
 EXPERIMENTS = [{"min_ctas": 8}, {"min_ctas": 16}, {"k_max": 4}, {"k_max": 2}, {"group_max": 256}, {"group_max": 128},
                {"k_max": 4, "group_max": 256}]  # fmt: skip

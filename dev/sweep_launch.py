@@ -4,10 +4,12 @@ before timing (do_bench median, L2 flushed; GB/s counts the bytes the step must 
            BLOCK_N x num_warps, one row a program, over vocabularies of 32K-256K.
   masked   the masked rowblock forward on attention scores (8, 16, 2048) with a padding mask, causal and
            a scale (GB/s counts the mask bytes): rows per program x warps, bf16 and fp32.
+  oddbwd   the backward rowblock at odd lengths past heuristics.BWD_LONG_N (the edge code: N not a multiple
+           of the vector), where Triton 3.6 spills fp32 at 16 warps, beside an even length
   rowblock the Triton rowblock path (the row in registers, one read) at 16K-64K elements: warps per row
            (more warps: fewer values per thread, fewer registers), forward and backward, beside the path
            the rules pick.
-Usage (device):  python3 dev/sweep_launch.py [ce] [masked] [rowblock] > $OUT/sweep_launch.txt
+Usage (device):  python3 dev/sweep_launch.py [ce] [masked] [rowblock] [oddbwd] > $OUT/sweep_launch.txt
 """
 
 import sys
@@ -91,6 +93,7 @@ ROWBLOCK = {  # pass, dtype -> suite shapes
     ("bwd", torch.bfloat16): [(8192, 16384), (4096, 32000), (4096, 32768)],
     ("bwd", torch.float32): [(8192, 16384), (4096, 32768)],
 }
+ODD_BWD = [(4096, 16385), (3276, 20481), (2730, 24577), (2048, 32001), (2048, 32767), (2048, 32768)]
 
 
 def rowblock_row(pass_, dt, m, n):
@@ -132,3 +135,6 @@ if __name__ == "__main__":
             for pass_ in ("fwd", "bwd"):
                 for m, n in ROWBLOCK[pass_, dt]:
                     rowblock_row(pass_, dt, m, n)
+        if "oddbwd" in which:
+            for m, n in ODD_BWD:
+                rowblock_row("bwd", dt, m, n)

@@ -48,7 +48,7 @@ def main():
         out += facts("rowblock", dtype, 1024, 80)
         out += facts("online", dtype, 50257, 80)
         out += facts("split", dtype, 50257, 80)
-        for n in (256, 513, 4096, heuristics.BWD_LONG_N, 32000, heuristics.ROWBLOCK_MAX_N):
+        for n in (256, 513, 4096, heuristics.BWD_LONG_N, 20481, 32000, heuristics.ROWBLOCK_MAX_N):
             for log in (False, True):
                 out += facts("rowblock", dtype, n, 90, log=log, backward=True)
         for path in ("online", "split"):

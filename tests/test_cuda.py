@@ -25,6 +25,10 @@ CASES = [
     ("cluster", 513), ("cluster", 12289), ("cluster", 50257), ("cluster", 131072),
     ("online", 7), ("online", 4099), ("online", 50257),
 ]  # fmt: skip
+# The staged variant is a forward only: its lengths cross CTAs of a cluster (1 to 16) and 16 KiB pieces of
+# the bulk copy.
+STAGED_CASES = [("staged", 1), ("staged", 7), ("staged", 513), ("staged", 12289), ("staged", 50257),
+                ("staged", 131072)]  # fmt: skip
 FNS = {False: fs.softmax, True: fs.log_softmax}
 
 
@@ -44,7 +48,7 @@ def run_forward(x, dim, log, variant, out_dtype=None):
 
 @pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("variant,n", CASES)
+@pytest.mark.parametrize("variant,n", CASES + STAGED_CASES)
 def test_forward(variant, n, dtype, log):
     x = logits(7, n, dtype, n)
     y, lse = run_forward(x, -1, log, variant)
@@ -70,7 +74,29 @@ def test_forward_layouts(variant, make, dim):
         assert_close(y, x, dim, log)
 
 
-@pytest.mark.parametrize("variant", ["warp", "block", "cluster", "online", "three_pass"])
+def test_staged_layouts():
+    """The staged variant on rows off 16-byte boundaries, a contiguous softmax dim with strided rows and two
+    row groups; a strided softmax dim is refused when forced (bulk copies need unit stride) and never hinted."""
+    from fastsoftmax.cuda import kernels
+
+    base = logits(23, 1024, torch.bfloat16, 3)
+    for make, dim in (
+        (lambda b: b[:, 3:], -1),
+        (lambda b: b.t(), 0),
+        (lambda b: b.view(4, 8, -1).permute(1, 0, 2), -1),
+    ):
+        x = make(base)
+        for log in (False, True):
+            y, _ = run_forward(x, dim, log, "staged")
+            assert_close(y, x, dim, log)
+    with pytest.raises(ValueError, match="unit stride"):
+        run_forward(base.t(), -1, False, "staged")
+    x = base.t()
+    shape, _ = kernels._plan(x, kernels.plan_layout(x, torch.empty_like(x), 1)[1], 1, "staged")
+    assert shape.variant != "staged"
+
+
+@pytest.mark.parametrize("variant", ["warp", "block", "cluster", "online", "three_pass", "staged"])
 def test_forward_out_dtype(variant):
     x = logits(9, 1000, torch.bfloat16, 4)
     y, _ = run_forward(x, -1, True, variant, torch.float32)
@@ -134,6 +160,36 @@ def test_large(variant, bwd_variant, shape, dtype):
         dx = fs.softmax_backward(dy, y, backend="cuda")
     assert heuristics.last_plan().path == bwd_variant
     assert compare_grad(dx, dy, y, -1, False)[1] is None
+
+
+@pytest.mark.parametrize(
+    "shape,dtype",
+    [
+        ((8, 131072), torch.bfloat16),
+        ((3, 786432), torch.float32),
+        ((64, 524288), torch.bfloat16),
+        ((300, 65536), torch.float16),
+    ],
+)
+def test_staged_large(shape, dtype):
+    """The staged forward on the longest rows it holds (16 CTAs x STAGE_MAX bytes: 786432 fp32), few rows
+    spread over 16 CTAs, special rows; one element more is refused when forced."""
+    from fastsoftmax.cuda import kernels
+
+    gen = torch.Generator().manual_seed(shape[1])
+    x = random_logits(shape, dtype, gen)
+    x[:3] = special_rows(shape[1], dtype, gen)[:3]
+    x = x.cuda()
+    for log in (False, True):
+        y, lse = run_forward(x, -1, log, "staged")
+        assert_close(y, x, -1, log)
+        torch.testing.assert_close(lse.double(), oracle_lse(x), rtol=2e-6, atol=2e-6, equal_nan=True)
+    assert heuristics.last_plan().splits == kernels.launch_shape(shape[1], shape[0], x.element_size(), 132, 90,
+                                                                 "staged").cluster  # fmt: skip
+    if shape[1] == 786432:
+        assert heuristics.last_plan().splits == 16
+        with pytest.raises(ValueError, match="staged variant holds at most"):
+            run_forward(torch.zeros(1, shape[1] + 4, device="cuda"), -1, False, "staged")
 
 
 def test_auto_picks_by_length():

@@ -13,7 +13,7 @@ import torch
 
 import fastsoftmax as fs
 from fastsoftmax import heuristics
-from fastsoftmax.cuda import build
+from fastsoftmax.cuda import build, kernels
 from fastsoftmax.cuda.kernels import VARIANTS, config_for, function_attributes, launch_shape
 
 pytest.importorskip("cuda.bindings.nvrtc", reason="the CUDA backend's NVRTC bindings are a default dependency")
@@ -194,6 +194,28 @@ def test_info_records_fast_math():
     assert fs.info()["nvrtc"] == ".".join(map(str, build.nvrtc_version()))
 
 
+@pytest.mark.parametrize(
+    "dtype,n,rows,cluster",
+    [("bfloat16", 65536, 4096, 2), ("float32", 262144, 8, 16), ("float16", 513, 4096, 1), ("float32", 50257, 8192, 2)],
+)
+def test_staged_compiles_with_its_facts(cache, dtype, n, rows, cluster):
+    """The staged forward: one bulk copy engine load per piece into shared memory, completed on an mbarrier;
+    few registers (several CTAs per SM), no spills; 16-byte stores; the cluster exchange when it has one."""
+    shape, cfg, ptx, facts = compiled("staged", dtype, n, rows, False)
+    assert (shape.variant, shape.cluster) == ("staged", cluster) and cfg.staged and cfg.defines()["STAGED"] == 1
+    assert "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes" in ptx
+    assert "mbarrier.try_wait.parity" in ptx and "fence.mbarrier_init" in ptx
+    assert re.search(r"ld\.shared\.v4\.[ubf]32", ptx) and re.search(r"st\.global\.v4\.[ubf]32", ptx)
+    assert "ex2.approx" in ptx and ("rcp.rn.f32" in ptx or "div.rn.f32" in ptx)
+    assert ("barrier.cluster.arrive" in ptx) == (cluster > 1)
+    if facts["registers"]:  # CI's NVRTC logs ptxas -v (the H200 image's does not)
+        assert 0 < facts["registers"] <= 64 and facts["spill_stores"] == facts["stack_bytes"] == 0, facts
+    with pytest.raises(ValueError, match="forward"):
+        launch_shape(n, rows, 4, 132, 90, "staged", inputs=2)
+    with pytest.raises(ValueError, match="sm_90"):
+        launch_shape(n, rows, 4, 108, 80, "staged")
+
+
 @pytest.mark.parametrize("caps", [{}, {"k_max": 2, "group_max": 128}], ids=["default", "capped"])
 @pytest.mark.parametrize("inputs", [1, 2], ids=["fwd", "bwd"])
 @pytest.mark.parametrize("elsize", [2, 4])
@@ -212,7 +234,8 @@ def test_launch_shapes_hold_the_row(elsize, inputs, caps):
                 try:
                     s = launch_shape(n, rows, elsize, 132, 90, variant, inputs, **caps)
                 except ValueError:
-                    assert variant in ("warp", "block", "cluster"), (variant, n)
+                    assert variant in ("warp", "block", "cluster", "staged"), (variant, n)
+                    assert variant != "staged" or inputs == 2 or -(-n // vec) * 16 > 16 * kernels.STAGE_MAX
                     continue
                 assert s.variant == variant and 1 <= s.group * s.rows <= 1024 and 1 <= s.cluster <= 16
                 if variant in ("warp", "block", "cluster"):
@@ -221,6 +244,9 @@ def test_launch_shapes_hold_the_row(elsize, inputs, caps):
                     assert s.group <= caps.get("group_max", 512)
                 if variant == "cluster":
                     assert s.cluster >= 2
+                if variant == "staged":
+                    assert inputs == 1 and kernels.stage_bytes(s, n, elsize) <= kernels.STAGE_MAX
+                    assert kernels.stage_bytes(s, n, elsize) * s.cluster >= n * elsize
 
 
 def test_min_ctas_override_caps_registers():

@@ -87,8 +87,13 @@ def test_no_spills(facts):
     assert not bad, [(f["path"], f["dtype"], f["n"], f["spill_stores"]) for f in bad]
     long_bwd = [f for f in facts if known(f)]
     assert long_bwd and all(f["num_warps"] == heuristics.BWD_LONG_WARPS for f in long_bwd)
-    # measured 2026-11-29 with Triton 3.6: 36-80 bytes (softmax), up to 168 (fp32 log_softmax)
-    assert all(f["spill_stores"] <= 256 and f["spill_loads"] <= 256 for f in long_bwd), long_bwd
+    # measured 2026-11-29 with Triton 3.6: 36-80 bytes (softmax), up to 168 (fp32 log_softmax); 2026-11-30 at
+    # odd N (20481, the edge code) with the register cap (heuristics.max_registers): Triton 3.6 up to 216,
+    # Triton 3.8 up to 364 (fp32 log_softmax). Without the cap Triton 3.6 fell to 32 registers and 1,520
+    # bytes of spills for fp32 softmax there (575 GB/s on the H200): the bound is what catches that.
+    assert all(f["spill_stores"] <= 512 and f["spill_loads"] <= 512 for f in long_bwd), long_bwd
+    capped = [f for f in long_bwd if f["n"] % 16]
+    assert capped and all(f["registers"] >= 128 for f in capped), capped
 
 
 def test_aligned_rows_use_only_16_byte_accesses(facts):

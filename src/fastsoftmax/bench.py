@@ -465,7 +465,7 @@ def candidates(n: int, n_rows: int, elsize: int, pass_: str, device: str) -> lis
         from .cuda.kernels import _device_facts, launch_shape
 
         sms, cc, _ = _device_facts(torch.cuda.current_device())
-        for v in ("warp", "block", "cluster", "online"):
+        for v in ("warp", "block", "cluster", "online", "staged"):
             try:
                 launch_shape(n, n_rows, elsize, sms, cc, v, inputs)
                 out.append(("cuda", v))

@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 PATHS = ("rowblock", "online", "split")  # the Triton backend's
-CUDA_PATHS = ("three_pass", "warp", "block", "cluster", "online")  # the CUDA backend's variants
+CUDA_PATHS = ("three_pass", "warp", "block", "cluster", "online", "staged")  # the CUDA backend's variants
 
 ROWBLOCK_MAX_N = 32768  # longest row one program holds in registers (elements), forward and backward
 BWD_LONG_N = 16384  # backward rows longer than this get BWD_LONG_WARPS on the rowblock path
@@ -132,6 +132,18 @@ def launch_shape(
     if inputs > 1 and n > BWD_LONG_N:
         warps = BWD_LONG_WARPS
     return Shape(path, _pow2(n), rows, warps)
+
+
+def max_registers(n: int, num_warps: int, inputs: int) -> int | None:
+    """The register cap (Triton's maxnreg) for a rowblock program, or None to leave ptxas its own choice.
+    Backward rows past BWD_LONG_N: every register a thread may have at that block size. Without the cap
+    ptxas (Triton 3.6's) chose 32 registers and 1,520 bytes of spills for fp32 softmax rows that are not a
+    multiple of 4 elements (the edge code), 128 and 136 bytes with it, as for even rows
+    (tests/test_snapshot.py); measured 2026-11-30 on the H200 without the cap (dev/sweep_launch.py oddbwd):
+    fp32 3276x20481 575 GB/s, 2048x32001 809, against 2048x32768 3,668."""
+    if inputs > 1 and n > BWD_LONG_N:
+        return min(255, 65536 // (32 * num_warps))
+    return None
 
 
 def split_count(n: int, block: int, n_rows: int, sm_count: int, path: str) -> int:

@@ -47,13 +47,15 @@ class Config:
     cluster: int = 1
     k: int = 1
     stream: bool = False
+    staged: bool = False
     min_ctas: int = 0  # CTAs per SM ptxas must fit (registers); 0: softmax.cu's rule (512 threads per SM)
 
     def defines(self) -> dict[str, int]:
         return {
             "FS_KIND": KINDS[self.kind], "IN_T": TYPE_CODES[self.in_t], "OUT_T": TYPE_CODES[self.out_t],
             "D_T": TYPE_CODES[self.d_t], "GROUP": self.group, "ROWS": self.rows, "CLUSTER": self.cluster,
-            "K": self.k, "STREAM": int(self.stream), **({"MIN_CTAS_SET": self.min_ctas} if self.min_ctas else {}),
+            "K": self.k, "STREAM": int(self.stream), "STAGED": int(self.staged),
+            **({"MIN_CTAS_SET": self.min_ctas} if self.min_ctas else {}),
         }  # fmt: skip
 
     @property

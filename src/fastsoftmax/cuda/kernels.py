@@ -16,6 +16,10 @@ Variants (forward and backward share them; `heuristics.force(path=...)` picks on
               262144 bf16). Also spreads few rows over many SMs.
   online      any length: the same CTA (or cluster) sweeps the row twice, the first pass keeping a
               running max and rescaled sum: two reads.
+  staged      sm_90, forward, unit-stride rows: the row across a cluster of 1-16 CTAs of 256 threads, each
+              CTA's slice copied into shared memory by the bulk-copy engine (cp.async.bulk) instead of
+              registers: one read, few registers, several CTAs per SM (STAGE_BYTES each) so that one
+              CTA's loads overlap another's reduction and stores. Rows up to 16 x STAGE_MAX bytes.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from .. import fastpath, heuristics
 from ..layout import alloc, plan_layout
 from . import build
 
-VARIANTS = ("three_pass", "warp", "block", "cluster", "online")
+VARIANTS = ("three_pass", "warp", "block", "cluster", "online", "staged")
 
 K_MAX_FWD = 8  # 16-byte vectors a thread holds (128 bytes, as the Triton rowblock table found best)
 WARP_CTA = 128  # threads of a CTA of warp (or sub-warp) rows
@@ -39,6 +43,9 @@ BLOCK_MAX = 512  # threads of a CTA holding one row (8 * 512 vectors: 16384 fp32
 CLUSTER_MAX = 16  # CTAs per row (16 is a non-portable cluster size: allowed on H100/H200)
 STREAM_GROUP = 512
 K_PREF_16BIT_FWD = 4  # vectors per thread the warp and block variants prefer for 16-bit forward rows
+STAGE_GROUP = 256  # threads of a staged CTA
+STAGE_BYTES = 102400  # slice of a row a staged CTA holds in shared memory, at most, before the cluster grows
+STAGE_MAX = 196608  # ... and past 16 CTAs (dynamic shared memory; an H200 SM has 228 KiB; softmax.cu MAX_PIECES)
 
 _DTYPE = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -112,6 +119,18 @@ def launch_shape(
             cap = block_max * k_max * CLUSTER_MAX * vec
             raise ValueError(f"the cluster variant holds at most {cap} elements per row, got N={n}")
         return Shape(variant, group, 1, cluster, k)
+    if variant == "staged":
+        if cc < 90 or inputs != 1:
+            raise ValueError("the staged variant is a forward for sm_90 or newer")
+        cluster = 1
+        while cluster < CLUSTER_MAX and -(-nvec // cluster) * 16 > STAGE_BYTES:
+            cluster *= 2
+        while cluster < CLUSTER_MAX and n_rows * cluster < sm_count and nvec >= 2 * STAGE_GROUP * cluster:
+            cluster *= 2  # few rows: spread each over more SMs
+        if -(-nvec // cluster) * 16 > STAGE_MAX:
+            raise ValueError(f"the staged variant holds at most {CLUSTER_MAX * STAGE_MAX // elsize} elements per row, "
+                             f"got N={n}")  # fmt: skip
+        return Shape(variant, STAGE_GROUP, 1, cluster, 1)
     if variant == "online":
         cluster = 1
         if cc >= 90:
@@ -134,8 +153,18 @@ def config_for(
     cfg = build.Config(
         kind=kind, in_t=dtype, out_t=out_dtype or dtype, d_t=dtype if backward else "float32",
         group=shape.group, rows=shape.rows, cluster=shape.cluster, k=max(shape.k, 1), stream=shape.variant == "online",
+        staged=shape.variant == "staged",
     )  # fmt: skip
     return shape, cfg
+
+
+def stage_bytes(shape: Shape, n: int, elsize: int) -> int:
+    """Dynamic shared memory of a launch: a staged CTA's slice of the row (an upper bound: the head scalars
+    before x's 16-byte boundary are not staged), else 0."""
+    if shape.variant != "staged":
+        return 0
+    nvec = -(-n // (16 // elsize))
+    return -(-nvec // shape.cluster) * 16
 
 
 class _Params(ctypes.Structure):
@@ -211,6 +240,9 @@ def function(cfg: build.Config, index: int, log: bool = False):
             if cfg.cluster > 8:
                 attr = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED
                 _ok(cu.cuFuncSetAttribute(fn, attr, 1), "cuFuncSetAttribute(non-portable cluster size)")
+            if cfg.staged:
+                attr = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+                _ok(cu.cuFuncSetAttribute(fn, attr, STAGE_MAX), "cuFuncSetAttribute(dynamic shared memory)")
             _functions[key] = fn
     return fn
 
@@ -226,18 +258,19 @@ def function_attributes(cfg: build.Config, index: int) -> dict:
     return {"registers": get(a.CU_FUNC_ATTRIBUTE_NUM_REGS), "local_bytes": get(a.CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES)}
 
 
-def _launch(fn, grid: int, block: int, cluster: int, params: _Params, stream: int):
+def _launch(fn, grid: int, block: int, cluster: int, params: _Params, stream: int, smem: int = 0):
     if fastpath.recording() is not None:
-        fastpath.cuda_launched(fn, grid, block, cluster, params)
+        fastpath.cuda_launched(fn, grid, block, cluster, params, smem)
     cu = driver()
     args = (ctypes.c_void_p * 1)(ctypes.addressof(params))
     if cluster == 1:
-        _ok(cu.cuLaunchKernel(fn, grid, 1, 1, block, 1, 1, 0, cu.CUstream(stream), ctypes.addressof(args), 0), "launch")
+        _ok(cu.cuLaunchKernel(fn, grid, 1, 1, block, 1, 1, smem, cu.CUstream(stream), ctypes.addressof(args), 0),
+            "launch")  # fmt: skip
         return
     cfg = cu.CUlaunchConfig()
     cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = grid, 1, 1
     cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = block, 1, 1
-    cfg.sharedMemBytes = 0
+    cfg.sharedMemBytes = smem
     cfg.hStream = cu.CUstream(stream)
     attr = cu.CUlaunchAttribute()
     attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
@@ -258,6 +291,11 @@ def _plan(x: torch.Tensor, lay, inputs: int, hint: str | None = None) -> tuple[S
         raise ValueError(f"the CUDA backend has no path {variant!r}; its variants: {', '.join(VARIANTS)}")
     n_rows = lay.B * lay.I
     caps = {k: forced[k] for k in ("k_max", "group_max") if k in forced}
+    unit = lay.sx[1] == 1 or lay.N == 1  # (a row of one element has no stride)
+    if variant == "staged" and not unit:
+        raise ValueError("the staged variant reads rows of unit stride (this one is strided)")
+    if hint == "staged" and not unit:
+        hint = None
     if variant is None and hint in VARIANTS:
         try:
             return launch_shape(lay.N, n_rows, x.element_size(), sms, cc, hint, inputs, **caps), index
@@ -273,7 +311,7 @@ def _config(kind: str, shape: Shape, x, out, d=None) -> build.Config:
         kind=kind + ("3" if three else ""), in_t=_DTYPE[x.dtype], out_t=_DTYPE[out.dtype],
         d_t=_DTYPE[d.dtype] if d is not None else "float32",
         group=shape.group, rows=shape.rows, cluster=shape.cluster, k=max(shape.k, 1),
-        stream=shape.variant == "online", min_ctas=min_ctas,
+        stream=shape.variant == "online", staged=shape.variant == "staged", min_ctas=min_ctas,
     )  # fmt: skip
 
 
@@ -308,7 +346,8 @@ def forward(x: torch.Tensor, y: torch.Tensor, dim: int, log: bool, want_lse: boo
     fn = function(cfg, index, log)
     _record(shape, xk, lay, lay.copied)
     _ensure_context(index)
-    _launch(fn, _grid(shape, lay.B * lay.I), shape.group * shape.rows, shape.cluster, params, _stream(y))
+    smem = stage_bytes(shape, lay.N, xk.element_size())
+    _launch(fn, _grid(shape, lay.B * lay.I), shape.group * shape.rows, shape.cluster, params, _stream(y), smem)
     return lse
 
 

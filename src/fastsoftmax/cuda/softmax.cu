@@ -12,6 +12,10 @@
 //   CLUSTER   CTAs of a thread-block cluster that share a row (sm_90); 1 = no cluster
 //   K         16-byte vectors of the row each thread holds in registers (STREAM 0)
 //   STREAM    1: loop over the row twice instead of holding it (any length)
+//   STAGED    1 (forward, sm_90, unit-stride rows): each CTA's slice of the row body is copied into shared
+//             memory by the bulk-copy engine (cp.async.bulk, one mbarrier), reduced and written from there:
+//             one read, a few registers per thread, so several CTAs per SM overlap one's loads with
+//             another's reduction and stores. Dynamic shared memory: the slice's bytes.
 //
 // Entry points: fs_fwd / fs_fwd_log (FS_KIND 1: softmax / log_softmax, p.log unused), fs_bwd, fs_fwd3 and
 // fs_bwd3 (these read p.log).
@@ -352,7 +356,7 @@ constexpr int MIN_CTAS = MIN_CTAS_SET;
 // (The one exception, checked by compiling every variant: a lone 512-thread CTA holding 8 fp32 vectors per
 // thread, which ptxas spills 8 bytes for at 64.)
 constexpr bool LONE_FULL_CTA = !STREAM && CLUSTER == 1 && GROUP * ROWS == 512 && K == 8;
-constexpr int REG_BUDGET = FS_KIND == 1 && (STREAM || (K * VEC <= 32 && !LONE_FULL_CTA)) ? 64 : 128;
+constexpr int REG_BUDGET = FS_KIND == 1 && (STREAM || STAGED || (K * VEC <= 32 && !LONE_FULL_CTA)) ? 64 : 128;
 constexpr int CTAS_FOR_BUDGET = 65536 / (GROUP * ROWS * REG_BUDGET);
 constexpr int MIN_CTAS = CTAS_FOR_BUDGET < 1 ? 1 : CTAS_FOR_BUDGET > 16 ? 16 : CTAS_FOR_BUDGET;
 #endif
@@ -401,7 +405,122 @@ __device__ __forceinline__ void write_lse(const Params& p, const Thread& T, floa
     }
 }
 
-#if STREAM
+#if STAGED
+extern __shared__ __align__(128) unsigned char stage[];  // this CTA's slice of the row body
+
+__device__ __forceinline__ void mbar_init(u32 bar) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar) : "memory");
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+
+constexpr int PIECE_VECS = 1024;  // 16 KiB: the slice arrives in pieces, each completing its own mbarrier
+constexpr int MAX_PIECES = 12;    // a slice of at most 192 KiB (kernels.STAGE_MAX)
+
+// Arrive on `bar` expecting `bytes` (a multiple of 16) and copy them from global src (16-byte aligned) into
+// shared memory at dst with the bulk-copy engine.
+__device__ __forceinline__ void bulk_load(u32 dst, const char* src, u32 bytes, u32 bar) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+    u64 g;
+    asm("cvta.to.global.u64 %0, %1;" : "=l"(g) : "l"(reinterpret_cast<u64>(src)));
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 ::"r"(dst), "l"(g), "r"(bytes), "r"(bar) : "memory");
+}
+
+__device__ __forceinline__ void mbar_wait(u32 bar) {
+    u32 done = 0;
+    while (!done)
+        asm volatile("{\n\t.reg .pred P;\n\tmbarrier.try_wait.parity.shared::cta.b64 P, [%1], 0;\n\t"
+                     "selp.u32 %0, 1, 0, P;\n\t}" : "=r"(done) : "r"(bar) : "memory");
+}
+
+// Vector v of the staged slice (one 16-byte shared-memory load).
+__device__ __forceinline__ void staged_vector(Raw<IN_T>& r, int v) {
+    const uint4 q = reinterpret_cast<const uint4*>(stage)[v];
+    r.w[0] = q.x; r.w[1] = q.y; r.w[2] = q.z; r.w[3] = q.w;
+}
+
+template <bool LOG> __device__ __forceinline__ void fwd_body(const Params& p) {
+    __shared__ __align__(8) u64 bars[MAX_PIECES];
+    const Thread T = thread_of(p);
+    const Row R = row_geometry<IN_T, OUT_T, IN_T>(p, T.row);  // unit stride: R.vx == 16
+    const int per = (R.nv + CLUSTER - 1) / CLUSTER;  // body vectors of each CTA's slice
+    const int lo = (int)cluster_rank() * per;
+    const int v0 = lo < R.nv ? lo : R.nv;
+    const int cnt = (R.nv - v0 < per ? R.nv - v0 : per);
+    const int pieces = (cnt + PIECE_VECS - 1) / PIECE_VECS;
+    const u32 bar0 = (u32)__cvta_generic_to_shared(bars), dst = (u32)__cvta_generic_to_shared(stage);
+    if (threadIdx.x == 0) {
+        for (int k = 0; k < pieces; ++k) mbar_init(bar0 + 8 * k);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int k = 0; k < pieces; ++k) {
+            const int a = k * PIECE_VECS, len = (cnt - a < PIECE_VECS ? cnt - a : PIECE_VECS);
+            bulk_load(dst + 16 * a, R.xb + (i64)(v0 + a) * 16, 16 * len, bar0 + 8 * k);
+        }
+    }
+    float hv, tv;
+    load_edges(T, R, hv, tv);
+    float mt = maxnan(hv, tv), s;
+    {
+        const float base = mt == NEG_INF ? 0.f : mt;
+        s = __expf(hv - base) + __expf(tv - base);
+    }
+    // Piece by piece as each arrives (the reduction overlaps the rest of the copy): the piece's max, then
+    // its sum of exp(x - max) merged into (mt, s); each vector reduced as a tree (a short loop chain).
+    for (int k = 0; k < pieces; ++k) {
+        const int a = k * PIECE_VECS, b = (cnt - a < PIECE_VECS ? cnt : a + PIECE_VECS);
+        mbar_wait(bar0 + 8 * k);
+        float mk = mt;
+#pragma unroll 4
+        for (int v = a + threadIdx.x; v < b; v += GROUP) {
+            Raw<IN_T> r;
+            staged_vector(r, v);
+            float e[VEC];
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) e[j] = elem<IN_T>(r, j);
+#pragma unroll
+            for (int w = VEC / 2; w > 0; w /= 2)
+#pragma unroll
+                for (int j = 0; j < w; ++j) e[j] = maxnan(e[j], e[j + w]);
+            mk = maxnan(mk, e[0]);
+        }
+        const float base = mk == NEG_INF ? 0.f : mk;  // all -inf so far: exp(-inf - 0) = 0, never NaN
+        float acc = 0.f;
+#pragma unroll 4
+        for (int v = a + threadIdx.x; v < b; v += GROUP) {
+            Raw<IN_T> r;
+            staged_vector(r, v);
+            float e[VEC];
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) e[j] = __expf(elem<IN_T>(r, j) - base);
+#pragma unroll
+            for (int w = VEC / 2; w > 0; w /= 2)
+#pragma unroll
+                for (int j = 0; j < w; ++j) e[j] += e[j + w];
+            acc += e[0];
+        }
+        s = s * __expf(mt - base) + acc;
+        mt = mk;
+    }
+    const Pair ms = reduce<true>({mt, s});
+    const float m = ms.a;
+    const float inv = 1.0f / ms.b, logs = logf(ms.b);
+    if (!T.row_ok) return;
+    write_lse(p, T, m, logs);
+    if (T.g < R.h) store1<OUT_T>(R.y + T.g * R.ys, out_value(hv, m, inv, logs, LOG));
+    if (T.g < R.t) store1<OUT_T>(R.yb + ((i64)R.nv * VEC + T.g) * R.ys, out_value(tv, m, inv, logs, LOG));
+#pragma unroll 4
+    for (int v = threadIdx.x; v < cnt; v += GROUP) {
+        Raw<IN_T> r;
+        staged_vector(r, v);
+        float f[VEC];
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) f[j] = out_value(elem<IN_T>(r, j), m, inv, logs, LOG);
+        store<OUT_T>(R.yb + (i64)(v0 + v) * R.vy, f, R.ywide, R.ys);
+    }
+}
+#elif STREAM
 template <bool LOG> __device__ __forceinline__ void fwd_body(const Params& p) {
     const Thread T = thread_of(p);
     const Row R = row_geometry<IN_T, OUT_T, IN_T>(p, T.row);

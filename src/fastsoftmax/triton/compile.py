@@ -59,7 +59,11 @@ def compile_forward(
         attrs = {(names.index(k),): [["tt.divisibility", 16]] for k in div16}
         cons = {(names.index(k),): v for k, v in consts.items() if k in names}
         src = ASTSource(fn=kernel, signature=sig, constexprs=cons, attrs=attrs)
-        out.append(triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": shape.num_warps}))
+        options = {"num_warps": shape.num_warps}
+        cap = heuristics.max_registers(n, shape.num_warps, 2 if backward else 1) if path == "rowblock" else None
+        if cap is not None:
+            options["maxnreg"] = cap  # as the launcher asks (softmax_bwd.backward)
+        out.append(triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options))
     return out
 
 

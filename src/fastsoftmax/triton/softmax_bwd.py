@@ -249,7 +249,7 @@ from dataclasses import replace  # noqa: E402
 
 import torch  # noqa: E402
 
-from .. import fastpath, masking  # noqa: E402
+from .. import fastpath, heuristics, masking  # noqa: E402
 from ..layout import plan_layout  # noqa: E402
 from .launch import aligned_view, launch, prepare  # noqa: E402
 from .softmax_fwd import _mask_args  # noqa: E402
@@ -289,5 +289,8 @@ def backward(
         args = (L.x_arg, dx, dy_arg, ws, *L.rows_args, *sx, *sy, L.x_mis, L.chunks_per_split, L.plan.splits, *margs)
         launch(write, L.grid, args, dict(**tail, SPLITS=triton.next_power_of_2(L.plan.splits)))
     else:
+        cap = heuristics.max_registers(lay.N, L.plan.num_warps, 2) if L.plan.path == "rowblock" else None
+        if cap is not None:
+            tail["maxnreg"] = cap
         launch(KERNELS[L.plan.path], L.grid, (L.x_arg, dx, dy_arg, *L.rows_args, *sx, *sy, L.x_mis, *margs), tail)
     return L.plan
