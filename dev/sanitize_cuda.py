@@ -1,5 +1,5 @@
-"""Every CUDA variant, forward (softmax, log_softmax, with logsumexp) and backward (staged: forward only), on small odd shapes with
-unaligned rows, for compute-sanitizer: `compute-sanitizer --tool {memcheck,racecheck,synccheck}
+"""Every CUDA variant, forward (softmax, log_softmax, with logsumexp) and backward (staged: forward only), on
+small odd shapes with unaligned rows, for compute-sanitizer: `compute-sanitizer --tool {memcheck,racecheck,synccheck}
 --error-exitcode 1 python dev/sanitize_cuda.py [small]` (memcheck with --report-api-errors no: cuda-bindings
 probes driver entry points newer than the driver, which memcheck reports as API errors)."""
 
