@@ -17,7 +17,7 @@ CASES = {
     "block": [4099, 12289],
     "cluster": [513, 12289, 50257],
     "online": [7, 4099, 50257],
-    "staged": [513, 12289, 131072],  # a forward only: 1, 2 and 16 CTAs (9 rows spread) per row
+    "staged": [513, 12289, 131072],  # a forward only: 1, 4 and 8 CTAs (9 rows spread) per row
 }
 
 

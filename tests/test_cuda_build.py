@@ -196,7 +196,7 @@ def test_info_records_fast_math():
 
 @pytest.mark.parametrize(
     "dtype,n,rows,cluster",
-    [("bfloat16", 65536, 4096, 2), ("float32", 262144, 8, 16), ("float16", 513, 4096, 1), ("float32", 50257, 8192, 2)],
+    [("bfloat16", 65536, 4096, 2), ("float32", 262144, 8, 8), ("float16", 513, 4096, 1), ("float32", 50257, 8192, 2)],
 )
 def test_staged_compiles_with_its_facts(cache, dtype, n, rows, cluster):
     """The staged forward: one bulk copy engine load per piece into shared memory, completed on an mbarrier;
@@ -235,7 +235,7 @@ def test_launch_shapes_hold_the_row(elsize, inputs, caps):
                     s = launch_shape(n, rows, elsize, 132, 90, variant, inputs, **caps)
                 except ValueError:
                     assert variant in ("warp", "block", "cluster", "staged"), (variant, n)
-                    assert variant != "staged" or inputs == 2 or -(-n // vec) * 16 > 16 * kernels.STAGE_MAX
+                    assert variant != "staged" or inputs == 2 or -(-n // vec) * 16 > kernels.STAGE_CLUSTER_MAX * kernels.STAGE_MAX
                     continue
                 assert s.variant == variant and 1 <= s.group * s.rows <= 1024 and 1 <= s.cluster <= 16
                 if variant in ("warp", "block", "cluster"):

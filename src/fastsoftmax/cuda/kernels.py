@@ -16,10 +16,10 @@ Variants (forward and backward share them; `heuristics.force(path=...)` picks on
               262144 bf16). Also spreads few rows over many SMs.
   online      any length: the same CTA (or cluster) sweeps the row twice, the first pass keeping a
               running max and rescaled sum: two reads.
-  staged      sm_90, forward, unit-stride rows: the row across a cluster of 1-16 CTAs of 256 threads, each
+  staged      sm_90, forward, unit-stride rows: the row across a cluster of 1-8 CTAs of 256 threads, each
               CTA's slice copied into shared memory by the bulk-copy engine (cp.async.bulk) instead of
               registers: one read, few registers, several CTAs per SM (STAGE_BYTES each) so that one
-              CTA's loads overlap another's reduction and stores. Rows up to 16 x STAGE_MAX bytes.
+              CTA's loads overlap another's reduction and stores. Rows up to 8 x STAGE_MAX bytes.
 """
 
 from __future__ import annotations
@@ -45,7 +45,12 @@ STREAM_GROUP = 512
 K_PREF_16BIT_FWD = 4  # vectors per thread the warp and block variants prefer for 16-bit forward rows
 STAGE_GROUP = 256  # threads of a staged CTA
 STAGE_BYTES = 102400  # slice of a row a staged CTA holds in shared memory, at most, before the cluster grows
-STAGE_MAX = 196608  # ... and past 16 CTAs (dynamic shared memory; an H200 SM has 228 KiB; softmax.cu MAX_PIECES)
+# CTAs per row of the staged variant: 8, the portable cluster size. At 16, compute-sanitizer synccheck reported
+# "Barrier error detected. Missing wait" on the mbarriers of CTAs of rank 8 and 9 (H200, 2026-11-30,
+# dev/logs/2026-11-30b-h200-synccheck-staged-*.txt), though outputs were right and memcheck and racecheck
+# clean; at 8 it is clean, as is the register-held cluster variant at 16. Not understood: kept out.
+STAGE_CLUSTER_MAX = 8
+STAGE_MAX = 196608  # ... and past STAGE_CLUSTER_MAX CTAs (dynamic shared memory; an H200 SM has 228 KiB; softmax.cu MAX_PIECES)
 
 _DTYPE = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -123,13 +128,13 @@ def launch_shape(
         if cc < 90 or inputs != 1:
             raise ValueError("the staged variant is a forward for sm_90 or newer")
         cluster = 1
-        while cluster < CLUSTER_MAX and -(-nvec // cluster) * 16 > STAGE_BYTES:
+        while cluster < STAGE_CLUSTER_MAX and -(-nvec // cluster) * 16 > STAGE_BYTES:
             cluster *= 2
-        while cluster < CLUSTER_MAX and n_rows * cluster < sm_count and nvec >= 2 * STAGE_GROUP * cluster:
+        while cluster < STAGE_CLUSTER_MAX and n_rows * cluster < sm_count and nvec >= 2 * STAGE_GROUP * cluster:
             cluster *= 2  # few rows: spread each over more SMs
         if -(-nvec // cluster) * 16 > STAGE_MAX:
-            raise ValueError(f"the staged variant holds at most {CLUSTER_MAX * STAGE_MAX // elsize} elements per row, "
-                             f"got N={n}")  # fmt: skip
+            cap = STAGE_CLUSTER_MAX * STAGE_MAX // elsize
+            raise ValueError(f"the staged variant holds at most {cap} elements per row, got N={n}")
         return Shape(variant, STAGE_GROUP, 1, cluster, 1)
     if variant == "online":
         cluster = 1

@@ -503,6 +503,10 @@ template <bool LOG> __device__ __forceinline__ void fwd_body(const Params& p) {
         s = s * __expf(mt - base) + acc;
         mt = mk;
     }
+    __syncthreads();  // every thread is past its waits: the barriers' memory may be released
+    if (threadIdx.x == 0) {
+        for (int k = 0; k < pieces; ++k) asm volatile("mbarrier.inval.shared::cta.b64 [%0];" ::"r"(bar0 + 8 * k) : "memory");
+    }
     const Pair ms = reduce<true>({mt, s});
     const float m = ms.a;
     const float inv = 1.0f / ms.b, logs = logf(ms.b);
