@@ -439,6 +439,21 @@ __device__ __forceinline__ void staged_vector(Raw<IN_T>& r, int v) {
     r.w[0] = q.x; r.w[1] = q.y; r.w[2] = q.z; r.w[3] = q.w;
 }
 
+// Vector v of the slice as one value, reduced as a tree (a short chain in the caller's loop): its max (MAX),
+// or its sum of exp(x - base).
+template <bool MAX> __device__ __forceinline__ float staged_reduce(int v, float base) {
+    Raw<IN_T> r;
+    staged_vector(r, v);
+    float e[VEC];
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) e[j] = MAX ? elem<IN_T>(r, j) : __expf(elem<IN_T>(r, j) - base);
+#pragma unroll
+    for (int w = VEC / 2; w > 0; w /= 2)
+#pragma unroll
+        for (int j = 0; j < w; ++j) e[j] = MAX ? maxnan(e[j], e[j + w]) : e[j + w] + e[j];
+    return e[0];
+}
+
 template <bool LOG> __device__ __forceinline__ void fwd_body(const Params& p) {
     __shared__ __align__(8) u64 bars[MAX_PIECES];
     const Thread T = thread_of(p);
@@ -467,39 +482,17 @@ template <bool LOG> __device__ __forceinline__ void fwd_body(const Params& p) {
         s = __expf(hv - base) + __expf(tv - base);
     }
     // Piece by piece as each arrives (the reduction overlaps the rest of the copy): the piece's max, then
-    // its sum of exp(x - max) merged into (mt, s); each vector reduced as a tree (a short loop chain).
+    // its sum of exp(x - max) merged into (mt, s).
     for (int k = 0; k < pieces; ++k) {
         const int a = k * PIECE_VECS, b = (cnt - a < PIECE_VECS ? cnt : a + PIECE_VECS);
         mbar_wait(bar0 + 8 * k);
         float mk = mt;
 #pragma unroll 4
-        for (int v = a + threadIdx.x; v < b; v += GROUP) {
-            Raw<IN_T> r;
-            staged_vector(r, v);
-            float e[VEC];
-#pragma unroll
-            for (int j = 0; j < VEC; ++j) e[j] = elem<IN_T>(r, j);
-#pragma unroll
-            for (int w = VEC / 2; w > 0; w /= 2)
-#pragma unroll
-                for (int j = 0; j < w; ++j) e[j] = maxnan(e[j], e[j + w]);
-            mk = maxnan(mk, e[0]);
-        }
+        for (int v = a + threadIdx.x; v < b; v += GROUP) mk = maxnan(mk, staged_reduce<true>(v, 0.f));
         const float base = mk == NEG_INF ? 0.f : mk;  // all -inf so far: exp(-inf - 0) = 0, never NaN
         float acc = 0.f;
 #pragma unroll 4
-        for (int v = a + threadIdx.x; v < b; v += GROUP) {
-            Raw<IN_T> r;
-            staged_vector(r, v);
-            float e[VEC];
-#pragma unroll
-            for (int j = 0; j < VEC; ++j) e[j] = __expf(elem<IN_T>(r, j) - base);
-#pragma unroll
-            for (int w = VEC / 2; w > 0; w /= 2)
-#pragma unroll
-                for (int j = 0; j < w; ++j) e[j] += e[j + w];
-            acc += e[0];
-        }
+        for (int v = a + threadIdx.x; v < b; v += GROUP) acc += staged_reduce<false>(v, base);
         s = s * __expf(mt - base) + acc;
         mt = mk;
     }
