@@ -144,6 +144,37 @@ def test_tune_probes_a_pick_inside_its_bucket(monkeypatch, device, inside, won):
     assert (e["backend"], e["path"]) == (("triton", "online") if won else ("triton", "rowblock"))
 
 
+def test_tune_takes_a_bucket_won_inside_it(monkeypatch, device):
+    """A challenger that ties the default at the bucket's top length (1% faster, under tuning.MARGIN) but wins
+    clearly at both probes takes the bucket (tuning.bucket_pick: geometric mean over the three); one that wins
+    on the geometric mean but loses a probe by more than MARGIN does not."""
+    from fastsoftmax import bench, tuning
+
+    def run(times):
+        def fake_time_ms(fn, device):
+            f = heuristics.forced()
+            if f is None:
+                return 1.0
+            (n,) = {c.cell_contents.shape[-1] for c in fn.__closure__ if isinstance(c.cell_contents, torch.Tensor)}
+            return times[f["path"]].get(n, times[f["path"]]["top"])
+
+        monkeypatch.setattr(bench, "time_ms", fake_time_ms)
+        monkeypatch.setattr(bench, "candidates", lambda *a: [("triton", "rowblock"), ("triton", "online")])
+        monkeypatch.setattr(bench, "graphed", lambda fn: fn)
+        doc = bench.tune([(2, 64), (2, 128)], ["float32"], ["fwd"], device, progress=None)
+        assert doc["rule"] == tuning.RULE
+        e = doc["entries"][1]
+        assert e["challenger"] == "triton/online" and [p["N"] for p in e["probes"]] == [81, 97]
+        assert f"{e['backend']}/{e['path']}" == tuning.entry_path(e, doc["rule"])
+        return e["path"]
+
+    tie_top = {"rowblock": {"top": 5.0}, "online": {"top": 5.0 / 1.01, 81: 3.0, 97: 3.0}}
+    assert run(tie_top) == "online"
+    assert tuning.pick({"triton/online": 1.01, "triton/rowblock": 1.0}, "triton/rowblock") == "triton/rowblock"
+    loses_inside = {"rowblock": {"top": 5.0}, "online": {"top": 2.0, 81: 2.0, 97: 5.5}}
+    assert run(loses_inside) == "rowblock"
+
+
 def test_tune_rows_classes(monkeypatch, device):
     """Both rows classes get their own entries (the threshold lowered so that tiny shapes span both)."""
     from fastsoftmax import bench, tuning
@@ -192,9 +223,9 @@ def test_warm_runs_every_job_in_worker_processes():
 
 
 def test_committed_tables_are_valid():
-    """Every committed table loads, names only backends and paths that exist, names per entry what
-    tuning.pick makes of its measured candidates (the default where the pick lost its in-bucket probe), and
-    covers both passes, rows classes and its dtypes."""
+    """Every committed table loads, names only backends and paths that exist, names per entry what its rule
+    makes of its measured candidates and probes (tuning.entry_path), and covers both passes, rows classes and
+    its dtypes."""
     from importlib import resources
 
     from fastsoftmax import dispatch, heuristics, tuning
@@ -207,11 +238,7 @@ def test_committed_tables_are_valid():
         for e in doc["entries"]:
             assert e["backend"] in dispatch.BACKENDS
             assert e["path"] in (heuristics.PATHS if e["backend"] == "triton" else heuristics.CUDA_PATHS)
-            want = tuning.pick(e["candidates"], e["default"])
-            for probe in e.get("probes", []):
-                if probe.get("error") or tuning.pick(probe["candidates"], e["default"]) != want:
-                    want = e["default"]  # the pick lost (or could not run) inside its bucket: the default kept
-            assert f"{e['backend']}/{e['path']}" == want, e
+            assert f"{e['backend']}/{e['path']}" == tuning.entry_path(e, doc.get("rule")), e
             assert e["gbps"] == e["candidates"][f"{e['backend']}/{e['path']}"]
         keys = {(e["pass"], e["dtype"], e["rows"]) for e in doc["entries"]}
         assert {(p, "bfloat16", r) for p in ("fwd", "bwd") for r in ("few", "many")} <= keys

@@ -235,7 +235,8 @@ def test_launch_shapes_hold_the_row(elsize, inputs, caps):
                     s = launch_shape(n, rows, elsize, 132, 90, variant, inputs, **caps)
                 except ValueError:
                     assert variant in ("warp", "block", "cluster", "staged"), (variant, n)
-                    assert variant != "staged" or inputs == 2 or -(-n // vec) * 16 > kernels.STAGE_CLUSTER_MAX * kernels.STAGE_MAX
+                    staged_cap = kernels.STAGE_CLUSTER_MAX * kernels.STAGE_MAX
+                    assert variant != "staged" or inputs == 2 or -(-n // vec) * 16 > staged_cap
                     continue
                 assert s.variant == variant and 1 <= s.group * s.rows <= 1024 and 1 <= s.cluster <= 16
                 if variant in ("warp", "block", "cluster"):

@@ -542,10 +542,10 @@ def default_jobs(device: str) -> int:
 
 
 def tune(shapes, dtypes, passes, device: str, progress=sys.stderr, jobs: int = 0) -> dict:
-    """Measure every (backend, path) candidate per problem and keep the fastest (CUDA-graph GPU time for
-    few-row problems, eager do_bench otherwise); every candidate's GB/s is kept in the entry. A candidate
-    replaces the heuristics' default only if it still wins when both are timed again, and at an odd length
-    inside the bucket the entry covers (the entry's "probes")."""
+    """Measure every (backend, path) candidate per problem (CUDA-graph GPU time for few-row problems, eager
+    do_bench otherwise); every candidate's GB/s is kept in the entry. The fastest (the challenger) replaces
+    the heuristics' default only over the bucket the entry covers: both timed again at its top length and at
+    odd lengths inside it (the entry's "probes"), tuning.bucket_pick decides."""
 
     import fastsoftmax as fs
 
@@ -598,21 +598,24 @@ def tune(shapes, dtypes, passes, device: str, progress=sys.stderr, jobs: int = 0
                     continue
                 default = "triton/" + heuristics.launch_shape(n, m, x.element_size(), False, sms, None,
                                                               inputs=1 if pass_ == "fwd" else 2).path  # fmt: skip
-                best = tuning.pick(results, default)
+                # The challenger: the fastest candidate at n (the default keeps the bucket when it is the one).
+                challenger = max(results, key=results.get)
                 probes = []
-                if best != default and default in results:
+                if challenger != default and default in results:
                     # One timing can be an outlier (2026-11-29: rowblock 3,040 GB/s at bwd bf16 65536x1024
-                    # in the tune, 4,215 in the benchmark run after it). A pick that replaces the default is
-                    # timed again, the default too, and each keeps its better figure before picking again.
-                    for name in (default, best):
+                    # in the tune, 4,215 in the benchmark run after it): both are timed again, each keeping its
+                    # better figure, and the challenger named again.
+                    for name in (default, challenger):
                         results[name] = max(results[name], gbps(name, pass_, cls, x, y, dy))
-                    best = tuning.pick(results, default)
+                    challenger = max(results, key=results.get)
+                best = tuning.pick(results, default)
+                points = [(results[challenger], results.get(default, 0.0))]
                 # The entry covers (lo, n]; a path that wins at n can lose inside (2026-11-29: the CUDA cluster
-                # took fp32 forward 32K-64K from a win at 65536, and ran 37984 at 0.73x Triton; 2026-11-30: it
-                # won at 65536 and at the middle, 49153, and still ran 37984 at 0.87x). It must also win at odd
-                # lengths a quarter and half way into the bucket.
+                # took fp32 forward 32K-64K from a win at 65536, and ran 37984 at 0.73x Triton) and one that ties
+                # at n can win inside (2026-11-30: the staged forward, bf16 65536 and 37984). Both are measured
+                # at odd lengths a quarter and half way into the bucket, and tuning.bucket_pick decides.
                 for n2 in sorted({(3 * lo + n) // 4 | 1, (lo + n) // 2 | 1}):
-                    if best == default or default not in results or not lo < n2 < n:
+                    if challenger == default or default not in results or not lo < n2 < n:
                         break
                     m2 = m if cls == "few" else max(m, (m * n) // n2)
                     del x, y, dy
@@ -620,16 +623,19 @@ def tune(shapes, dtypes, passes, device: str, progress=sys.stderr, jobs: int = 0
                     probe = {"M": m2, "N": n2, "candidates": {}}
                     probes.append(probe)
                     try:
-                        for name in (default, best):
+                        for name in (default, challenger):
                             probe["candidates"][name] = gbps(name, pass_, cls, x, y, dy)
-                        if tuning.pick(probe["candidates"], default) != best:
-                            best = default
-                    except Exception as e:  # the pick cannot run inside its bucket: keep the default
+                        points.append((probe["candidates"][challenger], probe["candidates"][default]))
+                    except Exception as e:  # the challenger cannot run inside its bucket: keep the default
                         probe["error"] = f"{type(e).__name__}: {e}"
-                        best = default
+                if challenger != default and default in results:
+                    failed = any("error" in p for p in probes)
+                    best = default if failed else tuning.bucket_pick(points, challenger, default)
                 backend, path = best.split("/")
                 entry = {"pass": pass_, "dtype": dt, "rows": cls, "n_max": n, "M": m, "backend": backend,
                          "path": path, "gbps": results[best], "default": default, "candidates": results}  # fmt: skip
+                if challenger != default and default in results:
+                    entry["challenger"] = challenger
                 if probes:
                     entry["probes"] = probes
                 entries.append(entry)
@@ -640,7 +646,8 @@ def tune(shapes, dtypes, passes, device: str, progress=sys.stderr, jobs: int = 0
     from . import info
 
     return tuning.validate({
-        **_header(device, copy_gbps(device)), "generated_by": "fastsoftmax bench --tune", "nvrtc": info()["nvrtc"],
+        **_header(device, copy_gbps(device)), "generated_by": "fastsoftmax bench --tune", "rule": tuning.RULE,
+        "nvrtc": info()["nvrtc"],
         "sm_count": sms, "few_rows_per_sm": tuning.FEW_ROWS_PER_SM, "entries": entries,
     })  # fmt: skip
 

@@ -5,8 +5,9 @@ time: a GPU with no table, or a problem outside the table's buckets, gets the Tr
 heuristics.py's rules.
 
 Buckets: an entry measured at row length n_max covers (previous n_max, n_max]; lengths past the largest
-measured one have no entry. A path other than the default must also win at odd lengths a quarter and half
-way into its bucket (bench.tune's probes, recorded in the entry). Rows class: "few" when
+measured one have no entry. A path other than the default must win over the bucket: at n_max and at odd
+lengths a quarter and half way in (bench.tune's probes, recorded in the entry; the rule, bucket_pick, is
+named in the table; older tables used pick at n_max, then probes). Rows class: "few" when
 there are fewer than FEW_ROWS_PER_SM rows per SM (the GPU is filled only by spreading a row over several
 SMs), else "many".
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 import bisect
 import functools
 import json
+import math
 import re
 from importlib import resources
 
@@ -57,6 +59,41 @@ def pick(candidates: dict[str, float], default: str | None) -> str:
     if default in candidates and candidates[best] < (1 + MARGIN) * candidates[default]:
         return default
     return best
+
+
+RULE = "bucket"  # how `bench --tune` decides an entry (recorded in the table; tables without it: pick + probes)
+
+
+def bucket_pick(points: list[tuple[float, float]], challenger: str, default: str) -> str:
+    """An entry's path under RULE from (challenger GB/s, default GB/s) pairs measured at the bucket's top
+    length and at its probes inside: the challenger when its geometric-mean speed-up over them is at least
+    1 + MARGIN and it is nowhere slower by more than MARGIN, else the default. (The pick-then-probe rule
+    measured the challenger's win at the top length alone: on the H200, 2026-11-30, the CUDA staged forward
+    tied Triton at bf16 1024x65536, 2,682 vs 2,620 GB/s, so the bucket stayed with Triton, which ran
+    16384x37984 at 3,043 GB/s where the staged kernel gave 3,597.)"""
+    ratios = [c / d for c, d in points]
+    geo = math.prod(ratios) ** (1 / len(ratios))
+    return challenger if geo >= 1 + MARGIN and min(ratios) >= 1 - MARGIN else default
+
+
+def entry_path(e: dict, rule: str | None) -> str:
+    """The 'backend/path' a table entry must name, recomputed from what it recorded (its candidates at the
+    bucket's top length, its probes) under the table's rule: what tests check a committed table against."""
+    default, cands, probes = e["default"], e["candidates"], e.get("probes", [])
+    if rule == RULE:
+        challenger = e.get("challenger")
+        if challenger is None or default not in cands:
+            return pick(cands, default)
+        if any(p.get("error") for p in probes):
+            return default
+        points = [(cands[challenger], cands[default])] + [(p["candidates"][challenger], p["candidates"][default])
+                                                          for p in probes]  # fmt: skip
+        return bucket_pick(points, challenger, default)
+    want = pick(cands, default)
+    for probe in probes:
+        if probe.get("error") or pick(probe["candidates"], default) != want:
+            return default  # the pick lost (or could not run) inside its bucket: the default kept
+    return want
 
 
 def rows_class(n_rows: int, sm_count: int) -> str:

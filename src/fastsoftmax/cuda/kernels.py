@@ -50,7 +50,9 @@ STAGE_BYTES = 102400  # slice of a row a staged CTA holds in shared memory, at m
 # dev/logs/2026-11-30b-h200-synccheck-staged-*.txt), though outputs were right and memcheck and racecheck
 # clean; at 8 it is clean, as is the register-held cluster variant at 16. Not understood: kept out.
 STAGE_CLUSTER_MAX = 8
-STAGE_MAX = 196608  # ... and past STAGE_CLUSTER_MAX CTAs (dynamic shared memory; an H200 SM has 228 KiB; softmax.cu MAX_PIECES)
+# A staged slice at most, the cluster at STAGE_CLUSTER_MAX (dynamic shared memory: an H200 SM has 228 KiB;
+# softmax.cu's MAX_PIECES pieces of 16 KiB)
+STAGE_MAX = 196608
 
 _DTYPE = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
