@@ -139,8 +139,10 @@ def max_registers(n: int, num_warps: int, inputs: int) -> int | None:
     Backward rows past BWD_LONG_N: every register a thread may have at that block size. Without the cap
     ptxas (Triton 3.6's) chose 32 registers and 1,520 bytes of spills for fp32 softmax rows that are not a
     multiple of 4 elements (the edge code), 128 and 136 bytes with it, as for even rows
-    (tests/test_snapshot.py); measured 2026-11-30 on the H200 without the cap (dev/sweep_launch.py oddbwd):
-    fp32 3276x20481 575 GB/s, 2048x32001 809, against 2048x32768 3,668."""
+    (tests/test_snapshot.py). Measured 2026-11-30 on the H200 (dev/sweep_launch.py oddbwd, 16 warps): fp32
+    3276x20481 575 -> 2,601 GB/s, 2048x32001 809 -> 2,748 (2048x32768: 3,668 -> 3,768). 8 warps measured
+    faster still for fp32 softmax (2,965-3,126 at odd N, 3,905 at 32768) but spill 572 bytes for fp32
+    log_softmax (Triton 3.6): left for a tune that times log_softmax too."""
     if inputs > 1 and n > BWD_LONG_N:
         return min(255, 65536 // (32 * num_warps))
     return None
