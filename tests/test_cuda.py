@@ -25,8 +25,7 @@ CASES = [
     ("cluster", 513), ("cluster", 12289), ("cluster", 50257), ("cluster", 131072),
     ("online", 7), ("online", 4099), ("online", 50257),
 ]  # fmt: skip
-# The staged variant is a forward only: its lengths cross CTAs of a cluster (1 to 16) and 16 KiB pieces of
-# the bulk copy.
+# The staged variant: lengths that cross CTAs of a cluster (1 to 8) and 16 KiB pieces of the bulk copy.
 STAGED_CASES = [("staged", 1), ("staged", 7), ("staged", 513), ("staged", 12289), ("staged", 50257),
                 ("staged", 131072)]  # fmt: skip
 FNS = {False: fs.softmax, True: fs.log_softmax}
@@ -116,7 +115,7 @@ def run_backward(x, dy, dim, log, variant):
 
 @pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("variant,n", CASES)
+@pytest.mark.parametrize("variant,n", CASES + STAGED_CASES)
 def test_backward(variant, n, dtype, log):
     x = logits(7, n, dtype, n + 1)
     gen = torch.Generator().manual_seed(n)
@@ -127,7 +126,7 @@ def test_backward(variant, n, dtype, log):
     assert problem is None, problem
 
 
-@pytest.mark.parametrize("variant", ["three_pass", "warp", "block", "cluster", "online"])
+@pytest.mark.parametrize("variant", ["three_pass", "warp", "block", "cluster", "online", "staged"])
 def test_backward_layouts(variant):
     x = logits(23, 1000, torch.float32, 5)
     dy = torch.randn(1000, x.shape[0], device="cuda").t()  # dy strided unlike y: copied into y's layout
@@ -173,7 +172,8 @@ def test_large(variant, bwd_variant, shape, dtype):
 )
 def test_staged_large(shape, dtype):
     """The staged forward on the longest rows it holds (8 CTAs x STAGE_MAX bytes: 393216 fp32), few rows
-    spread over 8 CTAs, special rows; one element more is refused when forced."""
+    spread over 8 CTAs, special rows; one element more is refused when forced. The staged backward (y and
+    dy staged: half the length) on the same rows where they fit, refused where they do not."""
     from fastsoftmax.cuda import kernels
 
     gen = torch.Generator().manual_seed(shape[1])
@@ -190,6 +190,34 @@ def test_staged_large(shape, dtype):
         assert heuristics.last_plan().splits == kernels.STAGE_CLUSTER_MAX == 8
         with pytest.raises(ValueError, match="staged variant holds at most"):
             run_forward(torch.zeros(1, shape[1] + 4, device="cuda"), -1, False, "staged")
+    dy = torch.randn(shape, generator=gen).to(dtype).cuda()
+    with heuristics.force(poison=True, path="staged"):
+        if 2 * shape[1] * x.element_size() > kernels.STAGE_CLUSTER_MAX * kernels.STAGE_MAX:  # y and dy staged
+            with pytest.raises(ValueError, match="staged variant holds at most"):
+                fs.softmax_backward(dy, y, backend="cuda")
+            return
+        dx = fs.softmax_backward(dy, y, backend="cuda")
+    assert heuristics.last_plan().path == "staged"
+    assert compare_grad(dx, dy, y, -1, False)[1] is None
+
+
+def test_staged_backward_needs_dy_like_y():
+    """The staged backward stages dy as it stages y: dy of another dtype, or 16-byte-misaligned relative to y,
+    is refused when forced and takes another variant otherwise."""
+    from fastsoftmax.cuda import kernels
+
+    y = torch.softmax(logits(30, 4099, torch.bfloat16, 8).float(), -1).to(torch.bfloat16)
+    buf = torch.randn(y.numel() + 1, device="cuda").to(torch.bfloat16)
+    off = buf[1:].view(y.shape)  # y's strides, 2 bytes off y's alignment
+    for dy in (torch.randn_like(y, dtype=torch.float32), off):
+        with heuristics.force(path="staged"), pytest.raises(ValueError, match="staged backward needs dy"):
+            fs.softmax_backward(dy, y, backend="cuda")
+        lay = kernels.plan_layout(y, torch.empty_like(y), 1)[1]
+        assert kernels._plan(y, lay, 2, "staged")[0].variant == "staged"  # the hint alone would take it...
+    dx = torch.full_like(y, float("nan"))
+    kernels.backward(off, y, dx, 1, False, "staged")  # the table's hint: backward() falls back
+    assert heuristics.last_plan().path != "staged"
+    assert compare_grad(dx, off, y, -1, False)[1] is None
 
 
 def test_auto_picks_by_length():

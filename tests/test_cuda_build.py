@@ -194,24 +194,27 @@ def test_info_records_fast_math():
     assert fs.info()["nvrtc"] == ".".join(map(str, build.nvrtc_version()))
 
 
+@pytest.mark.parametrize("backward", [False, True], ids=["fwd", "bwd"])
 @pytest.mark.parametrize(
-    "dtype,n,rows,cluster",
-    [("bfloat16", 65536, 4096, 2), ("float32", 262144, 8, 8), ("float16", 513, 4096, 1), ("float32", 50257, 8192, 2)],
+    "dtype,n,rows,cluster",  # cluster: the forward's (the backward stages y and dy: twice the bytes)
+    [("bfloat16", 65536, 4096, 2), ("float32", 131072, 8, 8), ("float16", 513, 4096, 1), ("float32", 50257, 8192, 2)],
 )
-def test_staged_compiles_with_its_facts(cache, dtype, n, rows, cluster):
-    """The staged forward: one bulk copy engine load per piece into shared memory, completed on an mbarrier;
-    few registers (several CTAs per SM), no spills; 16-byte stores; the cluster exchange when it has one."""
-    shape, cfg, ptx, facts = compiled("staged", dtype, n, rows, False)
-    assert (shape.variant, shape.cluster) == ("staged", cluster) and cfg.staged and cfg.defines()["STAGED"] == 1
+def test_staged_compiles_with_its_facts(cache, dtype, n, rows, cluster, backward):
+    """The staged variant: bulk copy engine loads into shared memory by pieces, each completed on its own
+    mbarrier (the backward's y and dy on the same one); few registers (several CTAs per SM), no spills;
+    16-byte shared loads and global stores; the cluster exchange when it has one."""
+    shape, cfg, ptx, facts = compiled("staged", dtype, n, rows, backward)
+    want = min(kernels.STAGE_CLUSTER_MAX, cluster * 2) if backward and n > 513 else cluster
+    assert (shape.variant, shape.cluster) == ("staged", want) and cfg.staged and cfg.defines()["STAGED"] == 1
     assert "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes" in ptx
-    assert "mbarrier.try_wait.parity" in ptx and "fence.mbarrier_init" in ptx
+    assert "mbarrier.try_wait.parity" in ptx and "fence.mbarrier_init" in ptx and "mbarrier.inval" in ptx
     assert re.search(r"ld\.shared\.v4\.[ubf]32", ptx) and re.search(r"st\.global\.v4\.[ubf]32", ptx)
-    assert "ex2.approx" in ptx and ("rcp.rn.f32" in ptx or "div.rn.f32" in ptx)
-    assert ("barrier.cluster.arrive" in ptx) == (cluster > 1)
+    if not backward:
+        assert "ex2.approx" in ptx and ("rcp.rn.f32" in ptx or "div.rn.f32" in ptx)
+    assert ("barrier.cluster.arrive" in ptx) == (want > 1)
     if facts["registers"]:  # CI's NVRTC logs ptxas -v (the H200 image's does not)
         assert 0 < facts["registers"] <= 64 and facts["spill_stores"] == facts["stack_bytes"] == 0, facts
-    with pytest.raises(ValueError, match="forward"):
-        launch_shape(n, rows, 4, 132, 90, "staged", inputs=2)
+    assert kernels.stage_bytes(shape, n, 4 if dtype == "float32" else 2, 2 if backward else 1) <= kernels.STAGE_MAX
     with pytest.raises(ValueError, match="sm_90"):
         launch_shape(n, rows, 4, 108, 80, "staged")
 
@@ -236,7 +239,7 @@ def test_launch_shapes_hold_the_row(elsize, inputs, caps):
                 except ValueError:
                     assert variant in ("warp", "block", "cluster", "staged"), (variant, n)
                     staged_cap = kernels.STAGE_CLUSTER_MAX * kernels.STAGE_MAX
-                    assert variant != "staged" or inputs == 2 or -(-n // vec) * 16 > staged_cap
+                    assert variant != "staged" or inputs * -(-n // vec) * 16 > staged_cap
                     continue
                 assert s.variant == variant and 1 <= s.group * s.rows <= 1024 and 1 <= s.cluster <= 16
                 if variant in ("warp", "block", "cluster"):
@@ -246,8 +249,8 @@ def test_launch_shapes_hold_the_row(elsize, inputs, caps):
                 if variant == "cluster":
                     assert s.cluster >= 2
                 if variant == "staged":
-                    assert inputs == 1 and kernels.stage_bytes(s, n, elsize) <= kernels.STAGE_MAX
-                    assert kernels.stage_bytes(s, n, elsize) * s.cluster >= n * elsize
+                    assert kernels.stage_bytes(s, n, elsize, inputs) <= kernels.STAGE_MAX
+                    assert kernels.stage_bytes(s, n, elsize, inputs) * s.cluster >= inputs * n * elsize
 
 
 def test_min_ctas_override_caps_registers():

@@ -16,10 +16,11 @@ Variants (forward and backward share them; `heuristics.force(path=...)` picks on
               262144 bf16). Also spreads few rows over many SMs.
   online      any length: the same CTA (or cluster) sweeps the row twice, the first pass keeping a
               running max and rescaled sum: two reads.
-  staged      sm_90, forward, unit-stride rows: the row across a cluster of 1-8 CTAs of 256 threads, each
-              CTA's slice copied into shared memory by the bulk-copy engine (cp.async.bulk) instead of
-              registers: one read, few registers, several CTAs per SM (STAGE_BYTES each) so that one
-              CTA's loads overlap another's reduction and stores. Rows up to 8 x STAGE_MAX bytes.
+  staged      sm_90, unit-stride rows: the row across a cluster of 1-8 CTAs of 256 threads, each CTA's slice
+              (backward: of y and of dy, which must share y's dtype and alignment) copied into shared memory
+              by the bulk-copy engine (cp.async.bulk) instead of registers: one read, few registers, several
+              CTAs per SM (STAGE_BYTES each) so that one CTA's loads overlap another's reduction and stores.
+              Rows up to 8 x STAGE_MAX bytes (backward: half).
 """
 
 from __future__ import annotations
@@ -127,15 +128,15 @@ def launch_shape(
             raise ValueError(f"the cluster variant holds at most {cap} elements per row, got N={n}")
         return Shape(variant, group, 1, cluster, k)
     if variant == "staged":
-        if cc < 90 or inputs != 1:
-            raise ValueError("the staged variant is a forward for sm_90 or newer")
+        if cc < 90:
+            raise ValueError(f"the staged variant needs sm_90 or newer (this GPU: sm_{cc})")
         cluster = 1
-        while cluster < STAGE_CLUSTER_MAX and -(-nvec // cluster) * 16 > STAGE_BYTES:
+        while cluster < STAGE_CLUSTER_MAX and inputs * -(-nvec // cluster) * 16 > STAGE_BYTES:
             cluster *= 2
         while cluster < STAGE_CLUSTER_MAX and n_rows * cluster < sm_count and nvec >= 2 * STAGE_GROUP * cluster:
             cluster *= 2  # few rows: spread each over more SMs
-        if -(-nvec // cluster) * 16 > STAGE_MAX:
-            cap = STAGE_CLUSTER_MAX * STAGE_MAX // elsize
+        if inputs * -(-nvec // cluster) * 16 > STAGE_MAX:
+            cap = STAGE_CLUSTER_MAX * STAGE_MAX // (elsize * inputs)
             raise ValueError(f"the staged variant holds at most {cap} elements per row, got N={n}")
         return Shape(variant, STAGE_GROUP, 1, cluster, 1)
     if variant == "online":
@@ -165,13 +166,13 @@ def config_for(
     return shape, cfg
 
 
-def stage_bytes(shape: Shape, n: int, elsize: int) -> int:
-    """Dynamic shared memory of a launch: a staged CTA's slice of the row (an upper bound: the head scalars
-    before x's 16-byte boundary are not staged), else 0."""
+def stage_bytes(shape: Shape, n: int, elsize: int, inputs: int = 1) -> int:
+    """Dynamic shared memory of a launch: a staged CTA's slice of the row, of each of ``inputs`` tensors (an
+    upper bound: the head scalars before x's 16-byte boundary are not staged), else 0."""
     if shape.variant != "staged":
         return 0
     nvec = -(-n // (16 // elsize))
-    return -(-nvec // shape.cluster) * 16
+    return inputs * -(-nvec // shape.cluster) * 16
 
 
 class _Params(ctypes.Structure):
@@ -370,6 +371,11 @@ def backward(dy: torch.Tensor, y: torch.Tensor, dx: torch.Tensor, dim: int, log:
     if lay.copied:
         dy = dy.contiguous()
     shape, index = _plan(yk, lay, 2, path)
+    if shape.variant == "staged" and not (dy.dtype == yk.dtype and (dy.data_ptr() - yk.data_ptr()) % 16 == 0):
+        # dy is staged as y is: the same element size, and its body 16-byte aligned where y's is
+        if (heuristics.forced() or {}).get("path") == "staged":
+            raise ValueError("the staged backward needs dy in y's dtype and 16-byte alignment relative to y")
+        shape, index = _plan(yk, lay, 2, None)
     (sxb, sxn, sxi), (syb, syn, syi) = lay.sx, lay.sy
     params = _Params(
         yk.data_ptr(), dx.data_ptr(), dy.data_ptr(), None,
@@ -379,7 +385,8 @@ def backward(dy: torch.Tensor, y: torch.Tensor, dx: torch.Tensor, dim: int, log:
     fn = function(cfg, index)
     _record(shape, yk, lay, copied or lay.copied)
     _ensure_context(index)
-    _launch(fn, _grid(shape, lay.B * lay.I), shape.group * shape.rows, shape.cluster, params, _stream(dx))
+    smem = stage_bytes(shape, lay.N, yk.element_size(), 2)
+    _launch(fn, _grid(shape, lay.B * lay.I), shape.group * shape.rows, shape.cluster, params, _stream(dx), smem)
 
 
 def _stream(t: torch.Tensor) -> int:

@@ -12,10 +12,11 @@
 //   CLUSTER   CTAs of a thread-block cluster that share a row (sm_90); 1 = no cluster
 //   K         16-byte vectors of the row each thread holds in registers (STREAM 0)
 //   STREAM    1: loop over the row twice instead of holding it (any length)
-//   STAGED    1 (forward, sm_90, unit-stride rows): each CTA's slice of the row body is copied into shared
-//             memory by the bulk-copy engine (cp.async.bulk, one mbarrier), reduced and written from there:
-//             one read, a few registers per thread, so several CTAs per SM overlap one's loads with
-//             another's reduction and stores. Dynamic shared memory: the slice's bytes.
+//   STAGED    1 (sm_90, unit-stride rows): each CTA's slice of the row body (backward: of y and of dy, dy in
+//             y's element size) is copied into shared memory by the bulk-copy engine (cp.async.bulk, an
+//             mbarrier per 16 KiB piece), reduced and written from there: one read, a few registers per
+//             thread, so several CTAs per SM overlap one's loads with another's reduction and stores.
+//             Dynamic shared memory: the slice's bytes (backward: twice).
 //
 // Entry points: fs_fwd / fs_fwd_log (FS_KIND 1: softmax / log_softmax, p.log unused), fs_bwd, fs_fwd3 and
 // fs_bwd3 (these read p.log).
@@ -356,13 +357,96 @@ constexpr int MIN_CTAS = MIN_CTAS_SET;
 // (The one exception, checked by compiling every variant: a lone 512-thread CTA holding 8 fp32 vectors per
 // thread, which ptxas spills 8 bytes for at 64.)
 constexpr bool LONE_FULL_CTA = !STREAM && CLUSTER == 1 && GROUP * ROWS == 512 && K == 8;
-constexpr int REG_BUDGET = FS_KIND == 1 && (STREAM || STAGED || (K * VEC <= 32 && !LONE_FULL_CTA)) ? 64 : 128;
+constexpr int REG_BUDGET = STAGED || (FS_KIND == 1 && (STREAM || (K * VEC <= 32 && !LONE_FULL_CTA))) ? 64 : 128;
 constexpr int CTAS_FOR_BUDGET = 65536 / (GROUP * ROWS * REG_BUDGET);
 constexpr int MIN_CTAS = CTAS_FOR_BUDGET < 1 ? 1 : CTAS_FOR_BUDGET > 16 ? 16 : CTAS_FOR_BUDGET;
 #endif
 #endif
 #if STREAM
 constexpr int BATCH = 4;  // vectors per thread in flight per step of the streaming loops
+#endif
+
+#if STAGED
+extern __shared__ __align__(128) unsigned char stage[];  // this CTA's slice of the row body (backward: y, dy)
+
+__device__ __forceinline__ void mbar_init(u32 bar) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar) : "memory");
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+
+constexpr int PIECE_VECS = 1024;  // 16 KiB: the slice arrives in pieces, each completing its own mbarrier
+constexpr int MAX_PIECES = 12;    // a slice of at most 192 KiB (kernels.STAGE_MAX)
+
+// Arrive on `bar` expecting `bytes` of bulk copies to complete on it.
+__device__ __forceinline__ void mbar_expect(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+// Copy `bytes` (a multiple of 16) from global src (16-byte aligned) into shared memory at dst with the
+// bulk-copy engine, completing them on `bar`.
+__device__ __forceinline__ void bulk_copy(u32 dst, const char* src, u32 bytes, u32 bar) {
+    u64 g;
+    asm("cvta.to.global.u64 %0, %1;" : "=l"(g) : "l"(reinterpret_cast<u64>(src)));
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 ::"r"(dst), "l"(g), "r"(bytes), "r"(bar) : "memory");
+}
+
+// This CTA's part of a row body staged: its slice [v0, v0 + cnt) of the body vectors, in pieces of
+// PIECE_VECS vectors, each with its own mbarrier (bars: MAX_PIECES of them in shared memory).
+struct Slice { int v0, cnt, per, pieces; u32 bar0, dst; };
+
+__device__ __forceinline__ Slice slice_of(const Row& R, const u64* bars) {
+    Slice S;
+    S.per = (R.nv + CLUSTER - 1) / CLUSTER;
+    const int lo = (int)cluster_rank() * S.per;
+    S.v0 = lo < R.nv ? lo : R.nv;
+    S.cnt = R.nv - S.v0 < S.per ? R.nv - S.v0 : S.per;
+    S.pieces = (S.cnt + PIECE_VECS - 1) / PIECE_VECS;
+    S.bar0 = (u32)__cvta_generic_to_shared(bars);
+    S.dst = (u32)__cvta_generic_to_shared(stage);
+    return S;
+}
+
+// Thread 0 initialises the slice's barriers and issues its copies: x (y) at the slice's start and, when
+// given, dy right after (16 * per bytes on); the CTA waits for neither here.
+__device__ __forceinline__ void stage_slice(const Slice& S, const char* xb, const char* db) {
+    if (threadIdx.x == 0) {
+        for (int k = 0; k < S.pieces; ++k) mbar_init(S.bar0 + 8 * k);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int k = 0; k < S.pieces; ++k) {
+            const int a = k * PIECE_VECS, len = (S.cnt - a < PIECE_VECS ? S.cnt - a : PIECE_VECS);
+            mbar_expect(S.bar0 + 8 * k, (db ? 32 : 16) * len);
+            bulk_copy(S.dst + 16 * a, xb + (i64)(S.v0 + a) * 16, 16 * len, S.bar0 + 8 * k);
+            if (db) bulk_copy(S.dst + 16 * (S.per + a), db + (i64)(S.v0 + a) * 16, 16 * len, S.bar0 + 8 * k);
+        }
+    }
+}
+
+// Every thread is past its waits: thread 0 invalidates the barriers.
+__device__ __forceinline__ void release_slice(const Slice& S) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int k = 0; k < S.pieces; ++k) asm volatile("mbarrier.inval.shared::cta.b64 [%0];" ::"r"(S.bar0 + 8 * k) : "memory");
+    }
+}
+
+__device__ __forceinline__ void mbar_wait(u32 bar) {
+    u32 done = 0;
+    while (!done)
+        asm volatile("{\n\t.reg .pred P;\n\tmbarrier.try_wait.parity.shared::cta.b64 P, [%1], 0;\n\t"
+                     "selp.u32 %0, 1, 0, P;\n\t}" : "=r"(done) : "r"(bar) : "memory");
+}
+
+// The 16 bytes of vector v of the staged slices (dy's vector v is vector per + v), one shared-memory load.
+template <int T> __device__ __forceinline__ void staged_raw(Raw<T>& r, int v) {
+    static_assert(sizeof(Raw<T>) == 16, "staged vectors are 16 bytes of every staged tensor");
+    const uint4 q = reinterpret_cast<const uint4*>(stage)[v];
+    r.w[0] = q.x; r.w[1] = q.y; r.w[2] = q.z; r.w[3] = q.w;
+}
+
+__device__ __forceinline__ void staged_vector(Raw<IN_T>& r, int v) { staged_raw<IN_T>(r, v); }
 #endif
 
 #if FS_KIND == 1
@@ -406,39 +490,6 @@ __device__ __forceinline__ void write_lse(const Params& p, const Thread& T, floa
 }
 
 #if STAGED
-extern __shared__ __align__(128) unsigned char stage[];  // this CTA's slice of the row body
-
-__device__ __forceinline__ void mbar_init(u32 bar) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar) : "memory");
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-}
-
-constexpr int PIECE_VECS = 1024;  // 16 KiB: the slice arrives in pieces, each completing its own mbarrier
-constexpr int MAX_PIECES = 12;    // a slice of at most 192 KiB (kernels.STAGE_MAX)
-
-// Arrive on `bar` expecting `bytes` (a multiple of 16) and copy them from global src (16-byte aligned) into
-// shared memory at dst with the bulk-copy engine.
-__device__ __forceinline__ void bulk_load(u32 dst, const char* src, u32 bytes, u32 bar) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
-    u64 g;
-    asm("cvta.to.global.u64 %0, %1;" : "=l"(g) : "l"(reinterpret_cast<u64>(src)));
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                 ::"r"(dst), "l"(g), "r"(bytes), "r"(bar) : "memory");
-}
-
-__device__ __forceinline__ void mbar_wait(u32 bar) {
-    u32 done = 0;
-    while (!done)
-        asm volatile("{\n\t.reg .pred P;\n\tmbarrier.try_wait.parity.shared::cta.b64 P, [%1], 0;\n\t"
-                     "selp.u32 %0, 1, 0, P;\n\t}" : "=r"(done) : "r"(bar) : "memory");
-}
-
-// Vector v of the staged slice (one 16-byte shared-memory load).
-__device__ __forceinline__ void staged_vector(Raw<IN_T>& r, int v) {
-    const uint4 q = reinterpret_cast<const uint4*>(stage)[v];
-    r.w[0] = q.x; r.w[1] = q.y; r.w[2] = q.z; r.w[3] = q.w;
-}
-
 // Vector v of the slice as one value, reduced as a tree (a short chain in the caller's loop): its max (MAX),
 // or its sum of exp(x - base).
 template <bool MAX> __device__ __forceinline__ float staged_reduce(int v, float base) {
@@ -458,22 +509,10 @@ template <bool LOG> __device__ __forceinline__ void fwd_body(const Params& p) {
     __shared__ __align__(8) u64 bars[MAX_PIECES];
     const Thread T = thread_of(p);
     const Row R = row_geometry<IN_T, OUT_T, IN_T>(p, T.row);  // unit stride: R.vx == 16
-    const int per = (R.nv + CLUSTER - 1) / CLUSTER;  // body vectors of each CTA's slice
-    const int lo = (int)cluster_rank() * per;
-    const int v0 = lo < R.nv ? lo : R.nv;
-    const int cnt = (R.nv - v0 < per ? R.nv - v0 : per);
-    const int pieces = (cnt + PIECE_VECS - 1) / PIECE_VECS;
-    const u32 bar0 = (u32)__cvta_generic_to_shared(bars), dst = (u32)__cvta_generic_to_shared(stage);
-    if (threadIdx.x == 0) {
-        for (int k = 0; k < pieces; ++k) mbar_init(bar0 + 8 * k);
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        for (int k = 0; k < pieces; ++k) {
-            const int a = k * PIECE_VECS, len = (cnt - a < PIECE_VECS ? cnt - a : PIECE_VECS);
-            bulk_load(dst + 16 * a, R.xb + (i64)(v0 + a) * 16, 16 * len, bar0 + 8 * k);
-        }
-    }
+    const Slice S = slice_of(R, bars);
+    const int v0 = S.v0, cnt = S.cnt, pieces = S.pieces;
+    const u32 bar0 = S.bar0;
+    stage_slice(S, R.xb, nullptr);
     float hv, tv;
     load_edges(T, R, hv, tv);
     float mt = maxnan(hv, tv), s;
@@ -496,10 +535,7 @@ template <bool LOG> __device__ __forceinline__ void fwd_body(const Params& p) {
         s = s * __expf(mt - base) + acc;
         mt = mk;
     }
-    __syncthreads();  // every thread is past its waits: the barriers' memory may be released
-    if (threadIdx.x == 0) {
-        for (int k = 0; k < pieces; ++k) asm volatile("mbarrier.inval.shared::cta.b64 [%0];" ::"r"(bar0 + 8 * k) : "memory");
-    }
+    release_slice(S);
     const Pair ms = reduce<true>({mt, s});
     const float m = ms.a;
     const float inv = 1.0f / ms.b, logs = logf(ms.b);
@@ -639,6 +675,64 @@ template <int N> __device__ __forceinline__ void sums(float& s, float& t, const 
         }
 }
 
+#if STAGED
+// y and dy staged (dy in y's element size and alignment, kernels.backward checks): the sums (s, t) piece by
+// piece as the copies arrive, dx written from shared memory. One read of y and dy, one write of dx.
+extern "C" __global__ void __launch_bounds__(GROUP * ROWS, MIN_CTAS) fs_bwd(const Params p) {
+    static_assert(Ty<D_T>::SZ == Ty<IN_T>::SZ, "the staged backward stages dy in y's element size");
+    __shared__ __align__(8) u64 bars[MAX_PIECES];
+    const Thread T = thread_of(p);
+    const Row R = row_geometry<IN_T, OUT_T, D_T>(p, T.row);
+    const Slice S = slice_of(R, bars);
+    stage_slice(S, R.xb, R.db);
+    float hy = p.log ? NEG_INF : 0.f, hd = 0.f, ty = hy, td = 0.f;
+    if (T.g < R.h) { hy = load1<IN_T>(R.x + T.g * R.xs); hd = load1<D_T>(R.d + T.g * R.ds); }
+    if (T.g < R.t) {
+        i64 j = (i64)R.nv * VEC + T.g;
+        ty = load1<IN_T>(R.xb + j * R.xs); td = load1<D_T>(R.db + j * R.ds);
+    }
+    float s = 0.f, t = 0.f, a, f;
+    terms(hy, hd, p.log, a, f); s += a; t += f;
+    terms(ty, td, p.log, a, f); s += a; t += f;
+    for (int k = 0; k < S.pieces; ++k) {
+        const int lo = k * PIECE_VECS, hi = (S.cnt - lo < PIECE_VECS ? S.cnt : lo + PIECE_VECS);
+        mbar_wait(S.bar0 + 8 * k);
+#pragma unroll 4
+        for (int v = lo + threadIdx.x; v < hi; v += GROUP) {
+            Raw<IN_T> ry;
+            Raw<D_T> rd;
+            staged_raw<IN_T>(ry, v);
+            staged_raw<D_T>(rd, S.per + v);
+            float sa[VEC], sf[VEC];
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) terms(elem<IN_T>(ry, j), elem<D_T>(rd, j), p.log, sa[j], sf[j]);
+#pragma unroll
+            for (int w = VEC / 2; w > 0; w /= 2)
+#pragma unroll
+                for (int j = 0; j < w; ++j) { sa[j] += sa[j + w]; sf[j] += sf[j + w]; }
+            s += sa[0];
+            t += sf[0];
+        }
+    }
+    release_slice(S);
+    const Pair st = reduce<false>({s, t});
+    s = st.a; t = st.b;
+    if (!T.row_ok) return;
+    if (T.g < R.h) store1<OUT_T>(R.y + T.g * R.ys, grad(hy, hd, s, t, p.log));
+    if (T.g < R.t) store1<OUT_T>(R.yb + ((i64)R.nv * VEC + T.g) * R.ys, grad(ty, td, s, t, p.log));
+#pragma unroll 4
+    for (int v = threadIdx.x; v < S.cnt; v += GROUP) {
+        Raw<IN_T> ry;
+        Raw<D_T> rd;
+        staged_raw<IN_T>(ry, v);
+        staged_raw<D_T>(rd, S.per + v);
+        float o[VEC];
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) o[j] = grad(elem<IN_T>(ry, j), elem<D_T>(rd, j), s, t, p.log);
+        store<OUT_T>(R.yb + (i64)(S.v0 + v) * R.vy, o, R.ywide, R.ys);
+    }
+}
+#else
 extern "C" __global__ void __launch_bounds__(GROUP * ROWS, MIN_CTAS) fs_bwd(const Params p) {
     const Thread T = thread_of(p);
     const Row R = row_geometry<IN_T, OUT_T, D_T>(p, T.row);
@@ -684,6 +778,7 @@ extern "C" __global__ void __launch_bounds__(GROUP * ROWS, MIN_CTAS) fs_bwd(cons
     write_body<K>(R, T.g, T.G, [&](int k, int j) { return grad(elem<IN_T>(ry[k], j), elem<D_T>(rd[k], j), s, t, p.log); });
 #endif
 }
+#endif  // STAGED
 #endif
 
 #if FS_KIND == 3
