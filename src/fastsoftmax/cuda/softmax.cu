@@ -675,6 +675,22 @@ template <int N> __device__ __forceinline__ void sums(float& s, float& t, const 
         }
 }
 
+// This thread's head and tail scalars of y and dy (where it has none: y -inf when ypad, for log_softmax,
+// where f = exp(y) = 0, else 0; dy 0), and their terms as the start of the row sums (s, t).
+__device__ __forceinline__ void load_edges_bwd(const Params& p, const Thread& T, const Row& R, bool ypad, float& hy,
+                                               float& hd, float& ty, float& td, float& s, float& t) {
+    hy = ypad ? NEG_INF : 0.f; hd = 0.f; ty = hy; td = 0.f;
+    if (T.g < R.h) { hy = load1<IN_T>(R.x + T.g * R.xs); hd = load1<D_T>(R.d + T.g * R.ds); }
+    if (T.g < R.t) {
+        i64 j = (i64)R.nv * VEC + T.g;
+        ty = load1<IN_T>(R.xb + j * R.xs); td = load1<D_T>(R.db + j * R.ds);
+    }
+    float a, f;
+    s = 0.f; t = 0.f;
+    terms(hy, hd, p.log, a, f); s += a; t += f;
+    terms(ty, td, p.log, a, f); s += a; t += f;
+}
+
 #if STAGED
 // y and dy staged (dy in y's element size and alignment, kernels.backward checks): the sums (s, t) piece by
 // piece as the copies arrive, dx written from shared memory. One read of y and dy, one write of dx.
@@ -685,15 +701,8 @@ extern "C" __global__ void __launch_bounds__(GROUP * ROWS, MIN_CTAS) fs_bwd(cons
     const Row R = row_geometry<IN_T, OUT_T, D_T>(p, T.row);
     const Slice S = slice_of(R, bars);
     stage_slice(S, R.xb, R.db);
-    float hy = p.log ? NEG_INF : 0.f, hd = 0.f, ty = hy, td = 0.f;
-    if (T.g < R.h) { hy = load1<IN_T>(R.x + T.g * R.xs); hd = load1<D_T>(R.d + T.g * R.ds); }
-    if (T.g < R.t) {
-        i64 j = (i64)R.nv * VEC + T.g;
-        ty = load1<IN_T>(R.xb + j * R.xs); td = load1<D_T>(R.db + j * R.ds);
-    }
-    float s = 0.f, t = 0.f, a, f;
-    terms(hy, hd, p.log, a, f); s += a; t += f;
-    terms(ty, td, p.log, a, f); s += a; t += f;
+    float hy, hd, ty, td, s, t;
+    load_edges_bwd(p, T, R, p.log, hy, hd, ty, td, s, t);
     for (int k = 0; k < S.pieces; ++k) {
         const int lo = k * PIECE_VECS, hi = (S.cnt - lo < PIECE_VECS ? S.cnt : lo + PIECE_VECS);
         mbar_wait(S.bar0 + 8 * k);
@@ -737,16 +746,8 @@ extern "C" __global__ void __launch_bounds__(GROUP * ROWS, MIN_CTAS) fs_bwd(cons
     const Thread T = thread_of(p);
     const Row R = row_geometry<IN_T, OUT_T, D_T>(p, T.row);
     const bool ypad = p.log;  // padding y: -inf for log_softmax (f = exp(y) = 0), 0 for softmax; dy: 0
-
-    float hy = ypad ? NEG_INF : 0.f, hd = 0.f, ty = hy, td = 0.f;
-    if (T.g < R.h) { hy = load1<IN_T>(R.x + T.g * R.xs); hd = load1<D_T>(R.d + T.g * R.ds); }
-    if (T.g < R.t) {
-        i64 j = (i64)R.nv * VEC + T.g;
-        ty = load1<IN_T>(R.xb + j * R.xs); td = load1<D_T>(R.db + j * R.ds);
-    }
-    float s = 0.f, t = 0.f, a, f;
-    terms(hy, hd, p.log, a, f); s += a; t += f;
-    terms(ty, td, p.log, a, f); s += a; t += f;
+    float hy, hd, ty, td, s, t;
+    load_edges_bwd(p, T, R, ypad, hy, hd, ty, td, s, t);
 #if STREAM
     for (int v0 = T.g; v0 < R.nv; v0 += BATCH * T.G) {
         Raw<IN_T> ry[BATCH];
