@@ -600,22 +600,23 @@ def tune(shapes, dtypes, passes, device: str, progress=sys.stderr, jobs: int = 0
                                                               inputs=1 if pass_ == "fwd" else 2).path  # fmt: skip
                 # The challenger: the fastest candidate at n (the default keeps the bucket when it is the one).
                 challenger = max(results, key=results.get)
+                contested = challenger != default and default in results
                 probes = []
-                if challenger != default and default in results:
+                if contested:
                     # One timing can be an outlier (2026-11-29: rowblock 3,040 GB/s at bwd bf16 65536x1024
                     # in the tune, 4,215 in the benchmark run after it): both are timed again, each keeping its
                     # better figure, and the challenger named again.
                     for name in (default, challenger):
                         results[name] = max(results[name], gbps(name, pass_, cls, x, y, dy))
                     challenger = max(results, key=results.get)
-                best = tuning.pick(results, default)
-                points = [(results[challenger], results.get(default, 0.0))]
+                    contested = challenger != default
                 # The entry covers (lo, n]; a path that wins at n can lose inside (2026-11-29: the CUDA cluster
                 # took fp32 forward 32K-64K from a win at 65536, and ran 37984 at 0.73x Triton) and one that ties
                 # at n can win inside (2026-11-30: the staged forward, bf16 65536 and 37984). Both are measured
-                # at odd lengths a quarter and half way into the bucket, and tuning.bucket_pick decides.
+                # at odd lengths a quarter and half way into the bucket; tuning.entry_path decides from what
+                # the entry records (the rule the committed tables are checked against).
                 for n2 in sorted({(3 * lo + n) // 4 | 1, (lo + n) // 2 | 1}):
-                    if challenger == default or default not in results or not lo < n2 < n:
+                    if not contested or not lo < n2 < n:
                         break
                     m2 = m if cls == "few" else max(m, (m * n) // n2)
                     del x, y, dy
@@ -625,19 +626,17 @@ def tune(shapes, dtypes, passes, device: str, progress=sys.stderr, jobs: int = 0
                     try:
                         for name in (default, challenger):
                             probe["candidates"][name] = gbps(name, pass_, cls, x, y, dy)
-                        points.append((probe["candidates"][challenger], probe["candidates"][default]))
                     except Exception as e:  # the challenger cannot run inside its bucket: keep the default
                         probe["error"] = f"{type(e).__name__}: {e}"
-                if challenger != default and default in results:
-                    failed = any("error" in p for p in probes)
-                    best = default if failed else tuning.bucket_pick(points, challenger, default)
-                backend, path = best.split("/")
-                entry = {"pass": pass_, "dtype": dt, "rows": cls, "n_max": n, "M": m, "backend": backend,
-                         "path": path, "gbps": results[best], "default": default, "candidates": results}  # fmt: skip
-                if challenger != default and default in results:
+                entry = {"pass": pass_, "dtype": dt, "rows": cls, "n_max": n, "M": m, "default": default,
+                         "candidates": results}  # fmt: skip
+                if contested:
                     entry["challenger"] = challenger
                 if probes:
                     entry["probes"] = probes
+                best = tuning.entry_path(entry, tuning.RULE)
+                backend, path = best.split("/")
+                entry.update(backend=backend, path=path, gbps=results[best])
                 entries.append(entry)
                 if progress is not None:
                     progress.write(f"{pass_} {dt} {m}x{n} ({cls}): {best} {results[best]:.0f} GB/s\n")

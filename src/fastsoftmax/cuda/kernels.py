@@ -131,11 +131,11 @@ def launch_shape(
         if cc < 90:
             raise ValueError(f"the staged variant needs sm_90 or newer (this GPU: sm_{cc})")
         cluster = 1
-        while cluster < STAGE_CLUSTER_MAX and inputs * -(-nvec // cluster) * 16 > STAGE_BYTES:
+        while cluster < STAGE_CLUSTER_MAX and _slice_bytes(nvec, cluster, inputs) > STAGE_BYTES:
             cluster *= 2
         while cluster < STAGE_CLUSTER_MAX and n_rows * cluster < sm_count and nvec >= 2 * STAGE_GROUP * cluster:
             cluster *= 2  # few rows: spread each over more SMs
-        if inputs * -(-nvec // cluster) * 16 > STAGE_MAX:
+        if _slice_bytes(nvec, cluster, inputs) > STAGE_MAX:
             cap = STAGE_CLUSTER_MAX * STAGE_MAX // (elsize * inputs)
             raise ValueError(f"the staged variant holds at most {cap} elements per row, got N={n}")
         return Shape(variant, STAGE_GROUP, 1, cluster, 1)
@@ -166,13 +166,15 @@ def config_for(
     return shape, cfg
 
 
+def _slice_bytes(nvec: int, cluster: int, inputs: int) -> int:
+    """Shared memory of a staged CTA: its slice of a row of nvec 16-byte vectors, of each of ``inputs``
+    tensors (an upper bound: the head scalars before x's 16-byte boundary are not staged)."""
+    return inputs * -(-nvec // cluster) * 16
+
+
 def stage_bytes(shape: Shape, n: int, elsize: int, inputs: int = 1) -> int:
-    """Dynamic shared memory of a launch: a staged CTA's slice of the row, of each of ``inputs`` tensors (an
-    upper bound: the head scalars before x's 16-byte boundary are not staged), else 0."""
-    if shape.variant != "staged":
-        return 0
-    nvec = -(-n // (16 // elsize))
-    return inputs * -(-nvec // shape.cluster) * 16
+    """Dynamic shared memory of a launch: a staged CTA's slice (_slice_bytes), else 0."""
+    return _slice_bytes(-(-n // (16 // elsize)), shape.cluster, inputs) if shape.variant == "staged" else 0
 
 
 class _Params(ctypes.Structure):
@@ -288,9 +290,10 @@ def _launch(fn, grid: int, block: int, cluster: int, params: _Params, stream: in
     _ok(cu.cuLaunchKernelEx(cfg, fn, ctypes.addressof(args), 0), f"cluster launch ({cluster} CTAs per cluster)")
 
 
-def _plan(x: torch.Tensor, lay, inputs: int, hint: str | None = None) -> tuple[Shape, int]:
-    """The launch shape: heuristics.force's path, else the tuning table's ``hint`` when it holds this row,
-    else launch_shape's own choice."""
+def _plan(x: torch.Tensor, lay, inputs: int, hint: str | None = None, dy: torch.Tensor | None = None):
+    """(launch shape, device index): heuristics.force's path, else the tuning table's ``hint`` when it holds
+    this row, else launch_shape's own choice. ``dy``: the backward's, which the staged variant stages as it
+    stages x (y)."""
     index = x.device.index if x.device.index is not None else torch.cuda.current_device()
     sms, cc, _ = _device_facts(index)
     forced = heuristics.forced() or {}
@@ -299,10 +302,10 @@ def _plan(x: torch.Tensor, lay, inputs: int, hint: str | None = None) -> tuple[S
         raise ValueError(f"the CUDA backend has no path {variant!r}; its variants: {', '.join(VARIANTS)}")
     n_rows = lay.B * lay.I
     caps = {k: forced[k] for k in ("k_max", "group_max") if k in forced}
-    unit = lay.sx[1] == 1 or lay.N == 1  # (a row of one element has no stride)
-    if variant == "staged" and not unit:
-        raise ValueError("the staged variant reads rows of unit stride (this one is strided)")
-    if hint == "staged" and not unit:
+    unstageable = _unstageable(x, lay, dy)
+    if variant == "staged" and unstageable:
+        raise ValueError(unstageable)
+    if hint == "staged" and unstageable:
         hint = None
     if variant is None and hint in VARIANTS:
         try:
@@ -310,6 +313,17 @@ def _plan(x: torch.Tensor, lay, inputs: int, hint: str | None = None) -> tuple[S
         except ValueError:
             pass  # the hinted variant does not hold this row: the default choice
     return launch_shape(lay.N, n_rows, x.element_size(), sms, cc, variant, inputs, **caps), index
+
+
+def _unstageable(x: torch.Tensor, lay, dy: torch.Tensor | None) -> str | None:
+    """Why the staged variant cannot take this problem (bulk copies move 16-byte-aligned unit-stride bytes),
+    or None."""
+    if lay.sx[1] != 1 and lay.N != 1:  # (a row of one element has no stride)
+        return "the staged variant reads rows of unit stride (this one is strided)"
+    if dy is not None and not (dy.dtype == x.dtype and (dy.data_ptr() - x.data_ptr()) % 16 == 0):
+        # dy is staged as y is: the same element size, and its body 16-byte aligned where y's is
+        return "the staged backward needs dy in y's dtype and 16-byte alignment relative to y"
+    return None
 
 
 def _config(kind: str, shape: Shape, x, out, d=None) -> build.Config:
@@ -370,12 +384,7 @@ def backward(dy: torch.Tensor, y: torch.Tensor, dx: torch.Tensor, dim: int, log:
     yk, lay = plan_layout(y, dx, dim)
     if lay.copied:
         dy = dy.contiguous()
-    shape, index = _plan(yk, lay, 2, path)
-    if shape.variant == "staged" and not (dy.dtype == yk.dtype and (dy.data_ptr() - yk.data_ptr()) % 16 == 0):
-        # dy is staged as y is: the same element size, and its body 16-byte aligned where y's is
-        if (heuristics.forced() or {}).get("path") == "staged":
-            raise ValueError("the staged backward needs dy in y's dtype and 16-byte alignment relative to y")
-        shape, index = _plan(yk, lay, 2, None)
+    shape, index = _plan(yk, lay, 2, path, dy)
     (sxb, sxn, sxi), (syb, syn, syi) = lay.sx, lay.sy
     params = _Params(
         yk.data_ptr(), dx.data_ptr(), dy.data_ptr(), None,

@@ -445,8 +445,6 @@ template <int T> __device__ __forceinline__ void staged_raw(Raw<T>& r, int v) {
     const uint4 q = reinterpret_cast<const uint4*>(stage)[v];
     r.w[0] = q.x; r.w[1] = q.y; r.w[2] = q.z; r.w[3] = q.w;
 }
-
-__device__ __forceinline__ void staged_vector(Raw<IN_T>& r, int v) { staged_raw<IN_T>(r, v); }
 #endif
 
 #if FS_KIND == 1
@@ -494,7 +492,7 @@ __device__ __forceinline__ void write_lse(const Params& p, const Thread& T, floa
 // or its sum of exp(x - base).
 template <bool MAX> __device__ __forceinline__ float staged_reduce(int v, float base) {
     Raw<IN_T> r;
-    staged_vector(r, v);
+    staged_raw<IN_T>(r, v);
     float e[VEC];
 #pragma unroll
     for (int j = 0; j < VEC; ++j) e[j] = MAX ? elem<IN_T>(r, j) : __expf(elem<IN_T>(r, j) - base);
@@ -546,7 +544,7 @@ template <bool LOG> __device__ __forceinline__ void fwd_body(const Params& p) {
 #pragma unroll 4
     for (int v = threadIdx.x; v < cnt; v += GROUP) {
         Raw<IN_T> r;
-        staged_vector(r, v);
+        staged_raw<IN_T>(r, v);
         float f[VEC];
 #pragma unroll
         for (int j = 0; j < VEC; ++j) f[j] = out_value(elem<IN_T>(r, j), m, inv, logs, LOG);
