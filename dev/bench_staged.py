@@ -1,10 +1,12 @@
 """The CUDA staged forward (row slices in shared memory by cp.async.bulk) against the register-held cluster
 variant, the Triton backend (auto) and torch, on long rows; the staged slice size and CTA size
 (kernels.STAGE_BYTES, STAGE_GROUP) swept.
-Forward GB/s (2 bytes moved per element byte), do_bench medians with L2 flushed (CUDA-graph replays for
-few rows); every output checked in full against the float64 oracle first. Copy bandwidth first.
-Usage: python dev/bench_staged.py [bf16|fp32 ...]"""
+Forward GB/s (2 bytes moved per element byte), backward GB/s (3: y and dy read, dx written), do_bench medians
+with L2 flushed (CUDA-graph replays for few rows); every output checked in full against the float64 oracle
+first. Copy bandwidth first.
+Usage: python dev/bench_staged.py [fwd|bwd ...] [bf16|fp32 ...]"""
 
+import functools
 import sys
 
 import torch
@@ -14,7 +16,7 @@ import fastsoftmax as fs
 from fastsoftmax import heuristics
 from fastsoftmax.bench import copy_gbps, graphed
 from fastsoftmax.cuda import kernels
-from fastsoftmax.reference import compare
+from fastsoftmax.reference import compare, compare_grad
 
 SHAPES = [(4096, 32768), (4096, 32000), (16384, 37984), (8192, 50257), (2048, 65536), (1024, 131072),
           (512, 262144), (8, 131072), (64, 131072), (128, 262144), (8192, 16384)]  # fmt: skip
@@ -28,18 +30,32 @@ def gbps(fn, nbytes, graph):
 def main():
     defaults = kernels.STAGE_BYTES, kernels.STAGE_GROUP
     dts = [d for d in sys.argv[1:] if d in ("bf16", "fp32")] or ["bf16", "fp32"]
+    passes = [p for p in sys.argv[1:] if p in ("fwd", "bwd")] or ["fwd"]
     print(f"{torch.cuda.get_device_name(0)}: copy {copy_gbps('cuda'):.0f} GB/s", flush=True)
-    for dt in dts:
+    for ps, dt in [(p, d) for p in passes for d in dts]:
         dtype = torch.bfloat16 if dt == "bf16" else torch.float32
         for m, n in SHAPES:
             g = torch.Generator(device="cuda").manual_seed(n)
             x = torch.randn(m, n, device="cuda", dtype=dtype, generator=g) * 3
             x[0, 5] = 300.0  # an outlier
-            nbytes = 2 * x.numel() * x.element_size()
+            if ps == "fwd":
+                run = fs.softmax
+                args = (x,)
+                check = lambda out, x=x: compare(out, x, -1, False)  # noqa: E731
+                ref = lambda x=x: torch.softmax(x, -1)  # noqa: E731
+            else:
+                y = torch.softmax(x.float(), -1).to(dtype)
+                dy = torch.randn(m, n, device="cuda", dtype=dtype, generator=g)
+                run = fs.softmax_backward
+                args = (dy, y)
+                check = lambda out, dy=dy, y=y: compare_grad(out, dy, y, -1, False)  # noqa: E731
+                ref = functools.partial(torch._softmax_backward_data, dy, y, -1, dtype)
+            nbytes = (2 if ps == "fwd" else 3) * x.numel() * x.element_size()
+            del x
             graph = m < 264
-            cols = [f"torch={gbps(lambda x=x: torch.softmax(x, -1), nbytes, graph):.0f}"]
-            fs.softmax(x)
-            cols.append(f"auto={gbps(lambda x=x: fs.softmax(x), nbytes, graph):.0f}({heuristics.last_plan().path})")
+            cols = [f"torch={gbps(ref, nbytes, graph):.0f}"]
+            run(*args)
+            cols.append(f"auto={gbps(functools.partial(run, *args), nbytes, graph):.0f}({heuristics.last_plan().path})")
             runs = [("cluster", None, None)] + [("staged", b, t) for b, t in CONFIGS]
             for variant, slice_bytes, threads in runs:
                 if slice_bytes:
@@ -47,19 +63,19 @@ def main():
                 tag = f"{variant}{slice_bytes // 1024}k/{threads}" if slice_bytes else variant
                 try:
                     with heuristics.force(poison=True, path=variant):
-                        y = fs.softmax(x, backend="cuda")
+                        out = run(*args, backend="cuda")
                         plan = heuristics.last_plan()
-                        err, problem = compare(y, x, -1, False)
+                        err, problem = check(out)
                         if problem:
                             cols.append(f"{tag}=WRONG({problem[:60]})")
                             continue
                     with heuristics.force(path=variant):
-                        cols.append(f"{tag}={gbps(lambda x=x: fs.softmax(x, backend='cuda'), nbytes, graph):.0f}"
+                        cols.append(f"{tag}={gbps(functools.partial(run, *args, backend='cuda'), nbytes, graph):.0f}"
                                     f"[c{plan.splits}]")  # fmt: skip
                 except ValueError as e:
                     cols.append(f"{tag}=n/a({str(e)[:40]})")
             kernels.STAGE_BYTES, kernels.STAGE_GROUP = defaults
-            print(f"fwd {dt} {m}x{n}: " + " ".join(cols), flush=True)
+            print(f"{ps} {dt} {m}x{n}: " + " ".join(cols), flush=True)
 
 
 if __name__ == "__main__":

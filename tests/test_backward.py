@@ -248,3 +248,37 @@ def test_gradient_tolerance_catches_bugs(log, dtype):
     wrong["one element off"] = one
     for name, dx in wrong.items():
         assert compare_grad(dx, dy, y, -1, log)[1] is not None, name
+
+
+def test_gradient_overflow_is_checked():
+    """A softmax gradient is not bounded: y·dy of large y (as a caller passing any y may) overflows fp16. The
+    oracle's own rounding to fp16 (infinities of the right sign) passes; a saturated value, a flipped sign
+    or an infinity where the oracle is finite in fp16 fails."""
+    from fastsoftmax.reference import oracle_backward
+
+    gen = torch.Generator().manual_seed(11)
+    y = (random_logits((3, 4097), torch.float32, gen) * 40).to(torch.float16)
+    dy = torch.randn(3, 4097, generator=gen).to(torch.float16)
+    exact = oracle_backward(dy, y, -1, False).to(torch.float16)
+    big = exact.isinf()
+    assert big.any() and (~big).any()
+    assert compare_grad(exact, dy, y, -1, False)[1] is None
+    wrong = {"saturated": torch.where(big, torch.finfo(torch.float16).max * exact.sign(), exact),
+             "flipped": torch.where(big, -exact, exact),
+             "spurious inf": torch.where(big, exact, exact.sign() * torch.inf)}  # fmt: skip
+    for name, dx in wrong.items():
+        assert compare_grad(dx, dy, y, -1, False)[1] is not None, name
+
+
+@pytest.mark.parametrize("path,force", PATHS, ids=[p for p, _ in PATHS])
+def test_gradient_overflow(device, path, force):
+    """Every path gives fp16 infinities where the gradient exceeds fp16's range (fp32 arithmetic, rounded
+    once at the store), and the right finite values elsewhere."""
+    gen = torch.Generator().manual_seed(12)
+    y = (random_logits((3, 4097), torch.float32, gen) * 40).to(torch.float16).to(device)
+    dy = torch.randn(3, 4097, generator=gen).to(torch.float16).to(device)
+    with heuristics.force(poison=True, path=path, **force):
+        dx = fs.softmax_backward(dy, y, backend="triton")
+    assert heuristics.last_plan().path == path
+    assert dx.isinf().any()
+    assert_grad(dx, dy, y, -1, False)
