@@ -255,9 +255,11 @@ KERNEL_FAMILIES = {
     },
     "cuda.softmax": {
         "paths": list(heuristics.CUDA_PATHS),
-        "exp": "__expf (ex2.approx.f32 of x*log2(e)), fp32",
-        "log": "logf (IEEE), once per row",
-        "division": "one IEEE division 1/sum per row, then a multiply per element",
+        "exp": "__expf (ex2.approx.f32 of x*log2(e)), fp32; the online and staged forwards: ex2.approx.ftz.f32 "
+        "(results below 2^-126 flushed to 0), outputs exp2(fma(x - max, log2(e), -log2(sum)))",
+        "log": "logf and log2f (IEEE), once per row",
+        "division": "warp, block, cluster: one IEEE division 1/sum per row, then a multiply per element; online "
+        "and staged: none (log2(sum) in the exponent)",
         "accumulation": "fp32",
         "build_flags": "NVRTC --std=c++17, no -use_fast_math (fast_math: False); compiled to a cubin for the GPU",
         "fast_math": False,

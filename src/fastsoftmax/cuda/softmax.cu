@@ -24,7 +24,10 @@
 // Semantics (as every fastsoftmax backend): the row max is subtracted before exp; a row that is all -inf
 // gives zeros (softmax) / -inf (log_softmax) and logsumexp -inf; NaN anywhere in a row, or +inf, gives NaN
 // across the row; the backward gives dx = 0 on fully masked rows (sum f == 0) whatever dy holds.
-// exp is __expf (ex2.approx.f32 of x*log2(e)); the per-row 1/sum is an IEEE division; no -use_fast_math.
+// exp in the forward is ex2.approx.ftz.f32 of x*log2(e) (fexp: as __expf, with results below 2^-126 flushed
+// to 0, one instruction instead of __expf's four); outputs are exp2((x - max)*log2(e) - log2(sum)), one
+// fused multiply-add from x - max (exact); the backward's exp (log_softmax: exp(y)) is __expf; no
+// -use_fast_math.
 //
 // Row geometry: row r = (b, i) starts at b*sxb + i*sxi elements; element j of it at j*sxn. With sxn == 1
 // the row is cut into h scalar head elements (up to x's first 16-byte boundary), nv vectors of VEC
@@ -53,9 +56,26 @@ template <int T> struct Ty { enum { SZ = T == 0 ? 4 : 2 }; };
 
 constexpr int VEC = 16 / Ty<IN_T>::SZ;  // elements per vector: one 16-byte access of x
 
+// exp(x) as ex2.approx.ftz.f32 of x*log2(e): results below 2^-126 (and subnormal inputs) flushed to 0.
+constexpr float LOG2E = 1.4426950408889634f;
+__device__ __forceinline__ float fexp2(float x) {
+    float r;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+    return r;
+}
+__device__ __forceinline__ float fexp(float x) { return fexp2(x * LOG2E); }
+
 __device__ __forceinline__ float maxnan(float a, float b) {
     float r;
     asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+}
+
+// Per 16-bit half of two words of two 16-bit elements (T 1: bf16, 2: fp16): the max, NaN if either is NaN.
+template <int T> __device__ __forceinline__ u32 maxnan2(u32 a, u32 b) {
+    u32 r;
+    if (T == 1) asm("max.NaN.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+    else asm("max.NaN.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
     return r;
 }
 
@@ -73,6 +93,14 @@ template <int T> __device__ __forceinline__ u32 from_float(float f) {
     if (T == 1) asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
     else asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
     return h;
+}
+
+// Two floats as one 32-bit word of two 16-bit elements (lo first), one conversion instruction.
+template <int T> __device__ __forceinline__ u32 from_float2(float lo, float hi) {
+    u32 w;
+    if (T == 1) asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(w) : "f"(hi), "f"(lo));
+    else asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(w) : "f"(hi), "f"(lo));
+    return w;
 }
 
 // A vector of VEC elements of type T as raw 32-bit words (2, 4 or 8 of them).
@@ -116,9 +144,8 @@ template <int T> __device__ __forceinline__ void store(char* p, const float (&f)
         Raw<T> r;
 #pragma unroll
         for (int j = 0; j < VEC; ++j) {
-            u32 b = from_float<T>(f[j]);
-            if (Ty<T>::SZ == 4) r.w[j] = b;
-            else r.w[j >> 1] = (j & 1) ? (r.w[j >> 1] | (b << 16)) : b;
+            if (Ty<T>::SZ == 4) r.w[j] = from_float<T>(f[j]);
+            else if (j & 1) r.w[j >> 1] = from_float2<T>(f[j - 1], f[j]);
         }
         if (BYTES == 8) {
             *reinterpret_cast<uint2*>(p) = make_uint2(r.w[0], r.w[1]);
@@ -450,9 +477,16 @@ template <int T> __device__ __forceinline__ void staged_raw(Raw<T>& r, int v) {
 #if FS_KIND == 1
 // ---- forward: on chip (STREAM 0: one read) or streaming (STREAM 1: two reads) ----------------------
 
-__device__ __forceinline__ float out_value(float x, float m, float inv, float logs, int log) {
-    if (m == NEG_INF) return log ? NEG_INF : 0.f;
-    return log ? (x - m) - logs : __expf(x - m) * inv;
+// The row's output scale from its (max, sum): out_value(x) is exp(x - m) / s or (x - m) - log s, with no
+// per-element test. A row all -inf (m = -inf, s = 0) takes m = 0, log2 s = log s = 0: its elements, all
+// -inf, give exp2(-inf) = 0 and -inf. NaN or +inf in the row: s is NaN, so is every output.
+struct Out { float m, l2s, logs; };
+__device__ __forceinline__ Out out_scale(float m, float s) {
+    if (m == NEG_INF) return {0.f, 0.f, 0.f};
+    return {m, log2f(s), logf(s)};
+}
+__device__ __forceinline__ float out_value(float x, const Out& o, int log) {
+    return log ? (x - o.m) - o.logs : fexp2(fmaf(x - o.m, LOG2E, -o.l2s));
 }
 
 // Fold VEC elements of each of N vectors into the running (max, sum of exp(x - max)).
@@ -467,8 +501,8 @@ template <int N> __device__ __forceinline__ void fold(float& m, float& s, const 
 #pragma unroll
     for (int k = 0; k < N; ++k)
 #pragma unroll
-        for (int j = 0; j < VEC; ++j) acc += __expf(elem<IN_T>(r[k], j) - base);
-    s = s * __expf(m - base) + acc;
+        for (int j = 0; j < VEC; ++j) acc += fexp(elem<IN_T>(r[k], j) - base);
+    s = s * fexp(m - base) + acc;
     m = mv;
 }
 
@@ -495,12 +529,30 @@ template <bool MAX> __device__ __forceinline__ float staged_reduce(int v, float 
     staged_raw<IN_T>(r, v);
     float e[VEC];
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) e[j] = MAX ? elem<IN_T>(r, j) : __expf(elem<IN_T>(r, j) - base);
+    for (int j = 0; j < VEC; ++j) e[j] = MAX ? elem<IN_T>(r, j) : fexp(elem<IN_T>(r, j) - base);
 #pragma unroll
     for (int w = VEC / 2; w > 0; w /= 2)
 #pragma unroll
         for (int j = 0; j < w; ++j) e[j] = MAX ? maxnan(e[j], e[j + w]) : e[j + w] + e[j];
     return e[0];
+}
+
+// The max of m and of slice vectors a + threadIdx.x, + GROUP, ... below b. 16-bit elements: two at a time by
+// max.NaN on packed pairs (exact; NaN if any is NaN), unpacked once at the end.
+__device__ __forceinline__ float staged_max(int a, int b, float m) {
+    if (Ty<IN_T>::SZ == 4) {
+#pragma unroll 4
+        for (int v = a + threadIdx.x; v < b; v += GROUP) m = maxnan(m, staged_reduce<true>(v, 0.f));
+        return m;
+    }
+    u32 m2 = IN_T == 1 ? 0xff80ff80u : 0xfc00fc00u;  // -inf, -inf
+#pragma unroll 4
+    for (int v = a + threadIdx.x; v < b; v += GROUP) {
+        Raw<IN_T> r;
+        staged_raw<IN_T>(r, v);
+        m2 = maxnan2<IN_T>(m2, maxnan2<IN_T>(maxnan2<IN_T>(r.w[0], r.w[1]), maxnan2<IN_T>(r.w[2], r.w[3])));
+    }
+    return maxnan(m, maxnan(to_float<IN_T>(m2 & 0xffffu), to_float<IN_T>(m2 >> 16)));
 }
 
 template <bool LOG> __device__ __forceinline__ void fwd_body(const Params& p) {
@@ -516,38 +568,36 @@ template <bool LOG> __device__ __forceinline__ void fwd_body(const Params& p) {
     float mt = maxnan(hv, tv), s;
     {
         const float base = mt == NEG_INF ? 0.f : mt;
-        s = __expf(hv - base) + __expf(tv - base);
+        s = fexp(hv - base) + fexp(tv - base);
     }
     // Piece by piece as each arrives (the reduction overlaps the rest of the copy): the piece's max, then
     // its sum of exp(x - max) merged into (mt, s).
     for (int k = 0; k < pieces; ++k) {
         const int a = k * PIECE_VECS, b = (cnt - a < PIECE_VECS ? cnt : a + PIECE_VECS);
         mbar_wait(bar0 + 8 * k);
-        float mk = mt;
-#pragma unroll 4
-        for (int v = a + threadIdx.x; v < b; v += GROUP) mk = maxnan(mk, staged_reduce<true>(v, 0.f));
+        const float mk = staged_max(a, b, mt);
         const float base = mk == NEG_INF ? 0.f : mk;  // all -inf so far: exp(-inf - 0) = 0, never NaN
         float acc = 0.f;
 #pragma unroll 4
         for (int v = a + threadIdx.x; v < b; v += GROUP) acc += staged_reduce<false>(v, base);
-        s = s * __expf(mt - base) + acc;
+        s = s * fexp(mt - base) + acc;
         mt = mk;
     }
     release_slice(S);
     const Pair ms = reduce<true>({mt, s});
     const float m = ms.a;
-    const float inv = 1.0f / ms.b, logs = logf(ms.b);
+    const Out o = out_scale(m, ms.b);
     if (!T.row_ok) return;
-    write_lse(p, T, m, logs);
-    if (T.g < R.h) store1<OUT_T>(R.y + T.g * R.ys, out_value(hv, m, inv, logs, LOG));
-    if (T.g < R.t) store1<OUT_T>(R.yb + ((i64)R.nv * VEC + T.g) * R.ys, out_value(tv, m, inv, logs, LOG));
+    write_lse(p, T, m, o.logs);
+    if (T.g < R.h) store1<OUT_T>(R.y + T.g * R.ys, out_value(hv, o, LOG));
+    if (T.g < R.t) store1<OUT_T>(R.yb + ((i64)R.nv * VEC + T.g) * R.ys, out_value(tv, o, LOG));
 #pragma unroll 4
     for (int v = threadIdx.x; v < cnt; v += GROUP) {
         Raw<IN_T> r;
         staged_raw<IN_T>(r, v);
         float f[VEC];
 #pragma unroll
-        for (int j = 0; j < VEC; ++j) f[j] = out_value(elem<IN_T>(r, j), m, inv, logs, LOG);
+        for (int j = 0; j < VEC; ++j) f[j] = out_value(elem<IN_T>(r, j), o, LOG);
         store<OUT_T>(R.yb + (i64)(v0 + v) * R.vy, f, R.ywide, R.ys);
     }
 }
@@ -560,7 +610,7 @@ template <bool LOG> __device__ __forceinline__ void fwd_body(const Params& p) {
     float m = maxnan(hv, tv), s;
     {
         const float base = m == NEG_INF ? 0.f : m;
-        s = __expf(hv - base) + __expf(tv - base);
+        s = fexp(hv - base) + fexp(tv - base);
     }
     for (int v0 = T.g; v0 < R.nv; v0 += BATCH * T.G) {
         Raw<IN_T> r[BATCH];
@@ -569,15 +619,15 @@ template <bool LOG> __device__ __forceinline__ void fwd_body(const Params& p) {
     }
     Pair ms = reduce<true>({m, s});
     m = ms.a;
-    const float inv = 1.0f / ms.b, logs = logf(ms.b);
+    const Out o = out_scale(m, ms.b);
     if (!T.row_ok) return;
-    write_lse(p, T, m, logs);
-    if (T.g < R.h) store1<OUT_T>(R.y + T.g * R.ys, out_value(hv, m, inv, logs, LOG));
-    if (T.g < R.t) store1<OUT_T>(R.yb + ((i64)R.nv * VEC + T.g) * R.ys, out_value(tv, m, inv, logs, LOG));
+    write_lse(p, T, m, o.logs);
+    if (T.g < R.h) store1<OUT_T>(R.y + T.g * R.ys, out_value(hv, o, LOG));
+    if (T.g < R.t) store1<OUT_T>(R.yb + ((i64)R.nv * VEC + T.g) * R.ys, out_value(tv, o, LOG));
     for (int v0 = T.g; v0 < R.nv; v0 += BATCH * T.G) {
         Raw<IN_T> r2[BATCH];
         load_body<BATCH>(r2, R, v0, T.G, true);
-        write_body<BATCH>(R, v0, T.G, [&](int k, int j) { return out_value(elem<IN_T>(r2[k], j), m, inv, logs, LOG); });
+        write_body<BATCH>(R, v0, T.G, [&](int k, int j) { return out_value(elem<IN_T>(r2[k], j), o, LOG); });
     }
 }
 #else
@@ -623,15 +673,16 @@ template <bool LOG> __device__ __forceinline__ void fwd_body(const Params& p) {
             for (int j = 0; j < VEC; ++j) { v[k][j] = __expf(v[k][j] - base); s += v[k][j]; }
     }
     const Pair ms = reduce<true>({mt, s});
-    const float m = ms.a, inv = 1.0f / ms.b, logs = logf(ms.b);
+    const float m = ms.a;
     if (!T.row_ok) return;
-    write_lse(p, T, m, logs);
+    write_lse(p, T, m, logf(ms.b));
     if (LOG) {
-        if (T.g < R.h) store1<OUT_T>(R.y + T.g * R.ys, out_value(hv, m, inv, logs, 1));
-        if (T.g < R.t) store1<OUT_T>(R.yb + ((i64)R.nv * VEC + T.g) * R.ys, out_value(tv, m, inv, logs, 1));
-        write_body<K>(R, T.g, T.G, [&](int k, int j) { return out_value(v[k][j], m, inv, logs, 1); });
+        const Out o = out_scale(m, ms.b);
+        if (T.g < R.h) store1<OUT_T>(R.y + T.g * R.ys, out_value(hv, o, 1));
+        if (T.g < R.t) store1<OUT_T>(R.yb + ((i64)R.nv * VEC + T.g) * R.ys, out_value(tv, o, 1));
+        write_body<K>(R, T.g, T.G, [&](int k, int j) { return out_value(v[k][j], o, 1); });
     } else {
-        const float c = m == NEG_INF ? 0.f : (mt == NEG_INF ? 0.f : __expf(mt - m)) * inv;
+        const float c = m == NEG_INF ? 0.f : (mt == NEG_INF ? 0.f : __expf(mt - m)) * (1.0f / ms.b);
         if (T.g < R.h) store1<OUT_T>(R.y + T.g * R.ys, hv * c);
         if (T.g < R.t) store1<OUT_T>(R.yb + ((i64)R.nv * VEC + T.g) * R.ys, tv * c);
         write_body<K>(R, T.g, T.G, [&](int k, int j) { return v[k][j] * c; });
