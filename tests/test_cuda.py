@@ -143,8 +143,8 @@ def test_gradient_overflow(variant):
     """y of large magnitude (a caller may pass any y): the fp16 gradient overflows; fp32 arithmetic rounded
     once at the store gives the oracle's infinities, the right finite values elsewhere."""
     gen = torch.Generator().manual_seed(12)
-    y = (random_logits((3, 4097), torch.float32, gen) * 40).to(torch.float16).cuda()
-    dy = torch.randn(3, 4097, generator=gen).to(torch.float16).cuda()
+    y = (random_logits((3, 1000), torch.float32, gen) * 40).to(torch.float16).cuda()
+    dy = torch.randn(3, 1000, generator=gen).to(torch.float16).cuda()
     with heuristics.force(poison=True, path=variant):
         dx = fs.softmax_backward(dy, y, backend="cuda")
     assert heuristics.last_plan().path == variant
