@@ -175,6 +175,41 @@ def test_tune_takes_a_bucket_won_inside_it(monkeypatch, device):
     assert run(loses_inside) == "rowblock"
 
 
+def test_tune_band_challenger(monkeypatch, device):
+    """Rule "band": at the probes the tuner times the default and every candidate within tuning.BAND of the
+    fastest at the top length; the best geometric mean over all lengths is the challenger. Here split is
+    fastest at the top length, online 7% slower there but far faster inside: online takes the bucket;
+    rowblock (the default) and a candidate outside the band are not the challenger."""
+    from fastsoftmax import bench, tuning
+
+    times = {"rowblock": {"top": 5.0}, "split": {"top": 2.0, 81: 4.0, 97: 4.0},
+             "online": {"top": 2.14, 81: 1.0, 97: 1.0}, "cluster": {"top": 2.5, 81: 0.5, 97: 0.5}}  # fmt: skip
+    timed = []
+
+    def fake_time_ms(fn, device):
+        f = heuristics.forced()
+        if f is None:
+            return 1.0
+        (n,) = {c.cell_contents.shape[-1] for c in fn.__closure__ if isinstance(c.cell_contents, torch.Tensor)}
+        timed.append((f["path"], n))
+        return times[f["path"]].get(n, times[f["path"]]["top"])
+
+    monkeypatch.setattr(bench, "time_ms", fake_time_ms)
+    cands = [("triton", "rowblock"), ("triton", "split"), ("triton", "online"), ("cuda", "cluster")]
+    monkeypatch.setattr(bench, "candidates", lambda *a: cands)
+    monkeypatch.setattr(bench, "graphed", lambda fn: fn)
+    monkeypatch.setattr(bench, "_check", lambda *a: (0.0, None))
+    doc = bench.tune([(2, 64), (2, 128)], ["float32"], ["fwd"], device, progress=None)
+    e = doc["entries"][1]
+    assert doc["rule"] == tuning.RULE == "band"
+    assert sorted(p for p, n in timed if n == 81) == ["online", "rowblock", "split"]  # cluster: 0.8x, outside
+    assert e["challenger"] == "triton/online" and (e["backend"], e["path"]) == ("triton", "online")
+    assert tuning.entry_path(e, "band") == "triton/online"
+    e["challenger"] = "triton/split"  # a table whose challenger is not what its measurements say
+    with pytest.raises(ValueError, match="challenger"):
+        tuning.entry_path(e, "band")
+
+
 def test_tune_rows_classes(monkeypatch, device):
     """Both rows classes get their own entries (the threshold lowered so that tiny shapes span both)."""
     from fastsoftmax import bench, tuning

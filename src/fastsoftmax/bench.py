@@ -544,8 +544,10 @@ def default_jobs(device: str) -> int:
 def tune(shapes, dtypes, passes, device: str, progress=sys.stderr, jobs: int = 0) -> dict:
     """Measure every (backend, path) candidate per problem (CUDA-graph GPU time for few-row problems, eager
     do_bench otherwise); every candidate's GB/s is kept in the entry. The fastest (the challenger) replaces
-    the heuristics' default only over the bucket the entry covers: both timed again at its top length and at
-    odd lengths inside it (the entry's "probes"), tuning.bucket_pick decides."""
+    the heuristics' default only over the bucket the entry covers: both timed again at its top length, then
+    the default and the candidates within tuning.BAND of the fastest timed at odd lengths inside it (the
+    entry's "probes"); the best of those over all lengths is the challenger (tuning.band_challenger), and
+    tuning.bucket_pick decides between it and the default."""
 
     import fastsoftmax as fs
 
@@ -615,6 +617,8 @@ def tune(shapes, dtypes, passes, device: str, progress=sys.stderr, jobs: int = 0
                 # at n can win inside (2026-11-30: the staged forward, bf16 65536 and 37984). Both are measured
                 # at odd lengths a quarter and half way into the bucket; tuning.entry_path decides from what
                 # the entry records (the rule the committed tables are checked against).
+                # Timed there: the default and every candidate within tuning.BAND of the fastest at n; the
+                # challenger is the best of them over all lengths (tuning.band_challenger).
                 for n2 in sorted({(3 * lo + n) // 4 | 1, (lo + n) // 2 | 1}):
                     if not contested or not lo < n2 < n:
                         break
@@ -623,17 +627,17 @@ def tune(shapes, dtypes, passes, device: str, progress=sys.stderr, jobs: int = 0
                     x, y, dy = inputs(m2, n2, dtype)
                     probe = {"M": m2, "N": n2, "candidates": {}}
                     probes.append(probe)
-                    try:
-                        for name in (default, challenger):
+                    for name in [default, *tuning.band(results, default)]:
+                        try:
                             probe["candidates"][name] = gbps(name, pass_, cls, x, y, dy)
-                    except Exception as e:  # the challenger cannot run inside its bucket: keep the default
-                        probe["error"] = f"{type(e).__name__}: {e}"
+                        except Exception as e:  # a candidate that cannot run inside its bucket does not take it
+                            probe.setdefault("errors", {})[name] = f"{type(e).__name__}: {e}"
                 entry = {"pass": pass_, "dtype": dt, "rows": cls, "n_max": n, "M": m, "default": default,
                          "candidates": results}  # fmt: skip
-                if contested:
-                    entry["challenger"] = challenger
                 if probes:
                     entry["probes"] = probes
+                if contested:
+                    entry["challenger"] = tuning.band_challenger(entry)
                 best = tuning.entry_path(entry, tuning.RULE)
                 backend, path = best.split("/")
                 entry.update(backend=backend, path=path, gbps=results[best])

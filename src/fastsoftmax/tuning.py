@@ -61,7 +61,8 @@ def pick(candidates: dict[str, float], default: str | None) -> str:
     return best
 
 
-RULE = "bucket"  # how `bench --tune` decides an entry (recorded in the table; tables without it: pick + probes)
+RULE = "band"  # how `bench --tune` decides an entry (recorded in the table; tables without it: pick + probes)
+BAND = 0.9  # rule "band": candidates within this fraction of the fastest at the top length are timed at probes
 
 
 def bucket_pick(points: list[tuple[float, float]], challenger: str, default: str) -> str:
@@ -76,11 +77,52 @@ def bucket_pick(points: list[tuple[float, float]], challenger: str, default: str
     return challenger if geo >= 1 + MARGIN and min(ratios) >= 1 - MARGIN else default
 
 
+def band(cands: dict, default: str) -> list[str]:
+    """Rule "band": the candidates other than the default within BAND of the fastest at the top length, the
+    ones timed again at the probes."""
+    top = max(cands.values())
+    return [name for name, g in cands.items() if name != default and g >= BAND * top]
+
+
+def band_challenger(e: dict) -> str | None:
+    """Rule "band": of the candidates timed at the top length and at every probe (without error), the one
+    other than the default with the best geometric mean of GB/s over those lengths; none when no probe (the
+    fastest at the top length, as rule "bucket"). A path that ties at the bucket's top length can win at
+    the lengths inside it: on the H200, 2026-11-30, the staged forward ran bf16 1024x65536 at 2,610 GB/s
+    (the CUDA online kernel 2,785) but 37984 and 50257 at about 4,000 (online 3,282 and 3,212)."""
+    default, cands, probes = e["default"], e["candidates"], e.get("probes", [])
+    if not probes:
+        others = {k: v for k, v in cands.items() if k != default}
+        return max(others, key=others.get) if others and max(cands, key=cands.get) != default else None
+    names = [k for k in cands if k != default and all(k in p["candidates"] for p in probes)]
+    if not names:
+        return None
+
+    def geo(k):
+        vals = [cands[k]] + [p["candidates"][k] for p in probes]
+        return math.prod(vals) ** (1 / len(vals))
+
+    return max(names, key=geo)
+
+
 def entry_path(e: dict, rule: str | None) -> str:
     """The 'backend/path' a table entry must name, recomputed from what it recorded (its candidates at the
     bucket's top length, its probes) under the table's rule: what tests check a committed table against."""
     default, cands, probes = e["default"], e["candidates"], e.get("probes", [])
-    if rule == RULE:
+    if rule == "band":
+        if default not in cands:
+            return pick(cands, default)
+        challenger = band_challenger(e)
+        if challenger is None:
+            return default
+        if e.get("challenger") != challenger:
+            raise ValueError(f"entry names challenger {e.get('challenger')}, its measurements {challenger}: {e}")
+        if any(default not in p["candidates"] for p in probes):
+            return default
+        points = [(cands[challenger], cands[default])] + [(p["candidates"][challenger], p["candidates"][default])
+                                                          for p in probes]  # fmt: skip
+        return bucket_pick(points, challenger, default)
+    if rule == "bucket":
         challenger = e.get("challenger")
         if challenger is None or default not in cands:
             return pick(cands, default)
