@@ -17,3 +17,12 @@ def assert_close(y: torch.Tensor, x: torch.Tensor, dim: int, log: bool, out_dtyp
     key = str(out_dtype or x.dtype).removeprefix("torch.")
     WORST[key] = max(WORST.get(key, 0.0), err)
     return err
+
+
+def overflowing_grad_inputs(n: int, seed: int, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """(dy, y) in fp16 whose softmax gradient y·(dy - sum(y·dy)) exceeds fp16's range in most elements (y of
+    magnitude up to ~1e4, as a caller may pass any y) and stays finite in some: 3 rows of n."""
+    gen = torch.Generator().manual_seed(seed)
+    y = (random_logits((3, n), torch.float32, gen) * 40).to(torch.float16)
+    dy = torch.randn(3, n, generator=gen).to(torch.float16)
+    return dy.to(device), y.to(device)

@@ -4,7 +4,7 @@ public backward functions, opcheck, and torch.compile(fullgraph=True) with no gr
 
 import pytest
 import torch
-from helpers import DTYPES, random_logits, special_rows
+from helpers import DTYPES, overflowing_grad_inputs, random_logits, special_rows
 
 import fastsoftmax as fs
 from fastsoftmax import heuristics
@@ -256,9 +256,7 @@ def test_gradient_overflow_is_checked():
     or an infinity where the oracle is finite in fp16 fails."""
     from fastsoftmax.reference import oracle_backward
 
-    gen = torch.Generator().manual_seed(11)
-    y = (random_logits((3, 4097), torch.float32, gen) * 40).to(torch.float16)
-    dy = torch.randn(3, 4097, generator=gen).to(torch.float16)
+    dy, y = overflowing_grad_inputs(4097, 11)
     exact = oracle_backward(dy, y, -1, False).to(torch.float16)
     big = exact.isinf()
     assert big.any() and (~big).any()
@@ -274,9 +272,7 @@ def test_gradient_overflow_is_checked():
 def test_gradient_overflow(device, path, force):
     """Every path gives fp16 infinities where the gradient exceeds fp16's range (fp32 arithmetic, rounded
     once at the store), and the right finite values elsewhere."""
-    gen = torch.Generator().manual_seed(12)
-    y = (random_logits((3, 4097), torch.float32, gen) * 40).to(torch.float16).to(device)
-    dy = torch.randn(3, 4097, generator=gen).to(torch.float16).to(device)
+    dy, y = overflowing_grad_inputs(4097, 12, device)
     with heuristics.force(poison=True, path=path, **force):
         dx = fs.softmax_backward(dy, y, backend="triton")
     assert heuristics.last_plan().path == path

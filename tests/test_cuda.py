@@ -4,7 +4,7 @@ CUDA graphs, side streams, 64-bit offsets. Run with `pytest --device cuda tests/
 
 import pytest
 import torch
-from helpers import DTYPES, assert_close, random_logits, special_rows
+from helpers import DTYPES, assert_close, overflowing_grad_inputs, random_logits, special_rows
 
 import fastsoftmax as fs
 from fastsoftmax import heuristics
@@ -142,9 +142,7 @@ def test_backward_layouts(variant):
 def test_gradient_overflow(variant):
     """y of large magnitude (a caller may pass any y): the fp16 gradient overflows; fp32 arithmetic rounded
     once at the store gives the oracle's infinities, the right finite values elsewhere."""
-    gen = torch.Generator().manual_seed(12)
-    y = (random_logits((3, 1000), torch.float32, gen) * 40).to(torch.float16).cuda()
-    dy = torch.randn(3, 1000, generator=gen).to(torch.float16).cuda()
+    dy, y = overflowing_grad_inputs(1000, 12, "cuda")
     with heuristics.force(poison=True, path=variant):
         dx = fs.softmax_backward(dy, y, backend="cuda")
     assert heuristics.last_plan().path == variant

@@ -614,11 +614,10 @@ def tune(shapes, dtypes, passes, device: str, progress=sys.stderr, jobs: int = 0
                     contested = challenger != default
                 # The entry covers (lo, n]; a path that wins at n can lose inside (2026-11-29: the CUDA cluster
                 # took fp32 forward 32K-64K from a win at 65536, and ran 37984 at 0.73x Triton) and one that ties
-                # at n can win inside (2026-11-30: the staged forward, bf16 65536 and 37984). Both are measured
-                # at odd lengths a quarter and half way into the bucket; tuning.entry_path decides from what
-                # the entry records (the rule the committed tables are checked against).
-                # Timed there: the default and every candidate within tuning.BAND of the fastest at n; the
-                # challenger is the best of them over all lengths (tuning.band_challenger).
+                # or loses at n can win inside (2026-11-30: the staged forward, bf16 65536 and 37984). The
+                # default and every candidate within tuning.BAND of the fastest at n are timed at odd lengths a
+                # quarter and half way into the bucket; tuning.entry_path decides from what the entry records
+                # (the rule the committed tables are checked against).
                 for n2 in sorted({(3 * lo + n) // 4 | 1, (lo + n) // 2 | 1}):
                     if not contested or not lo < n2 < n:
                         break

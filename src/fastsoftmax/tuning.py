@@ -6,8 +6,8 @@ heuristics.py's rules.
 
 Buckets: an entry measured at row length n_max covers (previous n_max, n_max]; lengths past the largest
 measured one have no entry. A path other than the default must win over the bucket: at n_max and at odd
-lengths a quarter and half way in (bench.tune's probes, recorded in the entry; the rule, bucket_pick, is
-named in the table; older tables used pick at n_max, then probes). Rows class: "few" when
+lengths a quarter and half way in (bench.tune's probes, recorded in the entry; the rule, RULE, is named in
+the table and entry_path applies it). Rows class: "few" when
 there are fewer than FEW_ROWS_PER_SM rows per SM (the GPU is filled only by spreading a row over several
 SMs), else "many".
 """
@@ -61,17 +61,17 @@ def pick(candidates: dict[str, float], default: str | None) -> str:
     return best
 
 
-RULE = "band"  # how `bench --tune` decides an entry (recorded in the table; tables without it: pick + probes)
+RULE = "band"  # how `bench --tune` decides an entry (recorded in the table, checked by entry_path)
 BAND = 0.9  # rule "band": candidates within this fraction of the fastest at the top length are timed at probes
 
 
 def bucket_pick(points: list[tuple[float, float]], challenger: str, default: str) -> str:
-    """An entry's path under RULE from (challenger GB/s, default GB/s) pairs measured at the bucket's top
-    length and at its probes inside: the challenger when its geometric-mean speed-up over them is at least
-    1 + MARGIN and it is nowhere slower by more than MARGIN, else the default. (The pick-then-probe rule
-    measured the challenger's win at the top length alone: on the H200, 2026-11-30, the CUDA staged forward
-    tied Triton at bf16 1024x65536, 2,682 vs 2,620 GB/s, so the bucket stayed with Triton, which ran
-    16384x37984 at 3,043 GB/s where the staged kernel gave 3,597.)"""
+    """An entry's path from (challenger GB/s, default GB/s) pairs measured at the bucket's top length and at
+    its probes inside: the challenger when its geometric-mean speed-up over them is at least 1 + MARGIN and
+    it is nowhere slower by more than MARGIN, else the default. (An earlier rule measured the challenger's
+    win at the top length alone: on the H200, 2026-11-30, the CUDA staged forward tied Triton at bf16
+    1024x65536, 2,682 vs 2,620 GB/s, so the bucket stayed with Triton, which ran 16384x37984 at 3,043 GB/s
+    where the staged kernel gave 3,597.)"""
     ratios = [c / d for c, d in points]
     geo = math.prod(ratios) ** (1 / len(ratios))
     return challenger if geo >= 1 + MARGIN and min(ratios) >= 1 - MARGIN else default
@@ -86,10 +86,11 @@ def band(cands: dict, default: str) -> list[str]:
 
 def band_challenger(e: dict) -> str | None:
     """Rule "band": of the candidates timed at the top length and at every probe (without error), the one
-    other than the default with the best geometric mean of GB/s over those lengths; none when no probe (the
-    fastest at the top length, as rule "bucket"). A path that ties at the bucket's top length can win at
-    the lengths inside it: on the H200, 2026-11-30, the staged forward ran bf16 1024x65536 at 2,610 GB/s
-    (the CUDA online kernel 2,785) but 37984 and 50257 at about 4,000 (online 3,282 and 3,212)."""
+    other than the default with the best geometric mean of GB/s over those lengths; with no probe, the
+    fastest at the top length when that is not the default; else none. A path that ties or loses at the
+    bucket's top length can win at the lengths inside it: on the H200, 2026-11-30, the staged forward ran
+    bf16 1024x65536 at 2,610 GB/s (the CUDA online kernel 2,785) but 37984 and 50257 at about 4,000 (online
+    3,282 and 3,212)."""
     default, cands, probes = e["default"], e["candidates"], e.get("probes", [])
     if not probes:
         others = {k: v for k, v in cands.items() if k != default}
@@ -107,35 +108,23 @@ def band_challenger(e: dict) -> str | None:
 
 def entry_path(e: dict, rule: str | None) -> str:
     """The 'backend/path' a table entry must name, recomputed from what it recorded (its candidates at the
-    bucket's top length, its probes) under the table's rule: what tests check a committed table against."""
+    bucket's top length, its probes) under the table's rule: what tests check a committed table against.
+    Tables of another rule (earlier versions) raise: re-tune."""
+    if rule != RULE:
+        raise ValueError(f"a table of rule {rule!r}: this version decides entries by rule {RULE!r} (re-tune)")
     default, cands, probes = e["default"], e["candidates"], e.get("probes", [])
-    if rule == "band":
-        if default not in cands:
-            return pick(cands, default)
-        challenger = band_challenger(e)
-        if challenger is None:
-            return default
-        if e.get("challenger") != challenger:
-            raise ValueError(f"entry names challenger {e.get('challenger')}, its measurements {challenger}: {e}")
-        if any(default not in p["candidates"] for p in probes):
-            return default
-        points = [(cands[challenger], cands[default])] + [(p["candidates"][challenger], p["candidates"][default])
-                                                          for p in probes]  # fmt: skip
-        return bucket_pick(points, challenger, default)
-    if rule == "bucket":
-        challenger = e.get("challenger")
-        if challenger is None or default not in cands:
-            return pick(cands, default)
-        if any(p.get("error") for p in probes):
-            return default
-        points = [(cands[challenger], cands[default])] + [(p["candidates"][challenger], p["candidates"][default])
-                                                          for p in probes]  # fmt: skip
-        return bucket_pick(points, challenger, default)
-    want = pick(cands, default)
-    for probe in probes:
-        if probe.get("error") or pick(probe["candidates"], default) != want:
-            return default  # the pick lost (or could not run) inside its bucket: the default kept
-    return want
+    if default not in cands:
+        return pick(cands, default)
+    challenger = band_challenger(e)
+    if challenger is None:
+        return default
+    if e.get("challenger") != challenger:
+        raise ValueError(f"entry names challenger {e.get('challenger')}, its measurements {challenger}: {e}")
+    if any(default not in p["candidates"] for p in probes):
+        return default
+    points = [(cands[challenger], cands[default])] + [(p["candidates"][challenger], p["candidates"][default])
+                                                      for p in probes]  # fmt: skip
+    return bucket_pick(points, challenger, default)
 
 
 def rows_class(n_rows: int, sm_count: int) -> str:

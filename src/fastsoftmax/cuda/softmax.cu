@@ -512,6 +512,13 @@ __device__ __forceinline__ void load_edges(const Thread& T, const Row& R, float&
     tv = T.g < R.t ? load1<IN_T>(R.xb + ((i64)R.nv * VEC + T.g) * R.xs) : NEG_INF;
 }
 
+// The running (max, sum of exp(x - max)) started from this thread's head and tail scalars (-inf where none).
+__device__ __forceinline__ void edge_start(float hv, float tv, float& m, float& s) {
+    m = maxnan(hv, tv);
+    const float base = m == NEG_INF ? 0.f : m;  // all -inf: exp(-inf - 0) = 0, never NaN
+    s = fexp(hv - base) + fexp(tv - base);
+}
+
 // The row's logsumexp, when asked for, by the row's first thread.
 __device__ __forceinline__ void write_lse(const Params& p, const Thread& T, float m, float logs) {
     if (p.lse && T.g == 0) {
@@ -560,21 +567,15 @@ template <bool LOG> __device__ __forceinline__ void fwd_body(const Params& p) {
     const Thread T = thread_of(p);
     const Row R = row_geometry<IN_T, OUT_T, IN_T>(p, T.row);  // unit stride: R.vx == 16
     const Slice S = slice_of(R, bars);
-    const int v0 = S.v0, cnt = S.cnt, pieces = S.pieces;
-    const u32 bar0 = S.bar0;
     stage_slice(S, R.xb, nullptr);
-    float hv, tv;
+    float hv, tv, mt, s;
     load_edges(T, R, hv, tv);
-    float mt = maxnan(hv, tv), s;
-    {
-        const float base = mt == NEG_INF ? 0.f : mt;
-        s = fexp(hv - base) + fexp(tv - base);
-    }
+    edge_start(hv, tv, mt, s);
     // Piece by piece as each arrives (the reduction overlaps the rest of the copy): the piece's max, then
     // its sum of exp(x - max) merged into (mt, s).
-    for (int k = 0; k < pieces; ++k) {
-        const int a = k * PIECE_VECS, b = (cnt - a < PIECE_VECS ? cnt : a + PIECE_VECS);
-        mbar_wait(bar0 + 8 * k);
+    for (int k = 0; k < S.pieces; ++k) {
+        const int a = k * PIECE_VECS, b = (S.cnt - a < PIECE_VECS ? S.cnt : a + PIECE_VECS);
+        mbar_wait(S.bar0 + 8 * k);
         const float mk = staged_max(a, b, mt);
         const float base = mk == NEG_INF ? 0.f : mk;  // all -inf so far: exp(-inf - 0) = 0, never NaN
         float acc = 0.f;
@@ -592,26 +593,22 @@ template <bool LOG> __device__ __forceinline__ void fwd_body(const Params& p) {
     if (T.g < R.h) store1<OUT_T>(R.y + T.g * R.ys, out_value(hv, o, LOG));
     if (T.g < R.t) store1<OUT_T>(R.yb + ((i64)R.nv * VEC + T.g) * R.ys, out_value(tv, o, LOG));
 #pragma unroll 4
-    for (int v = threadIdx.x; v < cnt; v += GROUP) {
+    for (int v = threadIdx.x; v < S.cnt; v += GROUP) {
         Raw<IN_T> r;
         staged_raw<IN_T>(r, v);
         float f[VEC];
 #pragma unroll
         for (int j = 0; j < VEC; ++j) f[j] = out_value(elem<IN_T>(r, j), o, LOG);
-        store<OUT_T>(R.yb + (i64)(v0 + v) * R.vy, f, R.ywide, R.ys);
+        store<OUT_T>(R.yb + (i64)(S.v0 + v) * R.vy, f, R.ywide, R.ys);
     }
 }
 #elif STREAM
 template <bool LOG> __device__ __forceinline__ void fwd_body(const Params& p) {
     const Thread T = thread_of(p);
     const Row R = row_geometry<IN_T, OUT_T, IN_T>(p, T.row);
-    float hv, tv;
+    float hv, tv, m, s;
     load_edges(T, R, hv, tv);
-    float m = maxnan(hv, tv), s;
-    {
-        const float base = m == NEG_INF ? 0.f : m;
-        s = fexp(hv - base) + fexp(tv - base);
-    }
+    edge_start(hv, tv, m, s);
     for (int v0 = T.g; v0 < R.nv; v0 += BATCH * T.G) {
         Raw<IN_T> r[BATCH];
         load_body<BATCH>(r, R, v0, T.G, true);
