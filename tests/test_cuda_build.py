@@ -69,6 +69,11 @@ def test_variant_compiles_with_its_facts(cache, variant, dtype, n, rows, backwar
     assert shape.variant == variant
     assert (shape.cluster > 1) == (variant == "cluster" or (variant, rows) == ("online", 4))
     assert f".entry {cfg.entry}(" in ptx
+    if variant != "three_pass":  # softmax and log_softmax: an entry point each, no runtime branch between them
+        assert f".entry {cfg.entry_for(True)}(" in ptx and cfg.entry_for(True) == cfg.entry + "_log"
+        if backward:  # softmax's backward has no exp; log_softmax's has (f = exp(y))
+            soft, log = (ptx.split(f".entry {name}(")[1].split(".entry")[0] for name in (cfg.entry, cfg.entry + "_log"))
+            assert "ex2.approx" not in soft and "ex2.approx" in log
     log = build.compile_kernel(cfg, "sm_90a").log
     assert "warning" not in log, log
     if facts["registers"] == 0 and torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):

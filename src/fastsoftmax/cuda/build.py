@@ -63,9 +63,10 @@ class Config:
         return ENTRY[self.kind]
 
     def entry_for(self, log: bool) -> str:
-        """The kernel's name for softmax or log_softmax: the on-chip and streaming forwards have one entry
-        point each (fs_fwd, fs_fwd_log); the others read the flag from their parameters."""
-        return self.entry + "_log" if log and self.kind == "fwd" else self.entry
+        """The kernel's name for softmax or log_softmax: the forwards and backwards of FS_KIND 1 and 2 have
+        one entry point each (fs_fwd, fs_fwd_log, fs_bwd, fs_bwd_log); the seed kernels read the flag from
+        their parameters."""
+        return self.entry + "_log" if log and self.kind in ("fwd", "bwd") else self.entry
 
 
 @dataclass(frozen=True)

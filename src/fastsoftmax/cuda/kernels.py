@@ -231,7 +231,7 @@ def _ensure_context(index: int):
 
 def function(cfg: build.Config, index: int, log: bool = False):
     """The loaded kernel of ``cfg`` on device ``index`` (compiled and loaded once), for softmax or
-    log_softmax (``cfg.entry_for(log)``: the forwards have an entry point each)."""
+    log_softmax (``cfg.entry_for(log)``: the forwards and backwards have an entry point each)."""
     key = (cfg, index, log)
     fn = _functions.get(key)
     if fn is not None:
@@ -259,11 +259,11 @@ def function(cfg: build.Config, index: int, log: bool = False):
 
 def function_attributes(cfg: build.Config, index: int) -> dict:
     """What the driver says about the loaded kernel: registers per thread and local memory per thread
-    (spills and stack; 0 means none), the larger of the two entry points for a forward, as ptxas.facts
+    (spills and stack; 0 means none), the larger of the two entry points (fwd, bwd), as ptxas.facts
     reads a log. Tests use it where NVRTC's log lacks the ptxas -v lines."""
     cu = driver()
     a = cu.CUfunction_attribute
-    fns = [function(cfg, index, log) for log in ((False, True) if cfg.kind == "fwd" else (False,))]
+    fns = [function(cfg, index, log) for log in ((False, True) if cfg.kind in ("fwd", "bwd") else (False,))]
     get = lambda attr: max(_ok(cu.cuFuncGetAttribute(attr, fn), "cuFuncGetAttribute") for fn in fns)  # noqa: E731
     return {"registers": get(a.CU_FUNC_ATTRIBUTE_NUM_REGS), "local_bytes": get(a.CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES)}
 
@@ -391,7 +391,7 @@ def backward(dy: torch.Tensor, y: torch.Tensor, dx: torch.Tensor, dim: int, log:
         lay.B * lay.I, lay.I, sxb, sxi, sxn, syb, syi, syn, sxb, sxi, sxn, lay.I, 1, lay.N, int(log),
     )  # fmt: skip
     cfg = _config("bwd", shape, yk, dx, dy)
-    fn = function(cfg, index)
+    fn = function(cfg, index, log)
     _record(shape, yk, lay, copied or lay.copied)
     _ensure_context(index)
     smem = stage_bytes(shape, lay.N, yk.element_size(), 2)

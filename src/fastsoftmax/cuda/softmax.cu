@@ -18,8 +18,8 @@
 //             thread, so several CTAs per SM overlap one's loads with another's reduction and stores.
 //             Dynamic shared memory: the slice's bytes (backward: twice).
 //
-// Entry points: fs_fwd / fs_fwd_log (FS_KIND 1: softmax / log_softmax, p.log unused), fs_bwd, fs_fwd3 and
-// fs_bwd3 (these read p.log).
+// Entry points: fs_fwd / fs_fwd_log (FS_KIND 1: softmax / log_softmax, p.log unused), fs_bwd / fs_bwd_log
+// (FS_KIND 2, likewise), fs_fwd3 and fs_bwd3 (these read p.log).
 //
 // Semantics (as every fastsoftmax backend): the row max is subtracted before exp; a row that is all -inf
 // gives zeros (softmax) / -inf (log_softmax) and logsumexp -inf; NaN anywhere in a row, or +inf, gives NaN
@@ -697,35 +697,35 @@ extern "C" __global__ void __launch_bounds__(GROUP * ROWS, MIN_CTAS) fs_fwd_log(
 #if FS_KIND == 2
 // ---- backward: dx = a - f * sum(a), a = y*dy, f = y (softmax) / a = dy, f = exp(y) (log_softmax) ------
 
-__device__ __forceinline__ void terms(float y, float dy, int log, float& a, float& f) {
-    if (log) { a = dy; f = __expf(y); }
+template <bool LOG> __device__ __forceinline__ void terms(float y, float dy, float& a, float& f) {
+    if (LOG) { a = dy; f = __expf(y); }
     else { a = y * dy; f = y; }
 }
 
-__device__ __forceinline__ float grad(float y, float dy, float s, float t, int log) {
+template <bool LOG> __device__ __forceinline__ float grad(float y, float dy, float s, float t) {
     float a, f;
-    terms(y, dy, log, a, f);
+    terms<LOG>(y, dy, a, f);
     return t == 0.f ? 0.f : a - f * s;
 }
 
-template <int N> __device__ __forceinline__ void sums(float& s, float& t, const Raw<IN_T> (&ry)[N],
-                                                      const Raw<D_T> (&rd)[N], int log) {
+template <bool LOG, int N> __device__ __forceinline__ void sums(float& s, float& t, const Raw<IN_T> (&ry)[N],
+                                                                const Raw<D_T> (&rd)[N]) {
 #pragma unroll
     for (int k = 0; k < N; ++k)
 #pragma unroll
         for (int j = 0; j < VEC; ++j) {
             float a, f;
-            terms(elem<IN_T>(ry[k], j), elem<D_T>(rd[k], j), log, a, f);
+            terms<LOG>(elem<IN_T>(ry[k], j), elem<D_T>(rd[k], j), a, f);
             s += a;
             t += f;
         }
 }
 
-// This thread's head and tail scalars of y and dy (where it has none: y -inf when ypad, for log_softmax,
-// where f = exp(y) = 0, else 0; dy 0), and their terms as the start of the row sums (s, t).
-__device__ __forceinline__ void load_edges_bwd(const Params& p, const Thread& T, const Row& R, bool ypad, float& hy,
-                                               float& hd, float& ty, float& td, float& s, float& t) {
-    hy = ypad ? NEG_INF : 0.f; hd = 0.f; ty = hy; td = 0.f;
+// This thread's head and tail scalars of y and dy (where it has none: y -inf for log_softmax, where
+// f = exp(y) = 0, else 0; dy 0), and their terms as the start of the row sums (s, t).
+template <bool LOG> __device__ __forceinline__ void load_edges_bwd(const Thread& T, const Row& R, float& hy, float& hd,
+                                                                   float& ty, float& td, float& s, float& t) {
+    hy = LOG ? NEG_INF : 0.f; hd = 0.f; ty = hy; td = 0.f;
     if (T.g < R.h) { hy = load1<IN_T>(R.x + T.g * R.xs); hd = load1<D_T>(R.d + T.g * R.ds); }
     if (T.g < R.t) {
         i64 j = (i64)R.nv * VEC + T.g;
@@ -733,14 +733,14 @@ __device__ __forceinline__ void load_edges_bwd(const Params& p, const Thread& T,
     }
     float a, f;
     s = 0.f; t = 0.f;
-    terms(hy, hd, p.log, a, f); s += a; t += f;
-    terms(ty, td, p.log, a, f); s += a; t += f;
+    terms<LOG>(hy, hd, a, f); s += a; t += f;
+    terms<LOG>(ty, td, a, f); s += a; t += f;
 }
 
 #if STAGED
 // y and dy staged (dy in y's element size and alignment, kernels.backward checks): the sums (s, t) piece by
 // piece as the copies arrive, dx written from shared memory. One read of y and dy, one write of dx.
-extern "C" __global__ void __launch_bounds__(GROUP * ROWS, MIN_CTAS) fs_bwd(const Params p) {
+template <bool LOG> __device__ __forceinline__ void bwd_body(const Params& p) {
     static_assert(Ty<D_T>::SZ == Ty<IN_T>::SZ, "the staged backward stages dy in y's element size");
     __shared__ __align__(8) u64 bars[MAX_PIECES];
     const Thread T = thread_of(p);
@@ -748,7 +748,7 @@ extern "C" __global__ void __launch_bounds__(GROUP * ROWS, MIN_CTAS) fs_bwd(cons
     const Slice S = slice_of(R, bars);
     stage_slice(S, R.xb, R.db);
     float hy, hd, ty, td, s, t;
-    load_edges_bwd(p, T, R, p.log, hy, hd, ty, td, s, t);
+    load_edges_bwd<LOG>(T, R, hy, hd, ty, td, s, t);
     for (int k = 0; k < S.pieces; ++k) {
         const int lo = k * PIECE_VECS, hi = (S.cnt - lo < PIECE_VECS ? S.cnt : lo + PIECE_VECS);
         mbar_wait(S.bar0 + 8 * k);
@@ -760,7 +760,7 @@ extern "C" __global__ void __launch_bounds__(GROUP * ROWS, MIN_CTAS) fs_bwd(cons
             staged_raw<D_T>(rd, S.per + v);
             float sa[VEC], sf[VEC];
 #pragma unroll
-            for (int j = 0; j < VEC; ++j) terms(elem<IN_T>(ry, j), elem<D_T>(rd, j), p.log, sa[j], sf[j]);
+            for (int j = 0; j < VEC; ++j) terms<LOG>(elem<IN_T>(ry, j), elem<D_T>(rd, j), sa[j], sf[j]);
 #pragma unroll
             for (int w = VEC / 2; w > 0; w /= 2)
 #pragma unroll
@@ -773,8 +773,8 @@ extern "C" __global__ void __launch_bounds__(GROUP * ROWS, MIN_CTAS) fs_bwd(cons
     const Pair st = reduce<false>({s, t});
     s = st.a; t = st.b;
     if (!T.row_ok) return;
-    if (T.g < R.h) store1<OUT_T>(R.y + T.g * R.ys, grad(hy, hd, s, t, p.log));
-    if (T.g < R.t) store1<OUT_T>(R.yb + ((i64)R.nv * VEC + T.g) * R.ys, grad(ty, td, s, t, p.log));
+    if (T.g < R.h) store1<OUT_T>(R.y + T.g * R.ys, grad<LOG>(hy, hd, s, t));
+    if (T.g < R.t) store1<OUT_T>(R.yb + ((i64)R.nv * VEC + T.g) * R.ys, grad<LOG>(ty, td, s, t));
 #pragma unroll 4
     for (int v = threadIdx.x; v < S.cnt; v += GROUP) {
         Raw<IN_T> ry;
@@ -783,49 +783,54 @@ extern "C" __global__ void __launch_bounds__(GROUP * ROWS, MIN_CTAS) fs_bwd(cons
         staged_raw<D_T>(rd, S.per + v);
         float o[VEC];
 #pragma unroll
-        for (int j = 0; j < VEC; ++j) o[j] = grad(elem<IN_T>(ry, j), elem<D_T>(rd, j), s, t, p.log);
+        for (int j = 0; j < VEC; ++j) o[j] = grad<LOG>(elem<IN_T>(ry, j), elem<D_T>(rd, j), s, t);
         store<OUT_T>(R.yb + (i64)(S.v0 + v) * R.vy, o, R.ywide, R.ys);
     }
 }
 #else
-extern "C" __global__ void __launch_bounds__(GROUP * ROWS, MIN_CTAS) fs_bwd(const Params p) {
+template <bool LOG> __device__ __forceinline__ void bwd_body(const Params& p) {
     const Thread T = thread_of(p);
     const Row R = row_geometry<IN_T, OUT_T, D_T>(p, T.row);
-    const bool ypad = p.log;  // padding y: -inf for log_softmax (f = exp(y) = 0), 0 for softmax; dy: 0
+    const bool ypad = LOG;  // padding y: -inf for log_softmax (f = exp(y) = 0), 0 for softmax; dy: 0
     float hy, hd, ty, td, s, t;
-    load_edges_bwd(p, T, R, ypad, hy, hd, ty, td, s, t);
+    load_edges_bwd<LOG>(T, R, hy, hd, ty, td, s, t);
 #if STREAM
     for (int v0 = T.g; v0 < R.nv; v0 += BATCH * T.G) {
         Raw<IN_T> ry[BATCH];
         Raw<D_T> rd[BATCH];
         load_y_dy<BATCH>(ry, rd, R, v0, T.G, ypad);
-        sums<BATCH>(s, t, ry, rd, p.log);
+        sums<LOG, BATCH>(s, t, ry, rd);
     }
 #else
     Raw<IN_T> ry[K];
     Raw<D_T> rd[K];
     load_y_dy<K>(ry, rd, R, T.g, T.G, ypad);
-    sums<K>(s, t, ry, rd, p.log);
+    sums<LOG, K>(s, t, ry, rd);
 #endif
     Pair st = reduce<false>({s, t});
     s = st.a; t = st.b;
     if (!T.row_ok) return;
-    if (T.g < R.h) store1<OUT_T>(R.y + T.g * R.ys, grad(hy, hd, s, t, p.log));
-    if (T.g < R.t) store1<OUT_T>(R.yb + ((i64)R.nv * VEC + T.g) * R.ys, grad(ty, td, s, t, p.log));
+    if (T.g < R.h) store1<OUT_T>(R.y + T.g * R.ys, grad<LOG>(hy, hd, s, t));
+    if (T.g < R.t) store1<OUT_T>(R.yb + ((i64)R.nv * VEC + T.g) * R.ys, grad<LOG>(ty, td, s, t));
 #if STREAM
     for (int v0 = T.g; v0 < R.nv; v0 += BATCH * T.G) {
         Raw<IN_T> ry2[BATCH];
         Raw<D_T> rd2[BATCH];
         load_y_dy<BATCH>(ry2, rd2, R, v0, T.G, ypad);
         write_body<BATCH>(R, v0, T.G, [&](int k, int j) {
-            return grad(elem<IN_T>(ry2[k], j), elem<D_T>(rd2[k], j), s, t, p.log);
+            return grad<LOG>(elem<IN_T>(ry2[k], j), elem<D_T>(rd2[k], j), s, t);
         });
     }
 #else
-    write_body<K>(R, T.g, T.G, [&](int k, int j) { return grad(elem<IN_T>(ry[k], j), elem<D_T>(rd[k], j), s, t, p.log); });
+    write_body<K>(R, T.g, T.G, [&](int k, int j) { return grad<LOG>(elem<IN_T>(ry[k], j), elem<D_T>(rd[k], j), s, t); });
 #endif
 }
 #endif  // STAGED
+
+// Two entry points, softmax and log_softmax (p.log is not read): the per-element terms without a runtime
+// branch (one kernel reading p.log kept a branch per element in the loops, ptxas did not unswitch them).
+extern "C" __global__ void __launch_bounds__(GROUP * ROWS, MIN_CTAS) fs_bwd(const Params p) { bwd_body<false>(p); }
+extern "C" __global__ void __launch_bounds__(GROUP * ROWS, MIN_CTAS) fs_bwd_log(const Params p) { bwd_body<true>(p); }
 #endif
 
 #if FS_KIND == 3
