@@ -183,6 +183,7 @@ FAST_CASES = [  # (shape, backend, the path the full path picks there)
     ((1024, 8192), "cuda", "block"),
     ((16, 131072), "cuda", "cluster"),
     ((2, 1 << 21), "cuda", "online"),
+    ((16, 131072), "auto:cuda/staged", "staged"),  # the tuning table's pick made staged (cuda never picks it)
 ]
 
 
@@ -190,13 +191,18 @@ FAST_CASES = [  # (shape, backend, the path the full path picks there)
 def test_fast_path_replays_bit_identical(monkeypatch, shape, backend, path):
     """A plain call's second run replays the recorded launches without dispatching again: bit-identical
     output, the same plan recorded, forward and backward, softmax and log_softmax, each path of each
-    backend (Triton's replay only on the Triton versions it was checked on)."""
+    backend (Triton's replay only on the Triton versions it was checked on), through prepared launches
+    (cuda/launch.py) wherever the replay runs."""
     import triton
 
-    from fastsoftmax import dispatch, fastpath
+    from fastsoftmax import dispatch, fastpath, tuning
 
     if not fastpath.ENABLED:
         pytest.skip("FASTSOFTMAX_FAST_LAUNCH=0")
+    if backend.startswith("auto:"):
+        pick = tuple(backend[5:].split("/"))
+        monkeypatch.setattr(tuning, "choose", lambda *a, **k: pick)
+        backend = "auto"
     fastpath.clear()
     gen = torch.Generator(device="cuda").manual_seed(1)
     x = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=gen) * 4
@@ -218,8 +224,42 @@ def test_fast_path_replays_bit_identical(monkeypatch, shape, backend, path):
             assert heuristics.last_plan() == bwd_plan
             torch.cuda.synchronize()
             assert torch.equal(y, ref_y) and torch.equal(dx, ref_dx), (shape, backend)
-        replayed = backend == "cuda" or triton.__version__.startswith(fastpath.TRITON_VERSIONS)
+        replayed = bwd_plan.backend == "cuda" or triton.__version__.startswith(fastpath.TRITON_VERSIONS)
         assert (len(calls) == n) == replayed, (len(calls), n)
+        kinds = {entry.kind for entry in fastpath._cache.values()}
+        assert kinds == ({"prepared"} if replayed else set()), kinds
+
+
+def test_fast_path_threads():
+    """Threads replaying the same entries at once (each fills the shared argument slots under the entry's
+    lock), and a new thread whose first CUDA call is a replay (no current context yet: the replay steps
+    aside, the full path runs): every output right."""
+    import threading
+
+    from fastsoftmax import fastpath
+
+    fastpath.clear()
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    xs = [torch.randn(64, n, device="cuda", generator=gen) * 3 for n in (1000, 4096)]
+    refs = [[fs.softmax(x, backend=b) for x in xs] for b in ("triton", "cuda")]
+    torch.cuda.synchronize()
+    bad = []
+
+    def work(seed):
+        for i in range(200):
+            b, j = (seed + i) % 2, (seed * 7 + i // 2) % 2
+            y = fs.softmax(xs[j], backend=("triton", "cuda")[b])
+            torch.cuda.current_stream().synchronize()
+            if not torch.equal(y, refs[b][j]):
+                bad.append((seed, i))
+
+    threads = [threading.Thread(target=work, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not bad, bad[:5]
+    assert len(fastpath._cache) == 4
 
 
 def test_fast_path_keeps_off_what_it_cannot_replay():

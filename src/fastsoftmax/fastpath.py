@@ -4,9 +4,12 @@ Everything a launch depends on (the layout, the backend's and path's choice, the
 integer arguments) is a pure function of the inputs' shapes, strides, dtypes, device and addresses modulo
 16, of dim, of the output dtype and of the backend asked for. So the first call with a given key runs the
 full path (checks, dispatch, planning, Triton's own launch) while recording what it launched; later calls
-with the same key allocate the output and call the recorded kernels' launchers directly with the new
-tensors' addresses. That leaves a dict lookup, an allocation and the launch itself on the host (a plain
-Triton launch binds and specialises every argument again: most of a call's host time).
+with the same key allocate the output and launch the recorded kernels with the new tensors' addresses.
+That leaves a dict lookup, an allocation and the launch itself on the host (a plain Triton launch binds and
+specialises every argument again: most of a call's host time). The launch itself is prepared once
+(cuda/launch.py: the kernel's argument bytes built at recording, a replay writes the addresses and calls
+libcuda's cuLaunchKernel through ctypes): entry kind "prepared". Where a recorded Triton launch is of a
+kind not built there, the replay calls Triton's C launch function ("direct") or CompiledKernel.run ("run").
 
 A call is recorded only when it is plain: CUDA tensors that need no autograd, no heuristics.force or test
 poisoning active, no logsumexp output, inputs used in place (not copied into another layout, not addressed
@@ -30,7 +33,8 @@ MAX_ENTRIES = 4096
 
 _cache: dict = {}
 _state = threading.local()
-_X, _D, _Y = "x", "d", "y"  # roles of tensors in a recorded launch; ("scratch", numel, dtype) for workspaces
+# roles of tensors in a recorded launch; ("scratch", index, numel, dtype) for the call's index-th workspace
+_X, _D, _Y = "x", "d", "y"
 
 
 def key(x, d, dim, dtype, log: bool, backend):
@@ -133,8 +137,8 @@ def finish(rec: _Recording | None, k, x, d, y, out_dtype) -> None:
         p = v.data_ptr()
         if p in ptrs:
             return ptrs[p]
-        if p in rec.scratch:
-            return ("scratch", *rec.scratch[p])
+        if p in rec.scratch:  # one workspace per recorded one: the launches that share it share its copy
+            return ("scratch", list(rec.scratch).index(p), *rec.scratch[p])
         raise LookupError  # a tensor made during the call that is not a workspace: not replayable
 
     if y.stride() != x.stride():
@@ -184,6 +188,9 @@ def _direct(ck):
 
 
 def _make_replay(steps, plan, out_dtype):
+    prepared = _prepared(steps)
+    if prepared is not None:
+        return _make_prepared(prepared, plan, out_dtype)
     if any(s[0] == "cuda" for s in steps):
         from .cuda.kernels import _launch, _Params  # cuda-python is there: it recorded these launches
     if len(steps) == 1 and steps[0][0] == "triton" and (direct := _direct(steps[0][1])) is not None:
@@ -202,21 +209,135 @@ def _make_replay(steps, plan, out_dtype):
                 _, ck_, g, vals, slots = step
                 vals = list(vals)
                 for i, r in slots:
-                    if isinstance(r, tuple):  # scratch
-                        vals[i] = torch.empty(r[1], dtype=r[2], device=x.device)
-                    else:
-                        vals[i] = have[r]
+                    if isinstance(r, tuple) and r not in have:  # a workspace, allocated once per call
+                        have[r] = torch.empty(r[2], dtype=r[3], device=x.device)
+                    vals[i] = have[r]
                 ck_.run(g[0], g[1], g[2], stream, ck_.function, ck_.packed_metadata, None, None, None, *vals)
             else:
                 _, fn, (grid, block, cluster, smem), raw, fields = step
                 params = _Params.from_buffer_copy(raw)
                 for f, r in fields.items():
                     setattr(params, f, have[r].data_ptr())
-                _launch(fn, grid, block, cluster, params, stream, smem)
+                _launch(fn, grid, block, cluster, params, stream, smem, device)
         heuristics.record(plan)
         return y
 
+    run.kind = "run"
     return run
+
+
+# Triton signature types -> the ctypes type of the kernel parameter (as Triton 3.6's launcher passes them)
+_TRITON_CTYPES = {
+    "i1": "c_int8", "i8": "c_int8", "i16": "c_int16", "i32": "c_int32", "i64": "c_int64", "u1": "c_uint8",
+    "u8": "c_uint8", "u16": "c_uint16", "u32": "c_uint32", "u64": "c_uint64", "fp32": "c_float", "f32": "c_float",
+    "fp64": "c_double",
+}  # fmt: skip
+
+
+def _prepared(steps):
+    """Each recorded launch as a cuda.launch.Launch (argument bytes built once) with the slots a replay fills:
+    [(Launch, [(slot, role)])], or None when one launch is not of a kind built here (then the replay calls
+    Triton's launcher or cuda-python as the full path does)."""
+    import ctypes
+
+    from .cuda import launch
+
+    out = []
+    for step in steps:
+        if step[0] == "cuda":
+            from .cuda.kernels import _Params
+
+            _, fn, (grid, block, cluster, smem), raw, fields = step
+            ln = launch.Launch(int(fn), (grid, 1, 1), block, smem, cluster, [(_Params, _Params.from_buffer_copy(raw))])
+            out.append((ln, [(ln.slot(0, getattr(_Params, f).offset), r) for f, r in fields.items()]))
+            continue
+        _, ck, g, vals, slots = step
+        md = getattr(ck, "metadata", None)
+        sig = getattr(getattr(ck, "src", None), "signature", None)
+        if _direct(ck) is None or md is None or not isinstance(sig, dict) or len(sig) != len(vals):
+            return None
+        if getattr(md, "num_ctas", 1) != 1 or getattr(md, "launch_pdl", False) or md.launch_cooperative_grid:
+            return None
+        roles = dict(slots)
+        args, fills = [], []
+        for i, (ty, v) in enumerate(zip(sig.values(), vals, strict=True)):
+            if ty == "constexpr":
+                continue
+            if not isinstance(ty, str):
+                return None  # a tuple argument
+            if ty.startswith("*"):
+                if i in roles:
+                    fills.append((len(args), roles[i]))
+                    v = 0
+                elif v is not None:
+                    return None  # a pointer that is not one of the call's tensors
+                args.append((ctypes.c_uint64, v or 0))
+            elif ty in _TRITON_CTYPES:
+                args.append((getattr(ctypes, _TRITON_CTYPES[ty]), v))
+            else:
+                return None
+        args += [(ctypes.c_uint64, 0), (ctypes.c_uint64, 0)]  # global and profile scratch: none (_direct)
+        ln = launch.Launch(ck.function, g, 32 * md.num_warps, md.shared, 1, args)
+        out.append((ln, [(ln.slot(j), r) for j, r in fills]))
+    return out
+
+
+def _make_prepared(prepared, plan, out_dtype):
+    """The replay through prepared launches (cuda.launch): per call an allocation, the addresses written
+    into each launch's slots and one driver call per launch. A failed launch (this thread has no current
+    context, or anything else) returns None: the full path runs and reports."""
+    record = heuristics.record
+    empty_like = torch.empty_like
+    get_stream = torch._C._cuda_getCurrentRawStream
+    if len(prepared) == 1 and all(r in (_X, _D, _Y) for _, r in prepared[0][1]):
+        ln, fills = prepared[0]
+        xs = [s for s, r in fills if r == _X]
+        ys = [s for s, r in fills if r == _Y]
+        ds = [s for s, r in fills if r == _D]
+        lock = ln.lock
+
+        def run(x, d, device):
+            y = empty_like(x) if out_dtype is None else empty_like(x, dtype=out_dtype)
+            py = y.data_ptr()
+            if py % 16:
+                return None  # never from torch's allocator; the recorded plan assumed an aligned output
+            px = x.data_ptr()
+            pd = d.data_ptr() if ds else 0
+            stream = get_stream(device)
+            with lock:
+                for s in xs:
+                    s.value = px
+                for s in ys:
+                    s.value = py
+                for s in ds:
+                    s.value = pd
+                if ln(stream):
+                    return None
+            record(plan)
+            return y
+
+        run.kind = "prepared"
+        return run
+
+    def run_general(x, d, device):
+        y = empty_like(x) if out_dtype is None else empty_like(x, dtype=out_dtype)
+        if y.data_ptr() % 16:
+            return None
+        have = {_X: x, _D: d, _Y: y}
+        stream = get_stream(device)
+        for ln, fills in prepared:
+            with ln.lock:
+                for s, r in fills:
+                    if isinstance(r, tuple) and r not in have:  # a workspace, allocated once per call
+                        have[r] = torch.empty(r[2], dtype=r[3], device=x.device)
+                    s.value = have[r].data_ptr()
+                if ln(stream):
+                    return None
+        record(plan)
+        return y
+
+    run_general.kind = "prepared"
+    return run_general
 
 
 def _make_direct(ck, direct, g, vals, slots, plan, out_dtype):
@@ -253,6 +374,7 @@ def _make_direct(ck, direct, g, vals, slots, plan, out_dtype):
         record(plan)
         return y
 
+    run.kind = "direct"
     return run
 
 

@@ -1,6 +1,6 @@
 """The CUDA backend's launcher: picks a variant of softmax.cu for a problem, compiles it (build.py),
-loads the cubin into the current CUDA context once per device, and launches it on torch's current stream
-through cuda.bindings.driver.
+loads the cubin into the current CUDA context once per device (cuda.bindings.driver), and launches it on
+torch's current stream through libcuda's own entry points (launch.py: ctypes, the cheaper call).
 
 Variants (forward and backward share them; `heuristics.force(path=...)` picks one for tests):
   three_pass  the seed kernel: one 256-thread CTA per row, shared-memory tree max, barrier, tree sum,
@@ -34,7 +34,7 @@ import torch
 
 from .. import fastpath, heuristics
 from ..layout import alloc, plan_layout
-from . import build
+from . import build, launch
 
 VARIANTS = ("three_pass", "warp", "block", "cluster", "online", "staged")
 
@@ -220,15 +220,6 @@ _modules: dict = {}  # (cfg, index): the loaded cubin, which holds both forward 
 _lock = threading.Lock()
 
 
-def _ensure_context(index: int):
-    """Make torch's (primary) context of device ``index`` current on this thread for the driver API."""
-    cu = driver()
-    ctx = _ok(cu.cuCtxGetCurrent(), "cuCtxGetCurrent")
-    if int(ctx) == 0:
-        dev = _ok(cu.cuDeviceGet(index), "cuDeviceGet")
-        _ok(cu.cuCtxSetCurrent(_ok(cu.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")), "cuCtxSetCurrent")
-
-
 def function(cfg: build.Config, index: int, log: bool = False):
     """The loaded kernel of ``cfg`` on device ``index`` (compiled and loaded once), for softmax or
     log_softmax (``cfg.entry_for(log)``: the forwards and backwards have an entry point each)."""
@@ -241,7 +232,7 @@ def function(cfg: build.Config, index: int, log: bool = False):
         if fn is None:
             cu = driver()
             _ok(cu.cuInit(0), "cuInit")
-            _ensure_context(index)
+            launch.ensure_context(index)
             module = _modules.get((cfg, index))
             if module is None:
                 binary = build.compile_kernel(cfg, _device_facts(index)[2]).binary
@@ -268,26 +259,10 @@ def function_attributes(cfg: build.Config, index: int) -> dict:
     return {"registers": get(a.CU_FUNC_ATTRIBUTE_NUM_REGS), "local_bytes": get(a.CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES)}
 
 
-def _launch(fn, grid: int, block: int, cluster: int, params: _Params, stream: int, smem: int = 0):
+def _launch(fn, grid: int, block: int, cluster: int, params: _Params, stream: int, smem: int, index: int):
     if fastpath.recording() is not None:
         fastpath.cuda_launched(fn, grid, block, cluster, params, smem)
-    cu = driver()
-    args = (ctypes.c_void_p * 1)(ctypes.addressof(params))
-    if cluster == 1:
-        _ok(cu.cuLaunchKernel(fn, grid, 1, 1, block, 1, 1, smem, cu.CUstream(stream), ctypes.addressof(args), 0),
-            "launch")  # fmt: skip
-        return
-    cfg = cu.CUlaunchConfig()
-    cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = grid, 1, 1
-    cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = block, 1, 1
-    cfg.sharedMemBytes = smem
-    cfg.hStream = cu.CUstream(stream)
-    attr = cu.CUlaunchAttribute()
-    attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-    attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = cluster, 1, 1
-    cfg.attrs = [attr]
-    cfg.numAttrs = 1
-    _ok(cu.cuLaunchKernelEx(cfg, fn, ctypes.addressof(args), 0), f"cluster launch ({cluster} CTAs per cluster)")
+    launch.launch_once(int(fn), grid, block, cluster, params, stream, smem, index)
 
 
 def _plan(x: torch.Tensor, lay, inputs: int, hint: str | None = None, dy: torch.Tensor | None = None):
@@ -367,9 +342,8 @@ def forward(x: torch.Tensor, y: torch.Tensor, dim: int, log: bool, want_lse: boo
     cfg = _config("fwd", shape, xk, y)
     fn = function(cfg, index, log)
     _record(shape, xk, lay, lay.copied)
-    _ensure_context(index)
     smem = stage_bytes(shape, lay.N, xk.element_size())
-    _launch(fn, _grid(shape, lay.B * lay.I), shape.group * shape.rows, shape.cluster, params, _stream(y), smem)
+    _launch(fn, _grid(shape, lay.B * lay.I), shape.group * shape.rows, shape.cluster, params, _stream(y), smem, index)
     return lse
 
 
@@ -393,9 +367,9 @@ def backward(dy: torch.Tensor, y: torch.Tensor, dx: torch.Tensor, dim: int, log:
     cfg = _config("bwd", shape, yk, dx, dy)
     fn = function(cfg, index, log)
     _record(shape, yk, lay, copied or lay.copied)
-    _ensure_context(index)
     smem = stage_bytes(shape, lay.N, yk.element_size(), 2)
-    _launch(fn, _grid(shape, lay.B * lay.I), shape.group * shape.rows, shape.cluster, params, _stream(dx), smem)
+    _launch(fn, _grid(shape, lay.B * lay.I), shape.group * shape.rows, shape.cluster, params, _stream(dx), smem,
+            index)  # fmt: skip
 
 
 def _stream(t: torch.Tensor) -> int:
