@@ -4,7 +4,8 @@ variant, the Triton backend (auto) and torch, on long rows; the staged slice siz
 Forward GB/s (2 bytes moved per element byte), backward GB/s (3: y and dy read, dx written), do_bench medians
 with L2 flushed (CUDA-graph replays for few rows); every output checked in full against the float64 oracle
 first. Copy bandwidth first.
-Usage: python dev/bench_staged.py [fwd|bwd ...] [bf16|fp32 ...]"""
+Usage: python dev/bench_staged.py [fwd|bwd ...] [bf16|fp32 ...] [quick (the default slice and CTA size only)]
+                                  [long (the shapes of 2^26+ elements with rows of 32768+ only)]"""
 
 import functools
 import sys
@@ -20,7 +21,7 @@ from fastsoftmax.reference import compare, compare_grad
 
 SHAPES = [(4096, 32768), (4096, 32000), (16384, 37984), (8192, 50257), (2048, 65536), (1024, 131072),
           (512, 262144), (8, 131072), (64, 131072), (128, 262144), (8192, 16384)]  # fmt: skip
-CONFIGS = [(65536, 256), (102400, 256), (102400, 512)]  # (STAGE_BYTES, STAGE_GROUP)
+CONFIGS = [(32768, 256), (65536, 256), (102400, 256), (102400, 512)]  # (STAGE_BYTES, STAGE_GROUP)
 
 
 def gbps(fn, nbytes, graph):
@@ -31,10 +32,12 @@ def main():
     defaults = kernels.STAGE_BYTES, kernels.STAGE_GROUP
     dts = [d for d in sys.argv[1:] if d in ("bf16", "fp32")] or ["bf16", "fp32"]
     passes = [p for p in sys.argv[1:] if p in ("fwd", "bwd")] or ["fwd"]
+    configs = [defaults] if "quick" in sys.argv else CONFIGS
+    shapes = [(m, n) for m, n in SHAPES if "long" not in sys.argv or (m * n >= 1 << 26 and n >= 32768)]
     print(f"{torch.cuda.get_device_name(0)}: copy {copy_gbps('cuda'):.0f} GB/s", flush=True)
     for ps, dt in [(p, d) for p in passes for d in dts]:
         dtype = torch.bfloat16 if dt == "bf16" else torch.float32
-        for m, n in SHAPES:
+        for m, n in shapes:
             g = torch.Generator(device="cuda").manual_seed(n)
             x = torch.randn(m, n, device="cuda", dtype=dtype, generator=g) * 3
             x[0, 5] = 300.0  # an outlier
@@ -56,7 +59,7 @@ def main():
             cols = [f"torch={gbps(ref, nbytes, graph):.0f}"]
             run(*args)
             cols.append(f"auto={gbps(functools.partial(run, *args), nbytes, graph):.0f}({heuristics.last_plan().path})")
-            runs = [("cluster", None, None)] + [("staged", b, t) for b, t in CONFIGS]
+            runs = [("cluster", None, None)] + [("staged", b, t) for b, t in configs]
             for variant, slice_bytes, threads in runs:
                 if slice_bytes:
                     kernels.STAGE_BYTES, kernels.STAGE_GROUP = slice_bytes, threads
