@@ -2,6 +2,7 @@
 layouts (cuda.h, 64-bit), and fastlaunch.c built and agreeing with launch.Desc."""
 
 import ctypes
+import gc
 import shutil
 import struct
 import sysconfig
@@ -55,14 +56,18 @@ def test_native_launcher_builds_and_agrees_on_desc(tmp_path, monkeypatch):
     assert list(d.slots[2]) == [-1] * 4 and list(d.slots[3]) == [-1] * 4
     raw = ctypes.string_at(ctypes.addressof(d) + launch.Desc.bytes.offset, d.n_bytes)
     assert raw == launch.pack(args)[0] and struct.unpack_from("<i", raw, 8) == (4096,)
+    call = ln.call
+    del ln, d
+    gc.collect()
+    assert call.desc.n_bytes == 28  # the call keeps its Desc alive: fastpath keeps only calls
     with pytest.raises(TypeError):
-        ln.call(0, 1, 2)
+        call(0, 1, 2)
     with pytest.raises(OverflowError):
-        ln.call(-1, 0, 0, 0, 0)
+        call(-1, 0, 0, 0, 0)
     try:
         ctypes.CDLL("libcuda.so.1")
     except OSError:  # no driver here: a well-formed call says so
         with pytest.raises(RuntimeError, match="libcuda"):
-            ln.call(0, 0, 0, 0, 0)
+            call(0, 0, 0, 0, 0)
     assert not launch.preparable([(ctypes.c_uint64, 0)] * 65, [])
     assert not launch.preparable(args, [(0, 0, "x")] * 5)

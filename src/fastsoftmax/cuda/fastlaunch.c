@@ -75,6 +75,10 @@ static PyObject* launch(PyObject* self, PyObject* const* args, Py_ssize_t n) {
     }
     if (!launch_kernel && load_driver() < 0) return NULL;
     const Desc* d = (const Desc*)(uintptr_t)v[0];
+    if (d->n_bytes > MAX_BYTES || d->n_params > MAX_PARAMS) {
+        PyErr_SetString(PyExc_ValueError, "fastlaunch: not a prepared Desc");
+        return NULL;
+    }
     unsigned char buf[MAX_BYTES];
     void* params[MAX_PARAMS];
     memcpy(buf, d->bytes, d->n_bytes);

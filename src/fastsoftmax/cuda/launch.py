@@ -130,6 +130,7 @@ class Launch:
         native = _native()
         if native is not None:
             self.call = functools.partial(native.launch, ctypes.addressof(d))
+            self.call.desc = d  # the call holds what its address points to: a caller may keep only the call
             return
         base = ctypes.addressof(d) + Desc.bytes.offset
         self._views = [[ctypes.c_uint64.from_address(base + o) for o in d.slots[k] if o >= 0] for k in range(4)]
