@@ -1,8 +1,9 @@
 """What a launch costs on the host, by way of calling the driver (H200, 1x4096 fp32 softmax, the auto
 path's Triton kernel and the CUDA backend's kernel): the native call (cuda/launch.py's fastlaunch.c) as
 built, and variants of it made here by editing a copy of its source: cuLaunchKernelEx without attributes
-instead of cuLaunchKernel, the GIL kept during the driver call; beside torch.empty_like, torch.softmax and
-a ctypes no-op driver call (cuCtxGetCurrent). Usage: python dev/launch_variants.py"""
+instead of cuLaunchKernel, the GIL kept during the driver call, no driver call at all; beside
+torch.empty_like, torch.softmax and a ctypes no-op driver call (cuCtxGetCurrent).
+Usage: python dev/launch_variants.py"""
 
 import ctypes
 import importlib.machinery
@@ -29,6 +30,10 @@ EDITS = {
         ("&attr, 1};", "&attr, 0};"),
     ],  # fmt: skip
     "GIL kept": [("Py_BEGIN_ALLOW_THREADS;", ""), ("Py_END_ALLOW_THREADS;", "")],
+    "no driver call (parse, copy, fill only)": [
+        ("    Py_BEGIN_ALLOW_THREADS;", "    r = 0; if (d->smem == 12345) {"),
+        ("    Py_END_ALLOW_THREADS;", "    }"),
+    ],
 }
 
 
@@ -68,9 +73,10 @@ with tempfile.TemporaryDirectory() as tmp:
             addr = ctypes.addressof(desc)
             f = mod.launch
             rows[f"{backend}: {name}"] = lambda f=f, addr=addr: f(addr, stream, x.data_ptr(), out.data_ptr(), 0, 0)
+            out.fill_(float("nan"))
             assert f(addr, stream, x.data_ptr(), out.data_ptr(), 0, 0) == 0
             torch.cuda.synchronize()
-            assert torch.equal(out, fs.softmax(x, backend=backend)), name
+            assert torch.equal(out, fs.softmax(x, backend=backend)) != name.startswith("no driver"), name
     got = {name: [] for name in rows}
     for _ in range(7):
         for name, fn in rows.items():
