@@ -24,11 +24,10 @@ from fastsoftmax.cuda import launch
 SRC = Path(launch.__file__).with_name("fastlaunch.c").read_text()
 EDITS = {
     "as built": [],
-    "Ex, no attributes": [
+    "Ex (the attribute only for a cluster)": [
         ("if (d->cluster == 1) {", "if (0) {"),
-        ("attr.x = d->cluster;", "attr.x = 1;"),
-        ("&attr, 1};", "&attr, 0};"),
-    ],  # fmt: skip
+        ("&attr, 1};", "&attr, d->cluster > 1};"),
+    ],
     "GIL kept": [("Py_BEGIN_ALLOW_THREADS;", ""), ("Py_END_ALLOW_THREADS;", "")],
     "no driver call (parse, copy, fill only)": [
         ("    Py_BEGIN_ALLOW_THREADS;", "    r = 0; if (d->smem == 12345) {"),
@@ -69,11 +68,13 @@ with tempfile.TemporaryDirectory() as tmp:
         cells = {n: c.cell_contents for n, c in zip(entry.__code__.co_freevars, entry.__closure__, strict=True)}
         desc = cells["call"].desc
         for i, (name, edits) in enumerate(EDITS.items()):
-            mod = build(f"fl_variant{i}", edits, tmp)
+            mod = build(f"fl_{backend}{i}", edits, tmp)
             addr = ctypes.addressof(desc)
             f = mod.launch
             rows[f"{backend}: {name}"] = lambda f=f, addr=addr: f(addr, stream, x.data_ptr(), out.data_ptr(), 0, 0)
             out.fill_(float("nan"))
+            torch.cuda.synchronize()
+            print(backend, name, "cluster", desc.cluster, "grid", list(desc.grid), "block", desc.block, flush=True)
             assert f(addr, stream, x.data_ptr(), out.data_ptr(), 0, 0) == 0
             torch.cuda.synchronize()
             assert torch.equal(out, fs.softmax(x, backend=backend)) != name.startswith("no driver"), name
