@@ -71,7 +71,9 @@ with tempfile.TemporaryDirectory() as tmp:
             mod = build(f"fl_{backend}{i}", edits, tmp)
             addr = ctypes.addressof(desc)
             f = mod.launch
-            rows[f"{backend}: {name}"] = lambda f=f, addr=addr: f(addr, stream, x.data_ptr(), out.data_ptr(), 0, 0)
+            rows[f"{backend}: {name}"] = lambda f=f, addr=addr, keep=desc: f(
+                addr, stream, x.data_ptr(), out.data_ptr(), 0, 0
+            )
             out.fill_(float("nan"))
             torch.cuda.synchronize()
             print(backend, name, "cluster", desc.cluster, "grid", list(desc.grid), "block", desc.block, flush=True)
