@@ -5,7 +5,8 @@ Forward GB/s (2 bytes moved per element byte), backward GB/s (3: y and dy read, 
 with L2 flushed (CUDA-graph replays for few rows); every output checked in full against the float64 oracle
 first. Copy bandwidth first.
 Usage: python dev/bench_staged.py [fwd|bwd ...] [bf16|fp32 ...] [quick (the default slice and CTA size only)]
-                                  [long (the shapes of 2^26+ elements with rows of 32768+ only)]"""
+                                  [long (the shapes of 2^26+ elements with rows of 32768+ only)]
+                                  [big (slices of 128 and 192 KiB against the default)]"""
 
 import functools
 import sys
@@ -33,6 +34,8 @@ def main():
     dts = [d for d in sys.argv[1:] if d in ("bf16", "fp32")] or ["bf16", "fp32"]
     passes = [p for p in sys.argv[1:] if p in ("fwd", "bwd")] or ["fwd"]
     configs = [defaults] if "quick" in sys.argv else CONFIGS
+    if "big" in sys.argv:  # slices past the default (fewer CTAs per SM and per cluster)
+        configs = [defaults, (131072, 256), (196608, 256), (196608, 512)]
     shapes = [(m, n) for m, n in SHAPES if "long" not in sys.argv or (m * n >= 1 << 26 and n >= 32768)]
     print(f"{torch.cuda.get_device_name(0)}: copy {copy_gbps('cuda'):.0f} GB/s", flush=True)
     for ps, dt in [(p, d) for p in passes for d in dts]:
