@@ -46,6 +46,11 @@ STREAM_GROUP = 512
 K_PREF_16BIT_FWD = 4  # vectors per thread the warp and block variants prefer for 16-bit forward rows
 STAGE_GROUP = 256  # threads of a staged CTA
 STAGE_BYTES = 102400  # slice of a row a staged CTA holds in shared memory, at most, before the cluster grows
+# The staged backward's (y's and dy's slices together): one CTA per SM with slices of up to 192 KiB ran
+# faster than two of half the size on most long rows (H200, 2026-11-30, dev/bench_staged.py bwd long big:
+# bf16 16384x37984 4,369 vs 4,055 GB/s, fp32 16384x37984 4,290 vs 3,961, fp32 4096x32768 4,113 vs 3,941, fp32
+# 2048x65536 3,813 vs 3,678), not all (bf16 2048x65536 3,657 vs 3,712, bf16 1024x131072 3,397 vs 3,549).
+STAGE_BYTES_BWD = 196608
 # CTAs per row of the staged variant: 8, the portable cluster size. At 16, compute-sanitizer synccheck reported
 # "Barrier error detected. Missing wait" on the mbarriers of CTAs of rank 8 and 9 (H200, 2026-11-30,
 # dev/logs/2026-11-30b-h200-synccheck-staged-*.txt), though outputs were right and memcheck and racecheck
@@ -130,8 +135,8 @@ def launch_shape(
     if variant == "staged":
         if cc < 90:
             raise ValueError(f"the staged variant needs sm_90 or newer (this GPU: sm_{cc})")
-        cluster = 1
-        while cluster < STAGE_CLUSTER_MAX and _slice_bytes(nvec, cluster, inputs) > STAGE_BYTES:
+        cluster, budget = 1, STAGE_BYTES if inputs == 1 else STAGE_BYTES_BWD
+        while cluster < STAGE_CLUSTER_MAX and _slice_bytes(nvec, cluster, inputs) > budget:
             cluster *= 2
         while cluster < STAGE_CLUSTER_MAX and n_rows * cluster < sm_count and nvec >= 2 * STAGE_GROUP * cluster:
             cluster *= 2  # few rows: spread each over more SMs
