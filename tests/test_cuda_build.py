@@ -92,7 +92,7 @@ def test_variant_compiles_with_its_facts(cache, variant, dtype, n, rows, backwar
         assert re.search(r"ld\.global(\.nc)?\.v4\.[ubf]32", ptx) and re.search(r"st\.global\.v4\.[ubf]32", ptx)
     if shape.cluster > 1:  # the cluster variant, and the online one spreading few rows
         assert "barrier.cluster.arrive" in ptx and "barrier.cluster.wait" in ptx and "mapa.shared::cluster" in ptx
-        assert "ld.shared::cluster" in ptx
+        assert "ld.shared::cluster" in ptx and "st.async" not in ptx  # partials read remotely (staged: pushed)
     else:
         assert "barrier.cluster" not in ptx
     if not backward:
@@ -224,6 +224,9 @@ def test_staged_compiles_with_its_facts(cache, dtype, n, rows, clusters, backwar
             t = "bf16" if dtype == "bfloat16" else "f16"
             assert f"max.NaN.{t}x2" in ptx and f"cvt.rn.{t}x2.f32" in ptx
     assert ("barrier.cluster.arrive" in ptx) == (want > 1)
+    if want > 1:  # partials pushed into every CTA (st.async on its mbarrier), none read remotely
+        assert "st.async.shared::cluster.mbarrier::complete_tx::bytes" in ptx and "ld.shared::cluster" not in ptx
+        assert "barrier.cluster.arrive.relaxed" in ptx
     if facts["registers"]:  # CI's NVRTC logs ptxas -v (the H200 image's does not)
         assert 0 < facts["registers"] <= 64 and facts["spill_stores"] == facts["stack_bytes"] == 0, facts
     assert kernels.stage_bytes(shape, n, 4 if dtype == "float32" else 2, 2 if backward else 1) <= kernels.STAGE_MAX

@@ -268,16 +268,56 @@ __device__ __forceinline__ u32 cluster_rank() {
     return r;
 }
 
+__device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+
+// Wait for phase 0 of the mbarrier at shared address bar to complete.
+__device__ __forceinline__ void mbar_wait(u32 bar) {
+    u32 done = 0;
+    while (!done)
+        asm volatile("{\n\t.reg .pred P;\n\tmbarrier.try_wait.parity.shared::cta.b64 P, [%1], 0;\n\t"
+                     "selp.u32 %0, 1, 0, P;\n\t}" : "=r"(done) : "r"(bar) : "memory");
+}
+
 __device__ __forceinline__ void cluster_sync() {
     asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
 
 __device__ __forceinline__ float cluster_load(const float* local, u32 rank) {
-    u32 a = (u32)__cvta_generic_to_shared(local), remote;
+    u32 remote;
     float v;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(a), "r"(rank));
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem_addr(local)), "r"(rank));
     asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
     return v;
+}
+
+// How CTAs of a cluster exchange their partials: pushed (the staged variant: PUSH) as below; otherwise (the variants
+// holding the row in registers, at 64 registers per thread: the push's few more live registers spilled 8 bytes
+// at cluster fp32 262144) each CTA reads the others' through distributed shared memory between two cluster
+// barriers, the second keeping every CTA until the others have read it.
+#define PUSH (CLUSTER > 1 && STAGED)
+
+#if CLUSTER > 1
+// The push exchange of per-CTA partials (reduce): each CTA pushes its pair into parts[its rank] of every
+// CTA of the cluster with st.async, completing 8 bytes on that CTA's mbarrier, and waits on its own for all
+// CLUSTER pairs. The one cluster barrier this needs (every CTA's mbarrier initialised before any CTA writes
+// to it) is arrived at by cluster_begin, at kernel start, and waited on in reduce, by when every CTA has long
+// arrived; no CTA waits at the end for others to finish reading it (all writes into a CTA complete on its
+// mbarrier before it passes its wait). One exchange per kernel: phase 0 only.
+struct Exchange { Pair parts[CLUSTER]; unsigned long long bar; };
+__shared__ __align__(8) Exchange xch;
+#endif
+
+// Every kernel body's first step (every thread of the CTA): arm the push exchange.
+__device__ __forceinline__ void cluster_begin() {
+#if PUSH
+    if (threadIdx.x == 0) {
+        const u32 bar = smem_addr(&xch.bar);
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar) : "memory");
+        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(CLUSTER * 8) : "memory");
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+#endif
 }
 
 // A pair reduced over the lanes of a warp whose xor offsets are below W (every such lane ends with the
@@ -312,14 +352,26 @@ template <bool MS> __device__ __forceinline__ Pair reduce(Pair v) {
         if (lane == 0) warps[threadIdx.x / 32] = v;
         __syncthreads();
         v = from_lane0(butterfly<MS, NW>(warps[lane < NW ? lane : 0]));  // lanes past NW merged no full set
-        if constexpr (CLUSTER > 1) {
-            __shared__ Pair part;
-            if (threadIdx.x == 0) part = v;
-            cluster_sync();  // every CTA's partial is written and visible cluster-wide
-            if (lane < CLUSTER) v = {cluster_load(&part.a, lane), cluster_load(&part.b, lane)};
-            v = from_lane0(butterfly<MS, CLUSTER < 32 ? CLUSTER : 32>(v));
-            cluster_sync();  // no CTA leaves (its shared memory) while another still reads it
+#if CLUSTER > 1 && !PUSH
+        if (threadIdx.x == 0) xch.parts[0] = v;
+        cluster_sync();  // every CTA's partial is written and visible cluster-wide
+        if (lane < CLUSTER) v = {cluster_load(&xch.parts[0].a, lane), cluster_load(&xch.parts[0].b, lane)};
+        v = from_lane0(butterfly<MS, CLUSTER < 32 ? CLUSTER : 32>(v));
+        cluster_sync();  // no CTA leaves (its shared memory) while another still reads it
+#elif PUSH
+        asm volatile("barrier.cluster.wait.aligned;" ::: "memory");  // every CTA's xch.bar is initialised
+        if (threadIdx.x < CLUSTER) {  // thread r sends this CTA's pair to CTA r
+            const u32 mine = smem_addr(&xch.parts[cluster_rank()]), own_bar = smem_addr(&xch.bar);
+            u32 dst, bar;
+            asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(dst) : "r"(mine), "r"(threadIdx.x));
+            asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(bar) : "r"(own_bar), "r"(threadIdx.x));
+            asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.f32 [%0], {%1, %2}, [%3];"
+                         ::"r"(dst), "f"(v.a), "f"(v.b), "r"(bar) : "memory");
         }
+        mbar_wait(smem_addr(&xch.bar));  // all CLUSTER pairs are here
+        if (lane < CLUSTER) v = xch.parts[lane];
+        v = from_lane0(butterfly<MS, CLUSTER < 32 ? CLUSTER : 32>(v));
+#endif
     }
     return v;
 }
@@ -330,6 +382,7 @@ template <bool MS> __device__ __forceinline__ Pair reduce(Pair v) {
 struct Thread { int g, G; i64 row; bool row_ok; };
 
 __device__ __forceinline__ Thread thread_of(const Params& p) {
+    cluster_begin();
     Thread t;
     t.G = GROUP * CLUSTER;
     t.g = cluster_rank() * GROUP + threadIdx.x % GROUP;
@@ -457,13 +510,6 @@ __device__ __forceinline__ void release_slice(const Slice& S) {
     if (threadIdx.x == 0) {
         for (int k = 0; k < S.pieces; ++k) asm volatile("mbarrier.inval.shared::cta.b64 [%0];" ::"r"(S.bar0 + 8 * k) : "memory");
     }
-}
-
-__device__ __forceinline__ void mbar_wait(u32 bar) {
-    u32 done = 0;
-    while (!done)
-        asm volatile("{\n\t.reg .pred P;\n\tmbarrier.try_wait.parity.shared::cta.b64 P, [%1], 0;\n\t"
-                     "selp.u32 %0, 1, 0, P;\n\t}" : "=r"(done) : "r"(bar) : "memory");
 }
 
 // The 16 bytes of vector v of the staged slices (dy's vector v is vector per + v), one shared-memory load.
