@@ -19,7 +19,8 @@ Variants (forward and backward share them; `heuristics.force(path=...)` picks on
   staged      sm_90, unit-stride rows: the row across a cluster of 1-8 CTAs of 256 threads, each CTA's slice
               (backward: of y and of dy, which must share y's dtype and alignment) copied into shared memory
               by the bulk-copy engine (cp.async.bulk) instead of registers: one read, few registers, several
-              CTAs per SM (STAGE_BYTES each) so that one CTA's loads overlap another's reduction and stores.
+              CTAs per SM (STAGE_BYTES each) so that one CTA's loads overlap another's reduction and stores;
+              each CTA pushes its partial into every CTA of the cluster (st.async on an mbarrier).
               Rows up to 8 x STAGE_MAX bytes (backward: half).
 """
 
