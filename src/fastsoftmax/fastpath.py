@@ -7,9 +7,10 @@ full path (checks, dispatch, planning, Triton's own launch) while recording what
 with the same key allocate the output and launch the recorded kernels with the new tensors' addresses.
 That leaves a dict lookup, an allocation and the launch itself on the host (a plain Triton launch binds and
 specialises every argument again: most of a call's host time). The launch itself is prepared once
-(cuda/launch.py: the kernel's argument bytes built at recording, a replay writes the addresses and calls
-libcuda's cuLaunchKernel through ctypes): entry kind "prepared". Where a recorded Triton launch is of a
-kind not built there, the replay calls Triton's C launch function ("direct") or CompiledKernel.run ("run").
+(cuda/launch.py: the kernel's argument bytes built at recording; a replay passes the stream and addresses to
+fastlaunch.c, which calls libcuda's cuLaunchKernel, or where that cannot be built fills them in through
+ctypes): entry kind "prepared". Where a recorded Triton launch is of a kind not built there, the replay
+calls Triton's C launch function ("direct") or CompiledKernel.run ("run").
 
 A call is recorded only when it is plain: CUDA tensors that need no autograd, no heuristics.force or test
 poisoning active, no logsumexp output, inputs used in place (not copied into another layout, not addressed
