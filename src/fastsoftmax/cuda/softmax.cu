@@ -15,7 +15,8 @@
 //   STAGED    1 (sm_90, unit-stride rows): each CTA's slice of the row body (backward: of y and of dy, dy in
 //             y's element size) is copied into shared memory by the bulk-copy engine (cp.async.bulk, an
 //             mbarrier per 16 KiB piece), reduced and written from there: one read, a few registers per
-//             thread, so several CTAs per SM overlap one's loads with another's reduction and stores.
+//             thread, so several CTAs per SM overlap one's loads with another's reduction and stores; a
+//             cluster's CTAs push their partials into each other (st.async, see reduce).
 //             Dynamic shared memory: the slice's bytes (backward: twice).
 //
 // Entry points: fs_fwd / fs_fwd_log (FS_KIND 1: softmax / log_softmax, p.log unused), fs_bwd / fs_bwd_log
@@ -290,10 +291,11 @@ __device__ __forceinline__ float cluster_load(const float* local, u32 rank) {
     return v;
 }
 
-// How CTAs of a cluster exchange their partials: pushed (the staged variant: PUSH) as below; otherwise (the variants
-// holding the row in registers, at 64 registers per thread: the push's few more live registers spilled 8 bytes
-// at cluster fp32 262144) each CTA reads the others' through distributed shared memory between two cluster
-// barriers, the second keeping every CTA until the others have read it.
+// How CTAs of a cluster exchange their partials: pushed (the staged variant: PUSH) as below; otherwise (the
+// variants holding the row in registers, at 64 registers per thread: the push's few more live registers
+// spilled 8 bytes at cluster fp32 262144) each CTA reads the others' through distributed shared memory
+// between two cluster barriers, the second keeping every CTA until the others have read it. (The push ran
+// the staged kernels 5-25% faster on the H200: dev/logs/2026-11-30d-h200-bench-staged-push.txt.)
 #define PUSH (CLUSTER > 1 && STAGED)
 
 #if CLUSTER > 1
