@@ -230,6 +230,58 @@ def test_fast_path_replays_bit_identical(monkeypatch, shape, backend, path):
         assert kinds == ({"prepared"} if replayed else set()), kinds
 
 
+REPLAY_CASES = [((4096, 1000), "triton", "rowblock"), ((8, 65536), "triton", "split"),
+                ((16, 131072), "cuda", "cluster")]  # fmt: skip
+# The kinds of replay each case's entries (forward, backward) get when a kind is forced: prepared launches
+# through ctypes (no C compiler); Triton's C launch function for one Triton launch without a workspace, else
+# CompiledKernel.run / cuda-python (the split forward: two launches; its backward may take a one-launch path);
+# the run everywhere.
+REPLAY_KINDS = {
+    "ctypes": ({"prepared"}, {"prepared"}, {"prepared"}),
+    "direct": ({"direct"}, {"run", "direct"}, {"run"}),
+    "run": ({"run"}, {"run"}, {"run"}),
+}
+
+
+@pytest.mark.parametrize("kind", list(REPLAY_KINDS))
+def test_fast_path_fallback_replays(monkeypatch, kind):
+    """The replays the fast path falls back on, each forced: bit-identical to the full path, forward and
+    backward, on a Triton launch, the Triton split path (two launches sharing a workspace) and a CUDA
+    cluster launch; each entry of the kind expected."""
+    import triton
+
+    from fastsoftmax import fastpath
+    from fastsoftmax.cuda import launch
+
+    if not fastpath.ENABLED:
+        pytest.skip("FASTSOFTMAX_FAST_LAUNCH=0")
+    if kind == "ctypes":
+        monkeypatch.setattr(launch, "_native_mod", [None])
+    else:
+        monkeypatch.setattr(fastpath, "_prepared", lambda steps: None)
+    if kind == "run":
+        monkeypatch.setattr(fastpath, "_direct", lambda ck: None)
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    for (shape, backend, path), want in zip(REPLAY_CASES, REPLAY_KINDS[kind], strict=True):
+        fastpath.clear()
+        x = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=gen) * 4
+        dy = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=gen)
+        ref_y = fs.softmax(x, backend=backend)
+        assert heuristics.last_plan().path == path
+        ref_dx = fs.softmax_backward(dy, ref_y, backend=backend)
+        for _ in range(2):
+            y, dx = fs.softmax(x, backend=backend), fs.softmax_backward(dy, ref_y, backend=backend)
+            torch.cuda.synchronize()
+            assert torch.equal(y, ref_y) and torch.equal(dx, ref_dx), (kind, shape)
+        if backend == "triton" and not triton.__version__.startswith(fastpath.TRITON_VERSIONS):
+            assert not fastpath._cache
+            continue
+        fwd_kind = fastpath._cache[fastpath.key(x, None, -1, None, False, backend)].kind
+        kinds = {e.kind for e in fastpath._cache.values()}
+        fwd_want = "run" if len(want) > 1 else next(iter(want))  # the split forward's two launches: "run"
+        assert len(fastpath._cache) == 2 and kinds <= want and fwd_kind == fwd_want, (kind, shape, kinds, fwd_kind)
+
+
 def test_fast_path_threads():
     """Threads replaying the same entries at once (each fills the shared argument slots under the entry's
     lock), and a new thread whose first CUDA call is a replay (no current context yet: the replay steps
