@@ -70,4 +70,6 @@ def test_native_launcher_builds_and_agrees_on_desc(tmp_path, monkeypatch):
         with pytest.raises(RuntimeError, match="libcuda"):
             call(0, 0, 0, 0, 0)
     assert not launch.preparable([(ctypes.c_uint64, 0)] * 65, [])
+    with pytest.raises(ValueError, match="Desc holds"):
+        launch.Launch(0xF00, (1, 1, 1), 32, 0, 1, [(ctypes.c_uint64, 0)] * 65)
     assert not launch.preparable(args, [(0, 0, "x")] * 5)

@@ -113,7 +113,8 @@ class Launch:
 
     def __init__(self, function: int, grid: tuple[int, int, int], block: int, smem: int, cluster: int, args,
                  slots=()):  # fmt: skip
-        assert preparable(args, slots), "more parameters, bytes or slots than a Desc holds"
+        if not preparable(args, slots):
+            raise ValueError("more kernel parameters, argument bytes or address slots than a Desc holds")
         raw, offsets = pack(args)
         d = self.desc = Desc(function=function, block=block, smem=smem, cluster=cluster, n_params=len(args),
                              n_bytes=len(raw))  # fmt: skip
