@@ -73,3 +73,54 @@ def test_native_launcher_builds_and_agrees_on_desc(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="Desc holds"):
         launch.Launch(0xF00, (1, 1, 1), 32, 0, 1, [(ctypes.c_uint64, 0)] * 65)
     assert not launch.preparable(args, [(0, 0, "x")] * 5)
+
+
+class CudaLauncher:  # the name fastpath._direct checks: Triton 3.6's launcher class
+    global_scratch_size = profile_scratch_size = 0
+    launch = staticmethod(len)  # a builtin, as Triton's C launch function is
+    launch_cooperative_grid = launch_pdl = False
+
+
+def _fake_triton_step(signature, vals, slots, **meta):
+    from types import SimpleNamespace
+
+    md = dict(num_warps=4, shared=128, num_ctas=1, launch_pdl=False, launch_cooperative_grid=False) | meta
+    ck = SimpleNamespace(run=CudaLauncher(), function=0xABC, metadata=SimpleNamespace(**md),
+                         src=SimpleNamespace(signature=signature))  # fmt: skip
+    return ("triton", ck, (3, 1, 1), vals, slots)
+
+
+@pytest.mark.skipif(not _can_build(), reason="no C compiler or Python headers here")
+def test_triton_launch_prepared_from_its_signature(tmp_path, monkeypatch):
+    """fastpath._prepared turns a recorded Triton launch into a Desc as Triton 3.6's launcher would pass it:
+    constexprs dropped, pointers as 8-byte slots (the call's tensors' and a workspace's), integers and
+    floats by their types, the two scratch pointers last (null); block = 32 x num_warps; what it cannot
+    build it refuses (None), for the replay to fall back."""
+    import torch
+
+    from fastsoftmax import fastpath
+
+    monkeypatch.setenv("FASTSOFTMAX_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(launch, "_native_mod", [])
+    ws = ("scratch", 0, 16, torch.float32)
+    sig = {"x": "*bf16", "y": "*bf16", "n": "i32", "BLOCK": "constexpr", "scale": "fp32", "flag": "i1", "g": "i8",
+           "w": "*fp32", "big": "i64"}  # fmt: skip
+    vals = [None, None, 4096, 1024, 0.5, True, -2, None, -3]
+    slots = [(0, "x"), (1, "y"), (7, ws)]
+    ((ln, role),) = fastpath._prepared([_fake_triton_step(sig, vals, slots)])
+    d = ln.desc
+    assert role == ws and (d.function, list(d.grid), d.block, d.smem, d.cluster) == (0xABC, [3, 1, 1], 128, 128, 1)
+    assert d.n_params == 10 and list(d.offsets[:10]) == [0, 8, 16, 20, 24, 25, 32, 40, 48, 56]
+    raw = ctypes.string_at(ctypes.addressof(d) + launch.Desc.bytes.offset, d.n_bytes)
+    assert struct.unpack_from("<ifbb", raw, 16) == (4096, 0.5, 1, -2)
+    assert struct.unpack_from("<qQQ", raw, 40) == (-3, 0, 0)
+    assert [list(d.slots[k]) for k in range(4)] == [[0, -1, -1, -1], [8, -1, -1, -1], [-1] * 4, [32, -1, -1, -1]]
+    refused = [
+        _fake_triton_step({**sig, "t": ("i32", "i32")}, [*vals, (1, 2)], slots),  # a tuple argument
+        _fake_triton_step(sig, vals, slots, num_ctas=2),  # a cluster launch of Triton's
+        _fake_triton_step({**sig, "h": "fp16"}, [*vals, 1.0], slots),  # a type not built here
+        _fake_triton_step(sig, [*vals[:7], 1234, -3], slots[:2]),  # a pointer that is not one of the call's
+        _fake_triton_step({**sig, "v": "*fp32"}, [*vals, None], [*slots, (9, ("scratch", 1, 16, torch.float32))]),
+    ]  # (the last: two workspaces in one launch)
+    for step in refused:
+        assert fastpath._prepared([step]) is None, step[1].src.signature
