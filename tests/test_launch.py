@@ -124,3 +124,17 @@ def test_triton_launch_prepared_from_its_signature(tmp_path, monkeypatch):
     ]  # (the last: two workspaces in one launch)
     for step in refused:
         assert fastpath._prepared([step]) is None, step[1].src.signature
+
+
+def test_info_says_how_replays_launch(monkeypatch):
+    import fastsoftmax as fs
+    from fastsoftmax import fastpath
+
+    monkeypatch.setattr(launch, "_native_mod", [])
+    assert fs.info()["replay"] == "fastlaunch.c (built on the first replay)" and launch._native_mod == []
+    monkeypatch.setattr(launch, "_native_mod", [None])
+    assert fs.info()["replay"].startswith("ctypes")
+    monkeypatch.setenv("FASTSOFTMAX_NATIVE_LAUNCH", "0")
+    assert fs.info()["replay"] == "ctypes (FASTSOFTMAX_NATIVE_LAUNCH=0)"
+    monkeypatch.setattr(fastpath, "ENABLED", False)
+    assert fs.info()["replay"].startswith("off")

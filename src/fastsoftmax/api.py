@@ -328,4 +328,14 @@ def info() -> dict:
         },
         "nvrtc": _nvrtc_version(),
         "kernels": KERNEL_FAMILIES,
+        "replay": _replay_launch(),
     }
+
+
+def _replay_launch() -> str:
+    """How the eager fast path (fastpath.py) launches a replayed call."""
+    if not fastpath.ENABLED:
+        return "off (FASTSOFTMAX_FAST_LAUNCH=0)"
+    from .cuda.launch import describe
+
+    return describe()

@@ -174,6 +174,17 @@ def _native():
     return _native_mod[0]
 
 
+def describe() -> str:
+    """How prepared launches are made here, for fs.info() (builds nothing)."""
+    import os
+
+    if os.environ.get("FASTSOFTMAX_NATIVE_LAUNCH", "1") == "0":
+        return "ctypes (FASTSOFTMAX_NATIVE_LAUNCH=0)"
+    if not _native_mod:
+        return "fastlaunch.c (built on the first replay)"
+    return "fastlaunch.c" if _native_mod[0] is not None else "ctypes (fastlaunch.c could not be built here)"
+
+
 def _build_native():
     import hashlib
     import importlib.machinery
