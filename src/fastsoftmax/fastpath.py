@@ -56,7 +56,7 @@ def key(x, d, dim, dtype, log: bool, backend):
 def fast(x, d, dim, dtype, log: bool, backend):
     """The public functions' first step for a call with no mask, scale or causal: the replayed output, or
     None (then the full path runs: autograd, torch.compile tracing, a call not recorded yet, anything the
-    replay must not take). The checks of api._autograd, key and replay in one frame: a small call's host
+    replay must not take). The checks of api._autograd and the replay's in one frame: a small call's host
     time is mostly Python calls."""
     if type(x) is not torch.Tensor or (x.requires_grad and torch.is_grad_enabled()) or _compiling():
         return None
@@ -68,16 +68,6 @@ def fast(x, d, dim, dtype, log: bool, backend):
 
 
 _compiling = torch.compiler.is_compiling
-
-
-def replay(k, x: torch.Tensor, d: torch.Tensor | None = None) -> torch.Tensor | None:
-    """The output of a recorded call, or None (not recorded, or something forbids the replay now)."""
-    entry = _cache.get(k)
-    if entry is None or heuristics.overridden() or not hooks_idle():
-        return None
-    if torch._C._cuda_getDevice() != k[3]:
-        return None
-    return entry(x, d, k[3])
 
 
 # ---- recording ----------------------------------------------------------------------------------------

@@ -62,6 +62,15 @@ class _Config(ctypes.Structure):
                 ("block_z", _U32), ("smem", _U32), ("stream", _PTR), ("attrs", _PTR), ("num_attrs", _U32)]  # fmt: skip
 
 
+def _cluster_config(grid: tuple[int, int, int], block: int, smem: int, cluster: int, stream: int = 0):
+    """(CUlaunchConfig, its CUlaunchAttribute) of a cluster launch; the config points at the attribute, so
+    keep both."""
+    attr = _Attribute(id=CLUSTER_DIMENSION, x=cluster, y=1, z=1)
+    cfg = _Config(grid_x=grid[0], grid_y=grid[1], grid_z=grid[2], block_x=block, block_y=1, block_z=1, smem=smem,
+                  stream=stream, attrs=ctypes.addressof(attr), num_attrs=1)  # fmt: skip
+    return cfg, attr
+
+
 def error_name(code: int) -> str:
     name = ctypes.c_char_p()
     if libcuda().cuGetErrorName(code, ctypes.byref(name)) != 0 or not name.value:
@@ -81,14 +90,21 @@ class Desc(ctypes.Structure):
                 ("slots", (ctypes.c_int * MAX_SLOTS) * 4), ("bytes", ctypes.c_char * MAX_BYTES)]  # fmt: skip
 
 
-def pack(args) -> tuple[bytes, list[int]]:
-    """The bytes of a kernel's parameters ``args`` ((ctypes type, value) pairs; a Structure value is copied
-    whole), each at its type's alignment as the compiler lays out a parameter list: (bytes, offsets)."""
+def _layout(args) -> tuple[list[int], int]:
+    """Each parameter's offset, at its type's alignment as the compiler lays out a parameter list, and the
+    end of the last one."""
     offsets, end = [], 0
     for t, _ in args:
         end = -(-end // ctypes.alignment(t)) * ctypes.alignment(t)
         offsets.append(end)
         end += ctypes.sizeof(t)
+    return offsets, end
+
+
+def pack(args) -> tuple[bytes, list[int]]:
+    """The bytes of a kernel's parameters ``args`` ((ctypes type, value) pairs; a Structure value is copied
+    whole), laid out by _layout: (bytes, offsets)."""
+    offsets, end = _layout(args)
     buf = (ctypes.c_char * max(end, 8))()
     for (t, v), off in zip(args, offsets, strict=True):
         if isinstance(v, ctypes.Structure):
@@ -100,9 +116,8 @@ def pack(args) -> tuple[bytes, list[int]]:
 
 def preparable(args, slots) -> bool:
     """Whether a Desc holds these parameters and address slots."""
-    n = pack(args)[0]
     per_role = [sum(1 for _, _, r in slots if r == role) for role in ROLES]
-    return len(args) <= MAX_PARAMS and len(n) <= MAX_BYTES and max(per_role, default=0) <= MAX_SLOTS
+    return len(args) <= MAX_PARAMS and _layout(args)[1] <= MAX_BYTES and max(per_role, default=0) <= MAX_SLOTS
 
 
 class Launch:
@@ -144,9 +159,7 @@ class Launch:
             self._tail = (ctypes.addressof(self._params), None)
             self._config = None
         else:
-            self._attr = _Attribute(id=CLUSTER_DIMENSION, x=cluster, y=1, z=1)
-            self._config = _Config(grid_x=grid[0], grid_y=grid[1], grid_z=grid[2], block_x=block, block_y=1,
-                                   block_z=1, smem=smem, attrs=ctypes.addressof(self._attr), num_attrs=1)  # fmt: skip
+            self._config, self._attr = _cluster_config(grid, block, smem, cluster)
             self._launch = lib.cuLaunchKernelEx
             self._head = (ctypes.addressof(self._config), function, ctypes.addressof(self._params), None)
         self.call = self._call_ctypes
@@ -174,11 +187,15 @@ def _native():
     return _native_mod[0]
 
 
-def describe() -> str:
-    """How prepared launches are made here, for fs.info() (builds nothing)."""
+def _native_off() -> bool:
     import os
 
-    if os.environ.get("FASTSOFTMAX_NATIVE_LAUNCH", "1") == "0":
+    return os.environ.get("FASTSOFTMAX_NATIVE_LAUNCH", "1") == "0"
+
+
+def describe() -> str:
+    """How prepared launches are made here, for fs.info() (builds nothing)."""
+    if _native_off():
         return "ctypes (FASTSOFTMAX_NATIVE_LAUNCH=0)"
     if not _native_mod:
         return "fastlaunch.c (built on the first replay)"
@@ -198,7 +215,7 @@ def _build_native():
 
     from .build import cache_dir
 
-    if os.environ.get("FASTSOFTMAX_NATIVE_LAUNCH", "1") == "0":
+    if _native_off():
         return None
     src = Path(__file__).with_name("fastlaunch.c")
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
@@ -258,9 +275,7 @@ def launch_once(function: int, grid: int, block: int, cluster: int, params: ctyp
         if cluster == 1:
             code = lib.cuLaunchKernel(function, grid, 1, 1, block, 1, 1, smem, stream, ctypes.addressof(args), None)
         else:
-            attr = _Attribute(id=CLUSTER_DIMENSION, x=cluster, y=1, z=1)
-            cfg = _Config(grid_x=grid, grid_y=1, grid_z=1, block_x=block, block_y=1, block_z=1, smem=smem,
-                          stream=stream, attrs=ctypes.addressof(attr), num_attrs=1)  # fmt: skip
+            cfg, _attr = _cluster_config((grid, 1, 1), block, smem, cluster, stream)
             code = lib.cuLaunchKernelEx(ctypes.addressof(cfg), function, ctypes.addressof(args), None)
         if code == INVALID_CONTEXT and attempt == 0:
             ensure_context(index)

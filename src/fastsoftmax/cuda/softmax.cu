@@ -271,6 +271,17 @@ __device__ __forceinline__ u32 cluster_rank() {
 
 __device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
 
+// An mbarrier at shared address bar expecting one arrival, its initialisation visible cluster-wide.
+__device__ __forceinline__ void mbar_init(u32 bar) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar) : "memory");
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+
+// Arrive on `bar` expecting `bytes` of asynchronous copies (bulk copies, st.async) to complete on it.
+__device__ __forceinline__ void mbar_expect(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+
 // Wait for phase 0 of the mbarrier at shared address bar to complete.
 __device__ __forceinline__ void mbar_wait(u32 bar) {
     u32 done = 0;
@@ -312,10 +323,10 @@ __shared__ __align__(8) Exchange xch;
 // Every kernel body's first step (every thread of the CTA): arm the push exchange.
 __device__ __forceinline__ void cluster_begin() {
 #if PUSH
-    if (threadIdx.x == 0) {
+    if (threadIdx.x == 0) {  // (mbar_init with the arrival before the fence: the order the H200 runs had)
         const u32 bar = smem_addr(&xch.bar);
         asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar) : "memory");
-        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(CLUSTER * 8) : "memory");
+        mbar_expect(bar, CLUSTER * 8);
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
@@ -451,18 +462,8 @@ constexpr int BATCH = 4;  // vectors per thread in flight per step of the stream
 #if STAGED
 extern __shared__ __align__(128) unsigned char stage[];  // this CTA's slice of the row body (backward: y, dy)
 
-__device__ __forceinline__ void mbar_init(u32 bar) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar) : "memory");
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-}
-
 constexpr int PIECE_VECS = 1024;  // 16 KiB: the slice arrives in pieces, each completing its own mbarrier
 constexpr int MAX_PIECES = 12;    // a slice of at most 192 KiB (kernels.STAGE_MAX)
-
-// Arrive on `bar` expecting `bytes` of bulk copies to complete on it.
-__device__ __forceinline__ void mbar_expect(u32 bar, u32 bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
-}
 
 // Copy `bytes` (a multiple of 16) from global src (16-byte aligned) into shared memory at dst with the
 // bulk-copy engine, completing them on `bar`.
@@ -484,8 +485,8 @@ __device__ __forceinline__ Slice slice_of(const Row& R, const u64* bars) {
     S.v0 = lo < R.nv ? lo : R.nv;
     S.cnt = R.nv - S.v0 < S.per ? R.nv - S.v0 : S.per;
     S.pieces = (S.cnt + PIECE_VECS - 1) / PIECE_VECS;
-    S.bar0 = (u32)__cvta_generic_to_shared(bars);
-    S.dst = (u32)__cvta_generic_to_shared(stage);
+    S.bar0 = smem_addr(bars);
+    S.dst = smem_addr(stage);
     return S;
 }
 
