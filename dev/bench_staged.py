@@ -6,7 +6,10 @@ with L2 flushed (CUDA-graph replays for few rows); every output checked in full 
 first. Copy bandwidth first.
 Usage: python dev/bench_staged.py [fwd|bwd ...] [bf16|fp32 ...] [quick (the default slice and CTA size only)]
                                   [long (the shapes of 2^26+ elements with rows of 32768+ only)]
-                                  [big (slices of 128 and 192 KiB against the default)]"""
+                                  [big (slices of 128 and 192 KiB against the default)]
+                                  [budgets (slice budgets of 48-192 KiB, no cluster variant)] [c16 (clusters up
+                                  to 16 CTAs)]
+The slice budget swept is the pass's own: kernels.STAGE_BYTES (forward) or STAGE_BYTES_BWD (backward)."""
 
 import functools
 import sys
@@ -30,12 +33,16 @@ def gbps(fn, nbytes, graph):
 
 
 def main():
-    defaults = kernels.STAGE_BYTES, kernels.STAGE_GROUP
+    defaults = kernels.STAGE_BYTES, kernels.STAGE_BYTES_BWD, kernels.STAGE_GROUP
+    if "c16" in sys.argv:
+        kernels.STAGE_CLUSTER_MAX = 16
     dts = [d for d in sys.argv[1:] if d in ("bf16", "fp32")] or ["bf16", "fp32"]
     passes = [p for p in sys.argv[1:] if p in ("fwd", "bwd")] or ["fwd"]
-    configs = [defaults] if "quick" in sys.argv else CONFIGS
+    configs = [(None, defaults[2])] if "quick" in sys.argv else CONFIGS
     if "big" in sys.argv:  # slices past the default (fewer CTAs per SM and per cluster)
-        configs = [defaults, (131072, 256), (196608, 256), (196608, 512)]
+        configs = [(None, defaults[2]), (131072, 256), (196608, 256), (196608, 512)]
+    if "budgets" in sys.argv:
+        configs = [(b, 256) for b in (49152, 65536, 102400, 131072, 196608)]
     shapes = [(m, n) for m, n in SHAPES if "long" not in sys.argv or (m * n >= 1 << 26 and n >= 32768)]
     print(f"{torch.cuda.get_device_name(0)}: copy {copy_gbps('cuda'):.0f} GB/s", flush=True)
     for ps, dt in [(p, d) for p in passes for d in dts]:
@@ -62,11 +69,14 @@ def main():
             cols = [f"torch={gbps(ref, nbytes, graph):.0f}"]
             run(*args)
             cols.append(f"auto={gbps(functools.partial(run, *args), nbytes, graph):.0f}({heuristics.last_plan().path})")
-            runs = [("cluster", None, None)] + [("staged", b, t) for b, t in configs]
+            runs = [("staged", b, t) for b, t in configs]
+            if "budgets" not in sys.argv:
+                runs.insert(0, ("cluster", None, None))
             for variant, slice_bytes, threads in runs:
-                if slice_bytes:
-                    kernels.STAGE_BYTES, kernels.STAGE_GROUP = slice_bytes, threads
-                tag = f"{variant}{slice_bytes // 1024}k/{threads}" if slice_bytes else variant
+                if variant == "staged":  # None: the pass's default budget
+                    budget = slice_bytes or defaults[0 if ps == "fwd" else 1]
+                    kernels.STAGE_BYTES, kernels.STAGE_BYTES_BWD, kernels.STAGE_GROUP = budget, budget, threads
+                tag = f"{variant}{budget // 1024}k/{threads}" if variant == "staged" else variant
                 try:
                     with heuristics.force(poison=True, path=variant):
                         out = run(*args, backend="cuda")
@@ -80,7 +90,7 @@ def main():
                                     f"[c{plan.splits}]")  # fmt: skip
                 except ValueError as e:
                     cols.append(f"{tag}=n/a({str(e)[:40]})")
-            kernels.STAGE_BYTES, kernels.STAGE_GROUP = defaults
+            kernels.STAGE_BYTES, kernels.STAGE_BYTES_BWD, kernels.STAGE_GROUP = defaults
             print(f"{ps} {dt} {m}x{n}: " + " ".join(cols), flush=True)
 
 

@@ -1,7 +1,9 @@
 """Every CUDA variant, forward (softmax, log_softmax, with logsumexp) and backward, on small odd shapes with
 unaligned rows, for compute-sanitizer: `compute-sanitizer --tool {memcheck,racecheck,synccheck}
---error-exitcode 1 python dev/sanitize_cuda.py [small]` (memcheck with --report-api-errors no: cuda-bindings
-probes driver entry points newer than the driver, which memcheck reports as API errors)."""
+--error-exitcode 1 python dev/sanitize_cuda.py [small] [synccheck]` (memcheck with --report-api-errors no:
+cuda-bindings probes driver entry points newer than the driver, which memcheck reports as API errors).
+`synccheck`: the staged variant's clusters capped at 8 CTAs (synccheck breaks kernels with mbarriers in
+16-CTA clusters: kernels.STAGE_CLUSTER_MAX's note, dev/cluster16_probe.cu)."""
 
 import sys
 
@@ -10,6 +12,7 @@ import torch
 import fastsoftmax as fs
 from fastsoftmax import heuristics
 from fastsoftmax.api import forward
+from fastsoftmax.cuda import kernels
 
 CASES = {
     "three_pass": [1, 513, 4099],
@@ -17,13 +20,15 @@ CASES = {
     "block": [4099, 12289],
     "cluster": [513, 12289, 50257],
     "online": [7, 4099, 50257],
-    "staged": [513, 12289, 131072],  # 1, 4 and 8 CTAs (9 rows spread) per row
+    "staged": [513, 12289, 131072],  # 1, 4 and 16 CTAs (9 rows spread) per row (synccheck: 8)
 }
 
 
 def main():
     runs = 0
     small = "small" in sys.argv  # one length per variant (racecheck is slow)
+    if "synccheck" in sys.argv:
+        kernels.STAGE_CLUSTER_MAX = 8
     for variant, ns in CASES.items():
         for n in ns[1:2] if small else ns:
             for dtype in (torch.bfloat16, torch.float32):

@@ -177,14 +177,14 @@ def test_large(variant, bwd_variant, shape, dtype):
     "shape,dtype",
     [
         ((8, 131072), torch.bfloat16),
-        ((3, 393216), torch.float32),
+        ((3, 786432), torch.float32),
         ((64, 524288), torch.bfloat16),
         ((300, 65536), torch.float16),
     ],
 )
 def test_staged_large(shape, dtype):
-    """The staged forward on the longest rows it holds (8 CTAs x STAGE_MAX bytes: 393216 fp32), few rows
-    spread over 8 CTAs, special rows; one element more is refused when forced. The staged backward (y and
+    """The staged forward on the longest rows it holds (16 CTAs x STAGE_MAX bytes: 786432 fp32), few rows
+    spread over 16 CTAs, special rows; one element more is refused when forced. The staged backward (y and
     dy staged: half the length) on the same rows where they fit, refused where they do not."""
     from fastsoftmax.cuda import kernels
 
@@ -198,8 +198,8 @@ def test_staged_large(shape, dtype):
         torch.testing.assert_close(lse.double(), oracle_lse(x), rtol=2e-6, atol=2e-6, equal_nan=True)
     assert heuristics.last_plan().splits == kernels.launch_shape(shape[1], shape[0], x.element_size(), 132, 90,
                                                                  "staged").cluster  # fmt: skip
-    if shape[1] == 393216:
-        assert heuristics.last_plan().splits == kernels.STAGE_CLUSTER_MAX == 8
+    if shape[1] == 786432:
+        assert heuristics.last_plan().splits == kernels.STAGE_CLUSTER_MAX == 16
         with pytest.raises(ValueError, match="staged variant holds at most"):
             run_forward(torch.zeros(1, shape[1] + 4, device="cuda"), -1, False, "staged")
     dy = torch.randn(shape, generator=gen).to(dtype).cuda()

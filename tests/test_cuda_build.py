@@ -2,6 +2,7 @@
 and its code has the facts it promises; the compile cache (memory, disk, threads, processes); compiler
 errors reach Python with the log; variant selection; clear errors before any launch."""
 
+import functools
 import os
 import re
 import subprocess
@@ -205,8 +206,8 @@ def test_info_records_fast_math():
 @pytest.mark.parametrize("backward", [False, True], ids=["fwd", "bwd"])
 @pytest.mark.parametrize(
     "dtype,n,rows,clusters",  # (forward's, backward's): y and dy staged, twice the bytes in a larger budget
-    [("bfloat16", 65536, 4096, (2, 2)), ("float32", 131072, 8, (8, 8)), ("float16", 513, 4096, (1, 1)),
-     ("float32", 50257, 8192, (2, 4)), ("bfloat16", 37984, 16384, (1, 1))],
+    [("bfloat16", 65536, 4096, (2, 4)), ("float32", 131072, 8, (16, 16)), ("float16", 513, 4096, (1, 1)),
+     ("float32", 50257, 8192, (4, 4)), ("bfloat16", 37984, 16384, (2, 2)), ("bfloat16", 131072, 64, (8, 16))],
 )  # fmt: skip
 def test_staged_compiles_with_its_facts(cache, dtype, n, rows, clusters, backward):
     """The staged variant: bulk copy engine loads into shared memory by pieces, each completed on its own
@@ -232,6 +233,23 @@ def test_staged_compiles_with_its_facts(cache, dtype, n, rows, clusters, backwar
     assert kernels.stage_bytes(shape, n, 4 if dtype == "float32" else 2, 2 if backward else 1) <= kernels.STAGE_MAX
     with pytest.raises(ValueError, match="sm_90"):
         launch_shape(n, rows, 4, 108, 80, "staged")
+
+
+def test_staged_spread_rule():
+    """The staged variant's cluster: the smallest holding the row in the pass's budget, then, for few rows,
+    grown while rows x CTAs < SMs (a vector at least per thread after the doubling) or < SPREAD_CTAS_PER_SM x
+    SMs with slices of at least STAGE_SPREAD_MIN bytes; 16 CTAs at most. (H200: 132 SMs.)"""
+    ls = functools.partial(launch_shape, sm_count=132, cc=90, variant="staged")
+    assert ls(131072, 4096, 2).cluster == 4  # 256 KiB in 64 KiB slices; many rows: no spread
+    assert ls(131072, 64, 2).cluster == 8  # 64 x 4 < 4 x 132, slices of 32 KiB at 8, 16 KiB at 16: 8
+    assert ls(131072, 64, 4).cluster == 16 and ls(131072, 64, 2, inputs=2).cluster == 16  # 32 KiB slices at 16
+    assert ls(262144, 128, 2).cluster == 8  # 128 x 8 >= 4 x 132
+    assert ls(131072, 8, 2).cluster == 16  # 8 x 8 < 132: spread past 32 KiB slices
+    assert ls(2048, 8, 2).cluster == 1  # 256 vectors: fewer than one per thread of 2 CTAs
+    assert ls(4096, 8, 2).cluster == 2
+    assert ls(786432, 1, 4).cluster == kernels.STAGE_CLUSTER_MAX == 16
+    with pytest.raises(ValueError, match="holds at most 786432"):
+        ls(786436, 1, 4)
 
 
 @pytest.mark.parametrize("caps", [{}, {"k_max": 2, "group_max": 128}], ids=["default", "capped"])

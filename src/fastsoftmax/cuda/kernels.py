@@ -16,12 +16,12 @@ Variants (forward and backward share them; `heuristics.force(path=...)` picks on
               262144 bf16). Also spreads few rows over many SMs.
   online      any length: the same CTA (or cluster) sweeps the row twice, the first pass keeping a
               running max and rescaled sum: two reads.
-  staged      sm_90, unit-stride rows: the row across a cluster of 1-8 CTAs of 256 threads, each CTA's slice
+  staged      sm_90, unit-stride rows: the row across a cluster of 1-16 CTAs of 256 threads, each CTA's slice
               (backward: of y and of dy, which must share y's dtype and alignment) copied into shared memory
               by the bulk-copy engine (cp.async.bulk) instead of registers: one read, few registers, several
               CTAs per SM (STAGE_BYTES each) so that one CTA's loads overlap another's reduction and stores;
               each CTA pushes its partial into every CTA of the cluster (st.async on an mbarrier).
-              Rows up to 8 x STAGE_MAX bytes (backward: half).
+              Rows up to 16 x STAGE_MAX bytes (backward: half).
 """
 
 from __future__ import annotations
@@ -46,19 +46,33 @@ CLUSTER_MAX = 16  # CTAs per row (16 is a non-portable cluster size: allowed on 
 STREAM_GROUP = 512
 K_PREF_16BIT_FWD = 4  # vectors per thread the warp and block variants prefer for 16-bit forward rows
 STAGE_GROUP = 256  # threads of a staged CTA
-STAGE_BYTES = 102400  # slice of a row a staged CTA holds in shared memory, at most, before the cluster grows
-# The staged backward's (y's and dy's slices together): one CTA per SM with slices of up to 192 KiB ran
-# faster than two of half the size on most long rows (H200, 2026-11-30, dev/bench_staged.py bwd long big:
-# bf16 16384x37984 4,369 vs 4,055 GB/s, fp32 16384x37984 4,290 vs 3,961, fp32 4096x32768 4,113 vs 3,941, fp32
-# 2048x65536 3,813 vs 3,678), not all (bf16 2048x65536 3,657 vs 3,712, bf16 1024x131072 3,397 vs 3,549).
-STAGE_BYTES_BWD = 196608
-# CTAs per row of the staged variant: 8, the portable cluster size. At 16, compute-sanitizer synccheck reported
-# "Barrier error detected. Missing wait" on the mbarriers of CTAs of rank 8 and 9 (H200, 2026-11-30,
-# dev/logs/2026-11-30b-h200-synccheck-staged-*.txt), though outputs were right and memcheck and racecheck
-# clean; at 8 it is clean, as is the register-held cluster variant at 16. Not understood: kept out.
-STAGE_CLUSTER_MAX = 8
-# A staged slice at most, the cluster at STAGE_CLUSTER_MAX (dynamic shared memory: an H200 SM has 228 KiB;
-# softmax.cu's MAX_PIECES pieces of 16 KiB)
+# Slice of a row a staged CTA holds in shared memory, at most, before the cluster grows: forward (x) and
+# backward (y's and dy's slices together). Swept on the H200 with clusters of up to 16 CTAs (2026-11-30,
+# dev/bench_staged.py fwd bwd budgets c16, dev/logs/2026-11-30e-h200-bench-staged-budgets-c16.txt), budgets of
+# 48-192 KiB: the forward best at 64 KiB (fp32 1024x131072 4,004 vs 3,356 at 128 KiB, bf16 512x262144 3,823 vs
+# 2,663; equal or better than 100 KiB on every shape; 48 KiB lost bf16 8192x50257, 3,461 vs 4,000), the
+# backward at 100 KiB (bf16 1024x131072 4,148 vs 3,706 at 192 KiB, bf16 512x262144 4,051 vs 3,586, fp32
+# 1024x131072 4,251 vs 4,056; within 0.7% of 192 KiB where that won, 16384x37984).
+STAGE_BYTES = 65536
+STAGE_BYTES_BWD = 102400
+# Few rows: past the budget, a row's cluster keeps growing while the GPU has fewer than SPREAD_CTAS_PER_SM CTAs
+# per SM and the slices stay at least STAGE_SPREAD_MIN bytes (or, below one CTA per SM, while every thread keeps
+# a vector at least): more, smaller CTAs spread a single wave's work more evenly (H200, 2026-11-30,
+# dev/logs/2026-11-30e-h200-bench-few-groups.txt: fwd bf16 64x131072 1,883 at 8 CTAs per row vs 1,708 at 4,
+# fp32 64x131072 2,641 at 16 vs 2,436 at 8; bwd bf16 64x131072 2,247 at 16 vs 2,185 at 8; below 32 KiB
+# slices lost: fwd bf16 64x131072 1,579 at 16).
+SPREAD_CTAS_PER_SM = 4
+STAGE_SPREAD_MIN = 32768
+# CTAs per row of the staged variant: up to 16, a non-portable cluster size (allowed on H100/H200). At 16 (not
+# at 8) compute-sanitizer synccheck reports "Barrier error detected. Missing wait" on the mbarriers of CTAs of
+# rank 8 and 9 and then the kernel faults; dev/cluster16_probe.cu shows it is the tool: a kernel whose CTAs
+# each only initialise, arrive on and wait on their own mbarrier faults under synccheck at 16 (141 of 144
+# outputs wrong) and runs right without it, and softmax.cu's push exchange alone gives the same three reports
+# on the same blocks (H200, 2026-11-30, dev/logs/2026-11-30e-h200-cluster16-probe.txt). dev/sanitize_cuda.py
+# caps the staged cluster at 8 under synccheck; memcheck and racecheck run it at 16.
+STAGE_CLUSTER_MAX = 16
+# A staged slice at most (dynamic shared memory: an H200 SM has 228 KiB; softmax.cu's MAX_PIECES pieces of
+# 16 KiB)
 STAGE_MAX = 196608
 
 _DTYPE = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -139,8 +153,12 @@ def launch_shape(
         cluster, budget = 1, STAGE_BYTES if inputs == 1 else STAGE_BYTES_BWD
         while cluster < STAGE_CLUSTER_MAX and _slice_bytes(nvec, cluster, inputs) > budget:
             cluster *= 2
-        while cluster < STAGE_CLUSTER_MAX and n_rows * cluster < sm_count and nvec >= 2 * STAGE_GROUP * cluster:
-            cluster *= 2  # few rows: spread each over more SMs
+        while cluster < STAGE_CLUSTER_MAX and (  # few rows: spread each over more SMs (see SPREAD_CTAS_PER_SM)
+            (n_rows * cluster < sm_count and nvec >= 2 * STAGE_GROUP * cluster)
+            or (n_rows * cluster < SPREAD_CTAS_PER_SM * sm_count
+                and _slice_bytes(nvec, 2 * cluster, inputs) >= STAGE_SPREAD_MIN)
+        ):  # fmt: skip
+            cluster *= 2
         if _slice_bytes(nvec, cluster, inputs) > STAGE_MAX:
             cap = STAGE_CLUSTER_MAX * STAGE_MAX // (elsize * inputs)
             raise ValueError(f"the staged variant holds at most {cap} elements per row, got N={n}")
