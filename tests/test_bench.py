@@ -20,7 +20,7 @@ KEYS |= {"err_ratio", "case"}
 def test_cpu_smoke_run(tmp_path):
     out_json, out_png = tmp_path / "b.json", tmp_path / "b.png"
     cmd = [sys.executable, "-m", "fastsoftmax", "bench", "--device", "cpu", "--shapes", "4x33,3x1000",
-           "--dtypes", "float32,bfloat16", "--impls", "fastsoftmax,fastsoftmax-triton,torch,quack",
+           "--dtypes", "float32,bfloat16", "--impls", "fastsoftmax,fastsoftmax-triton,torch,quack,copy",
            "--json", str(out_json), "--plot", str(out_png)]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
@@ -29,7 +29,7 @@ def test_cpu_smoke_run(tmp_path):
     assert {"device", "date", "torch", "triton", "copy_gbps", "records", "host_us"} <= set(doc)
     assert doc["copy_gbps"] > 0 and doc["host_us"]["fastsoftmax"] > 0 and doc["host_us"]["torch"] > 0
     recs = doc["records"]
-    assert len(recs) == 2 * 2 * 2 * 4 and all(set(r) == KEYS for r in recs)
+    assert len(recs) == 2 * 2 * 2 * 5 and all(set(r) == KEYS for r in recs)
     from fastsoftmax import dispatch
 
     problem = dispatch.interpreter_problem()  # this Triton's interpreter cannot run here (the H200 image)
@@ -38,6 +38,8 @@ def test_cpu_smoke_run(tmp_path):
             assert not r["ok"] and "quack" in r["error"] and r["gbps"] is None
         elif r["impl"] == "fastsoftmax-triton" and problem:
             assert not r["ok"] and problem[:40] in r["error"], r
+        elif r["impl"] == "copy":  # the same bytes moved, not a softmax: timed, never checked
+            assert r["ok"] and r["err_ratio"] is None and r["gbps"] > 0, r
         else:
             assert r["ok"] and r["error"] is None and r["gbps"] > 0 and r["ms"] > 0, r
     triton = [r for r in recs if r["impl"] == "fastsoftmax-triton"]
@@ -45,6 +47,7 @@ def test_cpu_smoke_run(tmp_path):
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "unsupported" in run.stdout and "No module named 'quack'" in run.stdout
     assert "host overhead per eager call" in run.stdout
+    assert "column 'copy': not a softmax" in run.stdout and "xcopy" not in run.stdout  # no speed-up over it
 
 
 def rec(impl, gbps, n=1024, pass_="fwd", ok=True, graph=None):
