@@ -13,6 +13,7 @@ import sys
 
 import torch
 import triton.testing
+from forced_cell import forced_cell
 
 import fastsoftmax as fs
 from fastsoftmax import heuristics
@@ -87,20 +88,7 @@ def main():
                 inputs = 1 if ps == "fwd" else 2
                 if _cluster and inputs * -(-n * x.element_size() // (16 * _cluster)) * 16 > kernels.STAGE_MAX:
                     continue  # the slice would not fit
-                try:
-                    with heuristics.force(poison=True, path=path):
-                        out = run(*args, backend=backend)
-                        plan = heuristics.last_plan()
-                        err, problem = check(out)
-                    if problem:
-                        cols.append(f"{tag}=WRONG")
-                        continue
-                    with heuristics.force(path=path):
-                        cols.append(f"{tag}={gb(us(functools.partial(run, *args, backend=backend))):.0f}"
-                                    f"[c{plan.splits}]")  # fmt: skip
-                except (ValueError, RuntimeError) as e:
-                    cols.append(f"{tag}=n/a({str(e)[:30]})")
-                    torch.cuda.synchronize()
+                cols.append(forced_cell(tag, path, backend, run, args, check, lambda fn, gb=gb: gb(us(fn))))
             _cluster = _group = _piece = None
             print(f"{ps} {dt} {m}x{n}: " + " ".join(cols), flush=True)
 

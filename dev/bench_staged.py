@@ -16,6 +16,7 @@ import sys
 
 import torch
 import triton.testing
+from forced_cell import forced_cell
 
 import fastsoftmax as fs
 from fastsoftmax import heuristics
@@ -77,19 +78,8 @@ def main():
                     budget = slice_bytes or defaults[0 if ps == "fwd" else 1]
                     kernels.STAGE_BYTES, kernels.STAGE_BYTES_BWD, kernels.STAGE_GROUP = budget, budget, threads
                 tag = f"{variant}{budget // 1024}k/{threads}" if variant == "staged" else variant
-                try:
-                    with heuristics.force(poison=True, path=variant):
-                        out = run(*args, backend="cuda")
-                        plan = heuristics.last_plan()
-                        err, problem = check(out)
-                        if problem:
-                            cols.append(f"{tag}=WRONG({problem[:60]})")
-                            continue
-                    with heuristics.force(path=variant):
-                        cols.append(f"{tag}={gbps(functools.partial(run, *args, backend='cuda'), nbytes, graph):.0f}"
-                                    f"[c{plan.splits}]")  # fmt: skip
-                except ValueError as e:
-                    cols.append(f"{tag}=n/a({str(e)[:40]})")
+                cols.append(forced_cell(tag, variant, "cuda", run, args, check,
+                                        lambda fn, b=nbytes, g=graph: gbps(fn, b, g)))  # fmt: skip
             kernels.STAGE_BYTES, kernels.STAGE_BYTES_BWD, kernels.STAGE_GROUP = defaults
             print(f"{ps} {dt} {m}x{n}: " + " ".join(cols), flush=True)
 
