@@ -3,9 +3,7 @@ CUDA staged variant at each cluster size it can take (2-16 CTAs per row) and CTA
 against torch, auto, and an elementwise op moving the same bytes (copy_: forward, add: backward).
 CUDA-graph replays timed by do_bench (L2 flushed), medians; every output checked in full against the float64
 oracle first. Also the method's floor: the same timing of a one-element kernel.
-Usage: python dev/bench_few.py [fwd|bwd ...] [bf16|fp32 ...] [SHAPE=MxN ...] [staged (no other path)]
-                                [pieces (instead: the staged variant at launch_shape's cluster, its bulk-copy
-                                pieces of 4, 8 and 16 KiB: softmax.cu's PIECE_VECS_SET)]"""
+Usage: python dev/bench_few.py [fwd|bwd ...] [bf16|fp32 ...] [SHAPE=MxN ...] [staged (no other path)]"""
 
 import dataclasses
 import functools
@@ -18,7 +16,7 @@ from forced_cell import forced_cell
 import fastsoftmax as fs
 from fastsoftmax import heuristics
 from fastsoftmax.bench import copy_gbps, graphed
-from fastsoftmax.cuda import build, kernels
+from fastsoftmax.cuda import kernels
 from fastsoftmax.reference import compare, compare_grad
 
 SHAPES = [(8, 131072), (64, 131072), (128, 262144), (512, 262144)]
@@ -33,9 +31,6 @@ def _shape(*args, **kw):
 
 
 kernels.launch_shape = _shape
-_piece = None  # the staged variant's bulk-copy piece in vectors, forced (a -D of softmax.cu)
-_defines = build.Config.defines
-build.Config.defines = lambda cfg: {**_defines(cfg), **({"PIECE_VECS_SET": _piece} if _piece and cfg.staged else {})}
 
 
 def us(fn, graph=True):
@@ -43,7 +38,7 @@ def us(fn, graph=True):
 
 
 def main():
-    global _cluster, _group, _piece
+    global _cluster, _group
     dts = [d for d in sys.argv[1:] if d in ("bf16", "fp32")] or ["bf16", "fp32"]
     passes = [p for p in sys.argv[1:] if p in ("fwd", "bwd")] or ["fwd", "bwd"]
     shapes = [tuple(map(int, a[6:].split("x"))) for a in sys.argv[1:] if a.startswith("SHAPE=")] or SHAPES
@@ -79,17 +74,14 @@ def main():
             cands = [("triton", "split", None), ("triton", "online", None), ("cuda", "cluster", None),
                      ("cuda", "online", None)] if "staged" not in sys.argv else []  # fmt: skip
             cands += [("cuda", "staged", (c, g)) for c in (1, 2, 4, 8, 16) for g in GROUPS]
-            if "pieces" in sys.argv:
-                cands = [("cuda", "staged", p) for p in (256, 512, 1024)]
             for backend, path, c in cands:
-                _cluster, _group = c if isinstance(c, tuple) else (None, None)
-                _piece = c if isinstance(c, int) else None
-                tag = f"{path}{_cluster}/{_group}" if _cluster else f"piece{_piece}" if _piece else backend[0] + path
+                _cluster, _group = c or (None, None)
+                tag = f"{path}{_cluster}/{_group}" if _cluster else f"{backend[0]}.{path}"
                 inputs = 1 if ps == "fwd" else 2
                 if _cluster and inputs * -(-n * x.element_size() // (16 * _cluster)) * 16 > kernels.STAGE_MAX:
                     continue  # the slice would not fit
                 cols.append(forced_cell(tag, path, backend, run, args, check, lambda fn, gb=gb: gb(us(fn))))
-            _cluster = _group = _piece = None
+            _cluster = _group = None
             print(f"{ps} {dt} {m}x{n}: " + " ".join(cols), flush=True)
 
 

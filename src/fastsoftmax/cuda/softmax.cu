@@ -462,14 +462,8 @@ constexpr int BATCH = 4;  // vectors per thread in flight per step of the stream
 #if STAGED
 extern __shared__ __align__(128) unsigned char stage[];  // this CTA's slice of the row body (backward: y, dy)
 
-// The slice arrives in pieces of PIECE_VECS vectors (16 KiB; PIECE_VECS_SET: tuning experiments), each
-// completing its own mbarrier; MAX_PIECES of them make a slice of at most 192 KiB (kernels.STAGE_MAX).
-#if defined(PIECE_VECS_SET) && PIECE_VECS_SET > 0
-constexpr int PIECE_VECS = PIECE_VECS_SET;
-#else
-constexpr int PIECE_VECS = 1024;
-#endif
-constexpr int MAX_PIECES = 196608 / 16 / PIECE_VECS;
+constexpr int PIECE_VECS = 1024;  // 16 KiB: the slice arrives in pieces, each completing its own mbarrier
+constexpr int MAX_PIECES = 12;    // a slice of at most 192 KiB (kernels.STAGE_MAX)
 
 // Copy `bytes` (a multiple of 16) from global src (16-byte aligned) into shared memory at dst with the
 // bulk-copy engine, completing them on `bar`.
