@@ -275,3 +275,112 @@ def test_cuda_graph():
         torch.cuda.synchronize()
         assert_close(out, static, -1, False)
         assert compare_grad(grad, static, out, -1, False)[1] is None
+
+
+def test_row_of_2_pow_31_elements_or_more():
+    """softmax.cu's row length is a 32-bit int: backend='cuda' refuses such a row before any launch, naming
+    the limit; 'auto' (whatever the table says) takes the Triton kernels, and the output is written."""
+    from fastsoftmax import tuning
+
+    n = (1 << 31) + 5
+    x = torch.empty(1, n, device="cuda", dtype=torch.float16).normal_(0, 2)
+    x[0, 7] = 12.0
+    with pytest.raises(RuntimeError, match=r"at most 2\^31 - 1"):
+        fs.softmax(x, backend="cuda")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tuning, "choose", lambda *a, **k: ("cuda", "online"))
+        with heuristics.force(poison=True):
+            y = fs.softmax(x, dtype=torch.float32)  # fp32: most of 2^31 probabilities underflow fp16
+    assert heuristics.last_plan().backend == "triton"
+    lse = torch.logsumexp(x.float(), -1, keepdim=True)
+    for lo in (0, (1 << 31) - 3, n - 1000):
+        want = (x[:, lo : lo + 1000].double() - lse.double()).exp()
+        assert (y[:, lo : lo + 1000].double() - want).abs().max().item() <= 2e-5 * want.abs().max().item()
+    assert not y.isnan().any() and abs(y.double().sum().item() - 1.0) < 1e-4
+
+
+def test_graph_capture_as_the_very_first_call(tmp_path):
+    """In a fresh process with an empty cache, the first backend='cuda' call is made inside
+    torch.cuda.graph: compiled and loaded during the capture, replayed right on new data."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch, fastsoftmax as fs\n"
+        "from fastsoftmax.reference import compare, compare_grad\n"
+        "x = torch.randn(64, 4096, device='cuda')\n"
+        "g = torch.cuda.CUDAGraph()\n"
+        "with torch.cuda.graph(g):\n"
+        "    y = fs.softmax(x, backend='cuda')\n"
+        "    dx = fs.softmax_backward(x, y, backend='cuda')\n"
+        "for _ in range(2):\n"
+        "    x.copy_(torch.randn_like(x) * 3)\n"
+        "    g.replay(); torch.cuda.synchronize()\n"
+        "    assert compare(y, x, -1, False)[1] is None, compare(y, x, -1, False)\n"
+        "    assert compare_grad(dx, x, y, -1, False)[1] is None, compare_grad(dx, x, y, -1, False)\n"
+        "    assert torch.equal(dx, fs.softmax_backward(x, y, backend='cuda'))\n"
+        "print('ok')\n"
+    )
+    env = {**__import__("os").environ, "FASTSOFTMAX_CACHE_DIR": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+
+
+def test_a_module_that_cannot_load_turns_the_backend_off(monkeypatch, tmp_path):
+    """A cubin the driver rejects (what a driver older than the NVRTC that compiled it does): backend='cuda'
+    raises naming the cause; 'auto' takes the Triton kernels for that call and the rest of the process, and
+    fs.info() says why."""
+    from fastsoftmax import dispatch, fastpath, tuning
+    from fastsoftmax.cuda import build, kernels
+
+    monkeypatch.setenv("FASTSOFTMAX_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(kernels, "_functions", {})
+    monkeypatch.setattr(kernels, "_modules", {})
+    monkeypatch.setattr(build, "compile_kernel", lambda cfg, arch, *a, **k: build.Compiled(b"\x7fELF junk", "", "k"))
+    monkeypatch.setattr(tuning, "choose", lambda *a, **k: ("cuda", "warp"))
+    fastpath.clear()
+    dispatch.reset_cuda_failure()
+    x = torch.randn(64, 1000, device="cuda")
+    try:
+        with pytest.raises(RuntimeError, match="cannot load the cubin"):
+            fs.softmax(x, backend="cuda")
+        assert "cannot load the cubin" in fs.info()["backends"]["cuda"]["off"]
+        assert not fs.info()["backends"]["cuda"]["cuda"]
+        for _ in range(2):
+            y = fs.softmax(x)
+            assert heuristics.last_plan().backend == "triton"
+            assert_close(y, x, -1, False)
+        with pytest.raises(RuntimeError, match="failed earlier in this process"):
+            fs.softmax(x, backend="cuda")
+        dispatch.reset_cuda_failure()  # the first failure under 'auto' itself falls back within the call
+        y = fs.log_softmax(x)
+        assert heuristics.last_plan().backend == "triton" and dispatch.cuda_failure()
+        assert_close(y, x, -1, True)
+    finally:
+        dispatch.reset_cuda_failure()
+        fastpath.clear()
+
+
+def test_a_cached_cubin_the_driver_rejects_is_rebuilt(monkeypatch, tmp_path):
+    """A verified cache entry whose cubin does not load (not one this driver takes): reported by a warning
+    naming it, compiled again, and the call runs on the CUDA backend."""
+    from fastsoftmax import cache, fastpath
+    from fastsoftmax.cuda import build, kernels
+
+    monkeypatch.setenv("FASTSOFTMAX_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(kernels, "_functions", {})
+    monkeypatch.setattr(kernels, "_modules", {})
+    monkeypatch.setattr(build, "_memory", {})
+    x = torch.randn(32, 777, device="cuda")
+    fs.softmax(x, backend="cuda")
+    (entry,) = tmp_path.glob("*.cubin")
+    cache.store(entry.name, b"\x7fELF not a cubin")  # well formed entry, unloadable content
+    fastpath.clear()  # (a replay would reuse the module already loaded)
+    kernels._functions.clear()
+    kernels._modules.clear()
+    build._memory.clear()
+    with pytest.warns(RuntimeWarning, match="did not load"):
+        y = fs.softmax(x, backend="cuda")
+    assert heuristics.last_plan().backend == "cuda"
+    assert_close(y, x, -1, False)
+    assert len(cache.load(entry.name)) > 1000  # the rebuilt cubin replaced it

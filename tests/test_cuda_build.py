@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import fastsoftmax as fs
+from fastsoftmax import cache as disk_cache
 from fastsoftmax import heuristics
 from fastsoftmax.cuda import build, kernels
 from fastsoftmax.cuda.kernels import VARIANTS, config_for, function_attributes, launch_shape
@@ -159,7 +160,7 @@ def test_memory_and_disk_cache(tmp_path, monkeypatch):
     assert len(calls) == 1 and again.binary == results[0].binary
 
 
-def test_two_processes_compile_at_once(tmp_path):
+def test_two_processes_compile_at_once(tmp_path, monkeypatch):
     code = (
         "from fastsoftmax.cuda import build; "
         "c = build.compile_kernel(build.Config('bwd', 'float16', 'float32', 'bfloat16', group=64, k=4), 'sm_90a'); "
@@ -171,7 +172,8 @@ def test_two_processes_compile_at_once(tmp_path):
     sizes = [p.communicate(timeout=300)[0].strip() for p in procs]
     assert all(p.returncode == 0 for p in procs) and sizes[0] == sizes[1]
     (cubin,) = tmp_path.glob("*.cubin")
-    assert str(cubin.stat().st_size) == sizes[0] and not list(tmp_path.glob("tmp*"))
+    monkeypatch.setenv("FASTSOFTMAX_CACHE_DIR", str(tmp_path))
+    assert str(len(disk_cache.load(cubin.name))) == sizes[0] and not list(tmp_path.glob(".tmp-*"))
 
 
 def test_compile_error_carries_the_log(tmp_path, monkeypatch):

@@ -341,3 +341,15 @@ def test_fast_path_keeps_off_what_it_cannot_replay():
             y_side = fs.softmax(x)
     torch.cuda.current_stream().wait_stream(s)
     assert torch.equal(y_side, y32)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_replay_refuses_dy_on_another_gpu():
+    """A backward whose dy is on another GPU raises as the full path does, also once the same call (dy on
+    y's GPU) has been recorded for replay."""
+    y = fs.softmax(torch.randn(8, 1000, device="cuda:0"))
+    dy = torch.randn(8, 1000, device="cuda:0")
+    fs.softmax_backward(dy, y)
+    fs.softmax_backward(dy, y)  # recorded, then replayed
+    with pytest.raises(ValueError, match="dy is on cuda:1"):
+        fs.softmax_backward(dy.to("cuda:1"), y)

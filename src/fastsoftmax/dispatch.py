@@ -2,7 +2,8 @@
 the only place that chooses between them (``auto``: on CUDA tensors what the GPU's tuning table names for
 the problem, else the Triton kernels when they can run it; everything else takes torch ops).
 
-    unavailable(x, out_dtype, dy=None) -> str | None   why this backend cannot run x (None: it can)
+    unavailable(x, out_dtype, dy=None, dim=-1) -> str | None   why this backend cannot run x along dim (None:
+        it can)
     forward(x, dim, out_dtype, log, want_lse, path=None) -> (y, lse | None)
         x non-empty, at least 1-d, dim non-negative; lse is fp32 logsumexp per row, x's shape without dim;
         path: the tuning table's choice for this backend, or None for its own
@@ -20,6 +21,7 @@ import os
 import torch
 
 from . import heuristics, masking, tuning
+from .errors import BackendFailed
 from .layout import alloc
 from .reference import softmax_backward_torch, softmax_torch
 
@@ -32,7 +34,7 @@ class TorchBackend:
 
     name = "torch"
 
-    def unavailable(self, x, out_dtype, dy=None):
+    def unavailable(self, x, out_dtype, dy=None, dim=-1):
         return None
 
     def forward(self, x, dim, out_dtype, log, want_lse, path=None, spec=masking.NONE):
@@ -130,7 +132,7 @@ class TritonBackend:
 
     name = "triton"
 
-    def unavailable(self, x, out_dtype, dy=None):
+    def unavailable(self, x, out_dtype, dy=None, dim=-1):
         if why := _dtype_problem("Triton", x, out_dtype, dy):
             return why
         if triton_import_error():
@@ -174,18 +176,38 @@ def _cuda_kernels():
     return importlib.import_module(".cuda.kernels", __package__)
 
 
+_cuda_failure: list[str] = []  # why the CUDA backend failed to load or launch in this process (then it is off)
+
+
+def cuda_failure() -> str | None:
+    """Why the CUDA backend is off for the rest of this process (a load or launch failed), or None."""
+    return _cuda_failure[0] if _cuda_failure else None
+
+
+def reset_cuda_failure() -> None:
+    """Turn the CUDA backend on again after a failure (tests)."""
+    _cuda_failure.clear()
+
+
+CUDA_MAX_N = (1 << 31) - 1  # softmax.cu's row length is a 32-bit int
+
+
 class CudaBackend:
     """CUDA C kernels (fastsoftmax/cuda/softmax.cu) compiled by NVRTC at first use: CUDA tensors on sm_80+."""
 
     name = "cuda"
 
-    def unavailable(self, x, out_dtype, dy=None):
+    def unavailable(self, x, out_dtype, dy=None, dim=-1):
         if why := _dtype_problem("CUDA", x, out_dtype, dy):
             return why
         if x.device.type != "cuda":
             return f"the CUDA kernels run on CUDA tensors only (got a {x.device.type} tensor)"
         if cuda_import_error():
             return cuda_import_error()
+        if _cuda_failure:
+            return f"it failed earlier in this process and is off ({_cuda_failure[0]})"
+        if x.dim() and x.shape[dim] > CUDA_MAX_N:
+            return f"its rows hold at most 2^31 - 1 elements (this one: {x.shape[dim]}; the Triton kernels: any)"
         index = x.device.index if x.device.index is not None else torch.cuda.current_device()
         cc = _cuda_kernels()._device_facts(index)[1]
         if cc < 80:
@@ -195,16 +217,58 @@ class CudaBackend:
     def forward(self, x, dim, out_dtype, log, want_lse, path=None):  # no masks: select() keeps them off
         y = alloc(x, out_dtype)
         with _on_device(x):
-            return y, _cuda_kernels().forward(x, y, dim, log, want_lse, path)
+            try:
+                return y, _cuda_kernels().forward(x, y, dim, log, want_lse, path)
+            except BackendFailed as e:
+                _failed(e)
+                raise
 
     def backward(self, dy, y, dim, out_dtype, log, path=None):
         dx = alloc(y, out_dtype)
         with _on_device(y):
-            _cuda_kernels().backward(dy, y, dx, dim, log, path)
+            try:
+                _cuda_kernels().backward(dy, y, dx, dim, log, path)
+            except BackendFailed as e:
+                _failed(e)
+                raise
         return dx
 
 
+def _failed(e: BackendFailed) -> None:
+    """A load or launch failure of the CUDA backend: it is off for the rest of the process."""
+    if not _cuda_failure:
+        _cuda_failure.append(str(e))
+
+
+def forward(impl, requested: str, x, dim, out_dtype, log, want_lse, path=None, spec=None):
+    """impl.forward, and where the CUDA backend fails to load or launch under 'auto', the Triton kernels (or
+    torch ops) for this call instead (and, through cuda_failure(), for the rest of the process)."""
+    extra = () if spec is None else (spec,)
+    try:
+        return impl.forward(x, dim, out_dtype, log, want_lse, path, *extra)
+    except BackendFailed:
+        if requested != "auto":
+            raise
+    return _fallback(x, out_dtype).forward(x, dim, out_dtype, log, want_lse, None, *extra)
+
+
+def backward(impl, requested: str, dy, y, dim, out_dtype, log, path=None, spec=None):
+    """impl.backward, with forward()'s fallback."""
+    extra = () if spec is None else (spec,)
+    try:
+        return impl.backward(dy, y, dim, out_dtype, log, path, *extra)
+    except BackendFailed:
+        if requested != "auto":
+            raise
+    return _fallback(y, out_dtype, dy).backward(dy, y, dim, out_dtype, log, None, *extra)
+
+
+def _fallback(x, out_dtype, dy=None):
+    return BACKENDS["triton" if BACKENDS["triton"].unavailable(x, out_dtype, dy) is None else "torch"]
+
+
 BACKENDS = {b.name: b for b in (TritonBackend(), CudaBackend(), TorchBackend())}
+
 NAMES = ("auto", *BACKENDS)
 
 
@@ -231,14 +295,14 @@ def select(
             pick = tuning.choose(
                 tuning.table(gpu_name), "bwd" if dy is not None else "fwd", str(x.dtype)[6:], n, x.numel() // n, sms
             )
-            if pick and pick[0] in BACKENDS and BACKENDS[pick[0]].unavailable(x, out_dtype, dy) is None:
+            if pick and pick[0] in BACKENDS and BACKENDS[pick[0]].unavailable(x, out_dtype, dy, dim) is None:
                 return BACKENDS[pick[0]], pick[1]
         ok = BACKENDS["triton"].unavailable(x, out_dtype, dy) is None
         return BACKENDS["triton" if ok else "torch"], None
     backend = BACKENDS.get(name) if isinstance(name, str) else None
     if backend is None:
         raise ValueError(f"unknown backend {name!r}; valid: {', '.join(repr(n) for n in NAMES)}")
-    why = backend.unavailable(x, out_dtype, dy)
+    why = backend.unavailable(x, out_dtype, dy, dim)
     if masked and backend.name == "cuda":
         why = "it has no masks, scale or causal yet (backend='triton' or 'auto' fuses them)"
     if why:

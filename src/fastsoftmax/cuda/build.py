@@ -7,19 +7,17 @@ compatibility). A driver of an older major version than NVRTC (say driver 12.x w
 either, and the launch error says so. PTX is produced only for reading (``fastsoftmax asm``).
 
 Cache key: sha256 of the source, the NVRTC version, the target, the -D configuration and the options.
-Disk cache: $FASTSOFTMAX_CACHE_DIR, else ~/.cache/fastsoftmax/cuda; written to a temporary file and renamed
-into place, so two threads or processes compiling the same kernel at once both end with a whole file.
+Disk cache: fastsoftmax/cache.py (private to the user, atomic, verified; a refused entry is compiled again).
 """
 
 from __future__ import annotations
 
 import hashlib
-import os
-import tempfile
 import threading
 from dataclasses import dataclass
 from importlib import resources
-from pathlib import Path
+
+from .. import cache
 
 OPTIONS = ("--std=c++17", "-Xptxas=-v")  # no -use_fast_math: exp is __expf by choice, division is IEEE
 FAST_MATH = False
@@ -74,6 +72,7 @@ class Compiled:
     binary: bytes  # cubin, or PTX text as bytes
     log: str  # NVRTC's log, with ptxas -v lines (registers, spills) when compiled to a cubin
     key: str
+    from_disk: bool = False  # read from the disk cache (not compiled by this process)
 
 
 def source() -> bytes:
@@ -103,33 +102,30 @@ def _check(err, what: str, log: str = ""):
         raise CompileError(f"{what} failed: {err}" + (f"\n{log}" if log else ""))
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("FASTSOFTMAX_CACHE_DIR") or Path.home() / ".cache" / "fastsoftmax" / "cuda")
-
-
 _memory: dict[str, Compiled] = {}
 _locks: dict[str, threading.Lock] = {}
 _guard = threading.Lock()
 
 
-def compile_kernel(cfg: Config, arch: str, output: str = "cubin") -> Compiled:
+def compile_kernel(cfg: Config, arch: str, output: str = "cubin", fresh: bool = False) -> Compiled:
     """The cubin (``output="cubin"``) or PTX of ``cfg`` for ``arch`` (e.g. "sm_90a"), from the memory
-    cache, the disk cache, or NVRTC, in that order."""
+    cache, the disk cache, or NVRTC, in that order; ``fresh``: from NVRTC (replacing both caches' entries:
+    a cached cubin the driver could not load)."""
     if output not in ("cubin", "ptx"):
         raise ValueError(f"output must be 'cubin' or 'ptx', got {output!r}")
     src = source()
     opts = [f"--gpu-architecture={arch}", *OPTIONS, *(f"-D{k}={v}" for k, v in sorted(cfg.defines().items()))]
-    ident = repr((nvrtc_version(), output, opts)).encode()
+    ident = repr((nvrtc_version(), output, opts, cache.FORMAT)).encode()
     key = hashlib.sha256(src + b"\0" + ident).hexdigest()[:32]
-    hit = _memory.get(key)
+    hit = None if fresh else _memory.get(key)
     if hit is not None:
         return hit
     with _guard:
         lock = _locks.setdefault(key, threading.Lock())
     with lock:
-        hit = _memory.get(key)
+        hit = None if fresh else _memory.get(key)
         if hit is None:
-            hit = _load_disk(key, output) or _store_disk(_nvrtc(src, opts, output, key), output)
+            hit = (None if fresh else _load_disk(key, output)) or _store_disk(_nvrtc(src, opts, output, key), output)
             _memory[key] = hit
     return hit
 
@@ -161,30 +157,17 @@ def _nvrtc(src: bytes, opts: list[str], output: str, key: str) -> Compiled:
         mod.nvrtcDestroyProgram(prog)
 
 
-def _paths(key: str, output: str) -> tuple[Path, Path]:
-    d = cache_dir()
-    return d / f"{key}.{output}", d / f"{key}.log"
-
-
 def _load_disk(key: str, output: str) -> Compiled | None:
-    binary, log = _paths(key, output)
-    try:
-        return Compiled(binary.read_bytes(), log.read_text(), key)
-    except OSError:
+    log, binary = cache.load(f"{key}.log"), cache.load(f"{key}.{output}")
+    if log is None or binary is None:
         return None
+    return Compiled(binary, log.decode(errors="replace"), key, from_disk=True)
 
 
 def _store_disk(c: Compiled, output: str) -> Compiled:
-    """Write atomically (temporary file, then rename); a read-only or missing home only loses the cache."""
-    binary, log = _paths(c.key, output)
-    try:
-        binary.parent.mkdir(parents=True, exist_ok=True)
-        for path, data in ((log, c.log.encode()), (binary, c.binary)):  # the log first: binary marks done
-            with tempfile.NamedTemporaryFile(dir=path.parent, delete=False) as f:
-                f.write(data)
-            os.replace(f.name, path)
-    except OSError:
-        pass
+    """The log first: the binary's entry marks the pair complete."""
+    if cache.store(f"{c.key}.log", c.log.encode()) is not None:
+        cache.store(f"{c.key}.{output}", c.binary)
     return c
 
 

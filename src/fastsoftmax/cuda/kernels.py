@@ -26,14 +26,17 @@ Variants (forward and backward share them; `heuristics.force(path=...)` picks on
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import threading
+import warnings
 from dataclasses import dataclass
 
 import torch
 
 from .. import fastpath, heuristics
+from ..errors import BackendFailed
 from ..layout import alloc, plan_layout
 from . import build, launch
 
@@ -222,12 +225,7 @@ def _ok(result, what: str):
     """Unpack a cuda.bindings result tuple, raising with the driver's error name and text."""
     err, *rest = result if isinstance(result, tuple) else (result,)
     if int(err) != 0:
-        cu = driver()
-        name = cu.cuGetErrorName(err)[1]
-        text = cu.cuGetErrorString(err)[1]
-        name = name.decode() if isinstance(name, bytes) else name
-        text = text.decode() if isinstance(text, bytes) else text
-        raise RuntimeError(f"{what} failed: {name}: {text}")
+        raise RuntimeError(f"{what} failed: {_error(err)}")
     return rest[0] if len(rest) == 1 else rest
 
 
@@ -246,7 +244,8 @@ _lock = threading.Lock()
 
 def function(cfg: build.Config, index: int, log: bool = False):
     """The loaded kernel of ``cfg`` on device ``index`` (compiled and loaded once), for softmax or
-    log_softmax (``cfg.entry_for(log)``: the forwards and backwards have an entry point each)."""
+    log_softmax (``cfg.entry_for(log)``: the forwards and backwards have an entry point each). Raises
+    errors.BackendFailed, naming the cause, when it cannot be compiled, loaded or set up."""
     key = (cfg, index, log)
     fn = _functions.get(key)
     if fn is not None:
@@ -254,22 +253,68 @@ def function(cfg: build.Config, index: int, log: bool = False):
     with _lock:
         fn = _functions.get(key)
         if fn is None:
-            cu = driver()
-            _ok(cu.cuInit(0), "cuInit")
-            launch.ensure_context(index)
-            module = _modules.get((cfg, index))
-            if module is None:
-                binary = build.compile_kernel(cfg, _device_facts(index)[2]).binary
-                module = _modules[cfg, index] = _ok(cu.cuModuleLoadData(binary), f"loading the cubin of {cfg}")
-            fn = _ok(cu.cuModuleGetFunction(module, cfg.entry_for(log).encode()), "cuModuleGetFunction")
-            if cfg.cluster > 8:
-                attr = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED
-                _ok(cu.cuFuncSetAttribute(fn, attr, 1), "cuFuncSetAttribute(non-portable cluster size)")
-            if cfg.staged:
-                attr = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-                _ok(cu.cuFuncSetAttribute(fn, attr, STAGE_MAX), "cuFuncSetAttribute(dynamic shared memory)")
+            try:
+                with _capture_relaxed():
+                    fn = _load_function(cfg, index, log)
+            except BackendFailed:
+                raise
+            except Exception as e:  # NVRTC, the driver or the bindings: the cause, for the caller and fs.info()
+                raise BackendFailed(f"the CUDA backend cannot prepare {cfg.entry_for(log)} ({cfg}): {e}") from e
             _functions[key] = fn
     return fn
+
+
+def _load_function(cfg: build.Config, index: int, log: bool):
+    cu = driver()
+    _ok(cu.cuInit(0), "cuInit")
+    launch.ensure_context(index)
+    module = _modules.get((cfg, index))
+    if module is None:
+        arch = _device_facts(index)[2]
+        compiled = build.compile_kernel(cfg, arch)
+        err, module = cu.cuModuleLoadData(compiled.binary)
+        if int(err) != 0 and compiled.from_disk:  # a cached cubin this driver rejects: compile it again
+            warnings.warn(f"fastsoftmax: the cached cubin {compiled.key} did not load ({_error(err)}); recompiling",
+                          RuntimeWarning, stacklevel=4)  # fmt: skip
+            compiled = build.compile_kernel(cfg, arch, fresh=True)
+            err, module = cu.cuModuleLoadData(compiled.binary)
+        if int(err) != 0:
+            raise BackendFailed(f"the driver cannot load the cubin of {cfg} ({_error(err)}); NVRTC "
+                                f"{'.'.join(map(str, build.nvrtc_version()))} compiled it for {arch}")  # fmt: skip
+        _modules[cfg, index] = module
+    fn = _ok(cu.cuModuleGetFunction(module, cfg.entry_for(log).encode()), "cuModuleGetFunction")
+    if cfg.cluster > 8:
+        attr = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED
+        _ok(cu.cuFuncSetAttribute(fn, attr, 1), "cuFuncSetAttribute(non-portable cluster size)")
+    if cfg.staged:
+        attr = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        _ok(cu.cuFuncSetAttribute(fn, attr, STAGE_MAX), "cuFuncSetAttribute(dynamic shared memory)")
+    return fn
+
+
+def _error(err) -> str:
+    cu = driver()
+    name, text = cu.cuGetErrorName(err)[1], cu.cuGetErrorString(err)[1]
+    name = name.decode() if isinstance(name, bytes) else name
+    text = text.decode() if isinstance(text, bytes) else text
+    return f"{name}: {text}"
+
+
+@contextlib.contextmanager
+def _capture_relaxed():
+    """Loading a module while a CUDA graph is being captured (the first call of a problem inside
+    torch.cuda.graph) is a call the default 'global' capture mode forbids: this thread takes the 'relaxed'
+    mode for the load, then its own mode back."""
+    if not torch.cuda.is_current_stream_capturing():
+        yield
+        return
+    cu = driver()
+    mode = _ok(cu.cuThreadExchangeStreamCaptureMode(cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED),
+               "cuThreadExchangeStreamCaptureMode")  # fmt: skip
+    try:
+        yield
+    finally:
+        cu.cuThreadExchangeStreamCaptureMode(mode)
 
 
 def function_attributes(cfg: build.Config, index: int) -> dict:
@@ -284,9 +329,9 @@ def function_attributes(cfg: build.Config, index: int) -> dict:
 
 
 def _launch(fn, grid: int, block: int, cluster: int, params: _Params, stream: int, smem: int, index: int):
-    if fastpath.recording() is not None:
-        fastpath.cuda_launched(fn, grid, block, cluster, params, smem)
     launch.launch_once(int(fn), grid, block, cluster, params, stream, smem, index)
+    if fastpath.recording() is not None:  # recorded once launched: a failed launch is never replayed
+        fastpath.cuda_launched(fn, grid, block, cluster, params, smem)
 
 
 def _plan(x: torch.Tensor, lay, inputs: int, hint: str | None = None, dy: torch.Tensor | None = None):

@@ -7,7 +7,8 @@ dynamic shared memory, cluster size, the kernel's argument bytes and the byte of
 addresses go (x, y, dy, a workspace), in one `Desc`; a call passes the stream and the addresses.
 
 Two ways to make the call: fastlaunch.c, a six-integer C function built on first use with the C compiler
-(the one Triton builds its launchers with; cached beside the cubins, build.cache_dir()), which copies the
+(the one Triton builds its launchers with; cached beside the cubins, fastsoftmax/cache.py, and loaded from a
+private temporary copy of the verified entry), which copies the
 bytes onto its stack, writes the addresses and calls cuLaunchKernel(Ex); or, where it cannot be built,
 ctypes (about 3 us more per call, measured on the H200), which writes the addresses into the Desc under a
 lock. FASTSOFTMAX_NATIVE_LAUNCH=0 keeps ctypes. libcuda and the compiler are touched on first use only.
@@ -203,7 +204,29 @@ def describe() -> str:
 
 
 def _build_native():
+    """fastlaunch, or None where it cannot be built or loaded (any failure: ctypes launches instead)."""
+    if _native_off():
+        return None
+    try:
+        return _load_native()
+    except Exception:  # no compiler, headers, cache or loader: never worse than ctypes
+        return None
+
+
+def native_entry() -> str:
+    """The cache entry name of fastlaunch.c built for this Python (its source, ABI and the cache format)."""
     import hashlib
+    import sysconfig
+    from pathlib import Path
+
+    from .. import cache
+
+    code = Path(__file__).with_name("fastlaunch.c").read_bytes()
+    suffix = sysconfig.get_config_var("EXT_SUFFIX")
+    return f"fastlaunch-{hashlib.sha256(code + suffix.encode() + bytes([cache.FORMAT])).hexdigest()[:16]}{suffix}"
+
+
+def _load_native():
     import importlib.machinery
     import importlib.util
     import os
@@ -213,34 +236,26 @@ def _build_native():
     import tempfile
     from pathlib import Path
 
-    from .build import cache_dir
+    from .. import cache
 
-    if _native_off():
-        return None
     src = Path(__file__).with_name("fastlaunch.c")
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     include = sysconfig.get_paths().get("include")
     if cc is None or not include or not Path(include, "Python.h").exists():
         return None
-    code = src.read_bytes()
-    tag = hashlib.sha256(code + sysconfig.get_config_var("EXT_SUFFIX").encode()).hexdigest()[:16]
-    so = cache_dir() / f"fastlaunch-{tag}{sysconfig.get_config_var('EXT_SUFFIX')}"
-    if not so.exists():
-        try:
-            so.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=so.parent) as tmp:
-                out = Path(tmp, so.name)
-                subprocess.run([cc, "-O2", "-shared", "-fPIC", f"-I{include}", str(src), "-o", str(out), "-ldl"],
-                               check=True, capture_output=True, timeout=120)  # fmt: skip
-                os.replace(out, so)
-        except (OSError, subprocess.SubprocessError):
-            return None
-    try:
+    name = native_entry()
+    data = cache.load(name)
+    with tempfile.TemporaryDirectory(prefix="fastsoftmax-") as tmp:  # mode 0700: nobody else writes here
+        so = Path(tmp, name)
+        if data is None:
+            subprocess.run([cc, "-O2", "-shared", "-fPIC", f"-I{include}", str(src), "-o", str(so), "-ldl"],
+                           check=True, capture_output=True, timeout=120)  # fmt: skip
+            cache.store(name, so.read_bytes())
+        else:  # the verified entry's bytes, loaded from a file only this process wrote
+            so.write_bytes(data)
         loader = importlib.machinery.ExtensionFileLoader("fastlaunch", str(so))
         mod = importlib.util.module_from_spec(importlib.util.spec_from_loader("fastlaunch", loader))
         loader.exec_module(mod)
-    except ImportError:
-        return None
     if mod.desc_size() != ctypes.sizeof(Desc):
         return None  # a layout mismatch: never launch from bytes the C side reads otherwise
     return mod
@@ -280,6 +295,9 @@ def launch_once(function: int, grid: int, block: int, cluster: int, params: ctyp
         if code == INVALID_CONTEXT and attempt == 0:
             ensure_context(index)
             continue
-        what = "launch" if cluster == 1 else f"cluster launch ({cluster} CTAs per cluster)"
-        _check(code, what)
+        if code != 0:
+            from ..errors import BackendFailed
+
+            what = "launch" if cluster == 1 else f"cluster launch ({cluster} CTAs per cluster)"
+            raise BackendFailed(f"the CUDA backend's {what} failed: {error_name(code)}")
         return
