@@ -41,10 +41,15 @@ def test_bad_arguments(device):
         fs.softmax(x, backend="cuda-magic")
 
 
-def test_unknown_device_names_the_device():
-    x = torch.randn(3, 4, device="meta")
-    with pytest.raises(RuntimeError, match="device 'meta'"):
-        fs.softmax(x)
+def test_unknown_device_names_the_device(monkeypatch):
+    """A device with no path (say xpu; emulated: the CPU taken off the list) raises naming it. Meta tensors
+    are not that: they reach the custom ops' fake implementations (tests/test_compose.py)."""
+    from fastsoftmax import dispatch
+
+    monkeypatch.setattr(dispatch, "DEVICES", ("cuda",))
+    with pytest.raises(RuntimeError, match="device 'cpu'"):
+        fs.softmax(torch.randn(3, 4))
+    assert fs.softmax(torch.randn(3, 4, device="meta")).is_meta
 
 
 def test_errors_come_before_any_launch(device):

@@ -124,7 +124,57 @@ def test_opcheck_and_compile(device, backend):
     x = torch.randn(6, 10, device=device, requires_grad=True)
     t = torch.randint(0, 10, (6,), device=device)
     for reduction in ("mean", "none"):
-        args = (x, t, -100, reduction, 0.1, backend)
+        args = (x, t, -100, reduction, 0.1, backend, x.dtype)
         torch.library.opcheck(torch.ops.fastsoftmax.cross_entropy.default, args)
     f = torch.compile(lambda a: fs.cross_entropy(a * 2, t, label_smoothing=0.1), fullgraph=True, backend="aot_eager")
     torch.testing.assert_close(f(x), F.cross_entropy(x * 2, t, label_smoothing=0.1))
+
+
+@pytest.mark.parametrize("backend", ["auto", "triton", "torch"])
+def test_strided_and_expanded_targets(device, backend):
+    """A target column of a label table (stride 3), every other label (stride 2) and one label expanded to
+    every row (stride 0): read at their strides, as torch does, on every backend; loss and dlogits."""
+    x, _ = data(device, torch.float32, (64,), 513)
+    table = torch.randint(0, 513, (64, 3), generator=torch.Generator().manual_seed(4)).to(device)
+    table[5, 1] = -100
+    wide = torch.randint(0, 513, (64, 2), generator=torch.Generator().manual_seed(5)).to(device)
+    cases = {"column": table[:, 1], "every-other": wide.reshape(-1)[::2],
+             "expanded": torch.tensor([7], device=device).expand(64)}  # fmt: skip
+    for name, t in cases.items():
+        assert not t.is_contiguous(), name
+        for reduction in ("mean", "none"):
+            xg = x.clone().requires_grad_()
+            loss = fs.cross_entropy(xg, t, reduction=reduction, backend=backend)
+            x64 = x.double().requires_grad_()
+            ref = F.cross_entropy(x64, t.contiguous(), reduction=reduction)
+            torch.testing.assert_close(loss.double(), ref.detach(), rtol=1e-5, atol=1e-5, msg=name)
+            g = torch.linspace(0.5, 1.5, ref.numel(), dtype=torch.float64, device=device).reshape(ref.shape)
+            (dx,) = torch.autograd.grad(loss, xg, g.float())
+            (dref,) = torch.autograd.grad(ref, x64, g)
+            torch.testing.assert_close(dx.double(), dref, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("backend", ["auto", "triton", "torch"])
+@pytest.mark.parametrize("tdtype", [torch.uint8, torch.int8, torch.int16, torch.int32], ids=str)
+def test_narrow_integer_targets(device, backend, tdtype):
+    """Targets of every integer dtype are class indices compared as integers, never in their own dtype: a
+    uint8 class 156 is a class (ignore_index -100 does not wrap to it), int16 targets index V = 40000 (the
+    comparison with V does not overflow), float64 logits (the torch path) included."""
+    for logit_dtype in (torch.float32, torch.float64):
+        if backend == "triton" and logit_dtype == torch.float64:
+            continue
+        v = 40000 if tdtype in (torch.int16, torch.int32) else 200
+        hi = {torch.uint8: 199, torch.int8: 127, torch.int16: 32767, torch.int32: 39999}[tdtype]
+        t = torch.tensor([156 if tdtype == torch.uint8 else 100, 0, hi, 3], dtype=tdtype, device=device)
+        if tdtype != torch.uint8:
+            t[3] = -100  # ignored
+        x = torch.randn(4, v, generator=torch.Generator().manual_seed(6), dtype=logit_dtype).to(device)
+        xg = x.clone().requires_grad_()
+        loss = fs.cross_entropy(xg, t, reduction="none", backend=backend)
+        ref = F.cross_entropy(x.double(), t.long(), reduction="none")
+        torch.testing.assert_close(loss.double(), ref, rtol=1e-5, atol=1e-5)
+        assert (loss != 0).sum() == (t.long() != -100).sum()  # class 156 (uint8) is not ignored
+        (dx,) = torch.autograd.grad(loss.sum(), xg)
+        x64 = x.double().requires_grad_()
+        (dref,) = torch.autograd.grad(F.cross_entropy(x64, t.long(), reduction="sum"), x64)
+        torch.testing.assert_close(dx.double(), dref, rtol=1e-5, atol=1e-6)

@@ -7,7 +7,9 @@ import platform
 
 import torch
 
-from . import dispatch, fastpath, heuristics, masking
+from . import cache, compose, dispatch, fastpath, heuristics, masking
+from .layout import storage_problem
+from .reference import softmax_backward_torch
 
 _fast = fastpath.fast
 
@@ -35,7 +37,7 @@ def _check(fn: str, x, dim, dtype, backend) -> tuple[int, torch.dtype]:
         raise IndexError(f"{fn}: dim out of range (expected to be in range of [{-ndim}, {ndim - 1}], but got {dim})")
     if not isinstance(backend, str) or backend not in dispatch.NAMES:
         raise ValueError(f"{fn}: unknown backend {backend!r}; valid: {', '.join(map(repr, dispatch.NAMES))}")
-    if x.device.type not in dispatch.DEVICES:
+    if x.device.type not in dispatch.DEVICES and x.device.type != "meta":  # meta: the custom op's fake
         raise RuntimeError(
             f"{fn}: no path for tensors on device '{x.device}'; fastsoftmax runs cuda tensors (Triton "
             "kernels or torch ops) and cpu tensors (torch ops; Triton under TRITON_INTERPRET=1)"
@@ -75,9 +77,16 @@ def forward(
     backward pass, a loss or another GPU's shard can consume. Returns (y, lse or None). ``key``: the call's
     fastpath key, to record its launches for replay. ``mask``, ``scale``, ``causal``: see masking.py."""
     dim, out_dtype = _check(fn, x, dim, dtype, backend)
-    masked = mask is not None or scale is not None or causal is not False
-    if masked:
+    if mask is not None or scale is not None or causal is not False:
         masking.check(fn, x, dim, mask, scale, causal)
+    return _forward(x, dim, log, dtype, out_dtype, backend, want_lse, fn, key, mask, scale, causal)
+
+
+def _forward(x, dim, log, dtype, out_dtype, backend, want_lse, fn, key, mask, scale, causal):
+    """forward() past its checks (``dim`` non-negative, ``out_dtype`` resolved)."""
+    masked = mask is not None or scale is not None or causal is not False
+    if why := storage_problem(x, mask):
+        raise RuntimeError(f"{fn}: {why}")
     impl, path = dispatch.select(backend, x, out_dtype, dim=dim, masked=masked)
     if x.dim() == 0:
         m = mask.reshape(1) if mask is not None else None
@@ -92,13 +101,13 @@ def forward(
         return torch.empty_like(x, dtype=out_dtype), lse
     if masked:  # softmax(scale * x + mask) along dim, causal over the last two dims
         impl, (xw,), spec = _masked_problem(impl, (x,), dim, mask, scale, causal, backend, fn)
-        y, lse = impl.forward(xw, x.dim() - 1, out_dtype, log, want_lse, path, spec)
-        return y.movedim(-1, dim), lse
+        y, lse = dispatch.forward(impl, backend, xw, x.dim() - 1, out_dtype, log, want_lse, path, spec)
+        return _like_empty_like(y.movedim(-1, dim), x), lse
     rec = fastpath.start(key) if key is not None and not want_lse else None
     if rec is None:
-        return impl.forward(x, dim, out_dtype, log, want_lse, path)
+        return dispatch.forward(impl, backend, x, dim, out_dtype, log, want_lse, path)
     try:
-        y, lse = impl.forward(x, dim, out_dtype, log, want_lse, path)
+        y, lse = dispatch.forward(impl, backend, x, dim, out_dtype, log, want_lse, path)
     except BaseException:
         fastpath.abort()
         raise
@@ -106,13 +115,17 @@ def forward(
     return y, lse
 
 
-def backward(
-    dy, y, dim=-1, *, log=False, dtype=None, backend="auto", fn="softmax_backward", key=None, mask=None, scale=None,
-    causal=False,
-):  # fmt: skip
-    """The gradient of softmax (log_softmax) from its output y and the output gradient dy; dx in ``dtype``
-    (default y's dtype), computed in fp32. ``key``: as forward's. ``mask``, ``scale``, ``causal``: the
-    forward's (masking.py): dx = scale * dz, 0 at masked positions."""
+def _like_empty_like(out: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """out in the layout torch.empty_like(like) gives (what the custom ops' fake implementations promise): as
+    it is when it has it, else copied once (the masked path on rows not in logical order: x was copied too)."""
+    if (like.is_contiguous() and out.is_contiguous()) or (
+        out.stride() == torch.empty_like(like, dtype=out.dtype, device="meta").stride()
+    ):
+        return out
+    return torch.empty_like(like, dtype=out.dtype).copy_(out)
+
+
+def _check_backward(fn, dy, y, dim, dtype, backend, mask, scale, causal) -> tuple[int, torch.dtype]:
     if not isinstance(dy, torch.Tensor):
         raise TypeError(f"{fn}: expected dy to be a torch.Tensor, got {type(dy).__name__}")
     dim, out_dtype = _check(fn, y, dim, dtype, backend)
@@ -122,9 +135,27 @@ def backward(
         raise ValueError(f"{fn}: dy has shape {tuple(dy.shape)} but y has {tuple(y.shape)}")
     if dy.device != y.device:
         raise ValueError(f"{fn}: dy is on {dy.device} but y is on {y.device}")
-    masked = mask is not None or scale is not None or causal is not False
-    if masked:
+    if mask is not None or scale is not None or causal is not False:
         masking.check(fn, y, dim, mask, scale, causal)
+    return dim, out_dtype
+
+
+def backward(
+    dy, y, dim=-1, *, log=False, dtype=None, backend="auto", fn="softmax_backward", key=None, mask=None, scale=None,
+    causal=False,
+):  # fmt: skip
+    """The gradient of softmax (log_softmax) from its output y and the output gradient dy; dx in ``dtype``
+    (default y's dtype), computed in fp32. ``key``: as forward's. ``mask``, ``scale``, ``causal``: the
+    forward's (masking.py): dx = scale * dz, 0 at masked positions."""
+    dim, out_dtype = _check_backward(fn, dy, y, dim, dtype, backend, mask, scale, causal)
+    return _backward(dy, y, dim, log, dtype, out_dtype, backend, fn, key, mask, scale, causal)
+
+
+def _backward(dy, y, dim, log, dtype, out_dtype, backend, fn, key, mask, scale, causal):
+    """backward() past its checks."""
+    masked = mask is not None or scale is not None or causal is not False
+    if why := storage_problem(y, dy, mask):
+        raise RuntimeError(f"{fn}: {why}")
     impl, path = dispatch.select(backend, y, out_dtype, dy, dim=dim, masked=masked)
     if y.dim() == 0:
         m = mask.reshape(1) if mask is not None else None
@@ -135,12 +166,13 @@ def backward(
         return torch.empty_like(y, dtype=out_dtype)
     if masked:
         impl, (yw, dyw), spec = _masked_problem(impl, (y, dy), dim, mask, scale, causal, backend, fn)
-        return impl.backward(dyw, yw, y.dim() - 1, out_dtype, log, path, spec).movedim(-1, dim)
+        dx = dispatch.backward(impl, backend, dyw, yw, y.dim() - 1, out_dtype, log, path, spec)
+        return _like_empty_like(dx.movedim(-1, dim), y)
     rec = fastpath.start(key) if key is not None else None
     if rec is None:
-        return impl.backward(dy, y, dim, out_dtype, log, path)
+        return dispatch.backward(impl, backend, dy, y, dim, out_dtype, log, path)
     try:
-        dx = impl.backward(dy, y, dim, out_dtype, log, path)
+        dx = dispatch.backward(impl, backend, dy, y, dim, out_dtype, log, path)
     except BaseException:
         fastpath.abort()
         raise
@@ -148,30 +180,29 @@ def backward(
     return dx
 
 
-def _autograd(x) -> bool:
-    """Whether a call must go through the custom op: autograd will need its backward, or torch.compile
-    is tracing (one opaque op, no graph break)."""
-    return (x.requires_grad and torch.is_grad_enabled()) or torch.compiler.is_compiling()
-
-
 def _public_forward(x, dim, log, fn, mask, scale, causal, dtype, backend):
+    """The route (compose.py) of a public softmax / log_softmax call, after torch's autocast policy."""
+    d, _ = _check(fn, x, dim, dtype, backend)
     masked = mask is not None or scale is not None or causal is not False
-    if isinstance(x, torch.Tensor) and _autograd(x):
-        d, _ = _check(fn, x, dim, dtype, backend)
-        if not masked:
-            if torch.compiler.is_compiling():
-                return torch.ops.fastsoftmax.softmax(x, dim, log, dtype, backend)
-            from .ops import SoftmaxEager
-
-            return SoftmaxEager.apply(x, dim, log, dtype, backend)
-        masking.check(fn, x, d, mask, scale, causal)
-        return torch.ops.fastsoftmax.softmax_masked(x, dim, log, dtype, backend, mask, scale, causal)
     if masked:
-        return forward(x, dim, log=log, dtype=dtype, backend=backend, fn=fn, mask=mask, scale=scale,
-                       causal=causal)[0]  # fmt: skip
-    # (the public functions tried fastpath.fast first: the key here records this call for later replays)
-    key = fastpath.key(x, None, dim, dtype, log, backend)
-    return forward(x, dim, log=log, dtype=dtype, backend=backend, fn=fn, key=key)[0]
+        masking.check(fn, x, d, mask, scale, causal)
+    dtype = compose.softmax_dtype(x, dtype)
+    route = compose.route(x, mask)
+    if route == "plain":
+        # (the public functions tried fastpath.fast first: the key here records this call for later replays)
+        key = None if masked else fastpath.key(x, None, dim, dtype, log, backend)
+        return _forward(x, d, log, dtype, dtype or x.dtype, backend, False, fn, key, mask, scale, causal)[0]
+    from . import ops
+
+    if route == "func":
+        if masked:  # torch ops, differentiable in x and the mask, which the transforms see through
+            return ops.softmax_masked_torch(x, d, log, dtype, mask, scale, causal)
+        return ops.SoftmaxEager.apply(x, dim, log, dtype, backend)
+    if masked:
+        return torch.ops.fastsoftmax.softmax_masked(x, dim, log, dtype, backend, mask, scale, causal)
+    if route == "op":
+        return torch.ops.fastsoftmax.softmax(x, dim, log, dtype, backend)
+    return ops.SoftmaxEager.apply(x, dim, log, dtype, backend)
 
 
 def softmax(x, dim=-1, *, mask=None, scale=None, causal=False, dtype=None, backend="auto") -> torch.Tensor:
@@ -198,11 +229,25 @@ def log_softmax(x, dim=-1, *, mask=None, scale=None, causal=False, dtype=None, b
 
 
 def _public_backward(dy, y, dim, log, fn, mask, scale, causal, dtype, backend):
-    if mask is not None or scale is not None or causal is not False:
-        return backward(dy, y, dim, log=log, dtype=dtype, backend=backend, fn=fn, mask=mask, scale=scale,
-                        causal=causal)  # fmt: skip
-    key = None if isinstance(y, torch.Tensor) and _autograd(y) else fastpath.key(y, dy, dim, dtype, log, backend)
-    return backward(dy, y, dim, log=log, dtype=dtype, backend=backend, fn=fn, key=key)
+    d, out_dtype = _check_backward(fn, dy, y, dim, dtype, backend, mask, scale, causal)
+    masked = mask is not None or scale is not None or causal is not False
+    route = compose.route(y, dy, mask)
+    if route == "plain":
+        key = None if masked else fastpath.key(y, dy, dim, dtype, log, backend)
+        return _backward(dy, y, d, log, dtype, out_dtype, backend, fn, key, mask, scale, causal)
+    if route == "op":
+        if masked:
+            return torch.ops.fastsoftmax.softmax_backward_masked(dy, y, dim, log, out_dtype, backend, mask, scale,
+                                                                 causal)  # fmt: skip
+        return torch.ops.fastsoftmax.softmax_backward(dy, y, dim, log, out_dtype, backend)
+    # autograd through the gradient itself, or a torch.func transform: torch ops, differentiable in dy and y
+    heuristics.record(heuristics.Plan("torch", "composite"))
+    y1, dy1 = (y, dy) if y.dim() else (y.reshape(1), dy.reshape(1))
+    wide = torch.float64 in (y.dtype, dy.dtype, out_dtype)
+    dz = softmax_backward_torch(dy1, y1, d if y.dim() else 0, log, torch.float64 if wide else torch.float32)
+    if masked:
+        dz = masking.finish_grad(dz, y1, mask if y.dim() else None, scale, causal)
+    return dz.reshape(y.shape).to(out_dtype)
 
 
 def softmax_backward(dy, y, dim=-1, *, mask=None, scale=None, causal=False, dtype=None, backend="auto"):
@@ -320,12 +365,17 @@ def info() -> dict:
                 "cuda": bool(cuda and triton_version and not interp),
                 "cpu": bool(triton_version and interp),
             },
-            "cuda": {"cuda": bool(cuda and not dispatch.cuda_import_error()), "cpu": False},
+            "cuda": {
+                "cuda": bool(cuda and not dispatch.cuda_import_error() and not dispatch.cuda_failure()),
+                "cpu": False,
+                "off": dispatch.cuda_import_error() or dispatch.cuda_failure(),
+            },
             "torch": {"cuda": cuda, "cpu": True},
         },
         "nvrtc": _nvrtc_version(),
         "kernels": KERNEL_FAMILIES,
         "replay": _replay_launch(),
+        "cache": {"directory": str(cache.root()) if cache.root() else None, "refused": cache.problems()},
     }
 
 

@@ -12,7 +12,8 @@ fastlaunch.c, which calls libcuda's cuLaunchKernel, or where that cannot be buil
 ctypes): entry kind "prepared". Where a recorded Triton launch is of a kind not built there, the replay
 calls Triton's C launch function ("direct") or CompiledKernel.run ("run").
 
-A call is recorded only when it is plain: CUDA tensors that need no autograd, no heuristics.force or test
+A call is recorded only when it is plain (compose.py's 'plain' route, and no autocast region): CUDA tensors
+that need no autograd, no heuristics.force or test
 poisoning active, no logsumexp output, inputs used in place (not copied into another layout, not addressed
 from a 16-byte boundary before them), and only kernels whose launcher call is known (Triton 3.6's, the
 CUDA backend's). Everything else always takes the full path. Profiler hooks registered with Triton turn
@@ -25,8 +26,9 @@ import os
 import threading
 
 import torch
+import torch.autograd.forward_ad as _fwad
 
-from . import heuristics
+from . import compose, heuristics
 
 ENABLED = os.environ.get("FASTSOFTMAX_FAST_LAUNCH", "1") != "0"
 TRITON_VERSIONS = ("3.6.",)  # Triton releases whose CompiledKernel.run call below has been checked on a GPU
@@ -47,18 +49,28 @@ def key(x, d, dim, dtype, log: bool, backend):
         return None
     if d is not None and (type(d) is not torch.Tensor or not d.is_cuda):
         return None
-    k = (x.shape, x.stride(), x.dtype, x.get_device(), x.data_ptr() % 16, dim, dtype, log, backend)
+    px = x.data_ptr()
+    if not px:  # no storage (resized to 0 bytes): the full path raises
+        return None
+    k = (x.shape, x.stride(), x.dtype, x.get_device(), px % 16, dim, dtype, log, backend)
     if d is not None:
-        k += (d.stride(), d.dtype, d.data_ptr() % 16, (d.data_ptr() - x.data_ptr()) % 16, d.shape)
+        pd = d.data_ptr()
+        if not pd:
+            return None
+        k += (d.stride(), d.dtype, pd % 16, (pd - px) % 16, d.shape, d.get_device())
     return k
 
 
 def fast(x, d, dim, dtype, log: bool, backend):
     """The public functions' first step for a call with no mask, scale or causal: the replayed output, or
     None (then the full path runs: autograd, torch.compile tracing, a call not recorded yet, anything the
-    replay must not take). The checks of api._autograd and the replay's in one frame: a small call's host
-    time is mostly Python calls."""
+    replay must not take). compose.route's checks for a plain call, autocast's and the replay's in one
+    frame: a small call's host time is mostly Python calls."""
     if type(x) is not torch.Tensor or (x.requires_grad and torch.is_grad_enabled()) or _compiling():
+        return None
+    if _transforms() or _fwad._current_level >= 0 or _modes() or _tracing() is not None or _autocast():
+        return None
+    if d is not None and d.requires_grad and torch.is_grad_enabled():
         return None
     k = key(x, d, dim, dtype, log, backend)
     entry = _cache.get(k) if k is not None else None
@@ -68,6 +80,10 @@ def fast(x, d, dim, dtype, log: bool, backend):
 
 
 _compiling = torch.compiler.is_compiling
+_transforms = compose._transforms_active
+_modes = compose._dispatch_modes
+_tracing = compose._tracing
+_autocast = compose._any_autocast
 
 
 # ---- recording ----------------------------------------------------------------------------------------

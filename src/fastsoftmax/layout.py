@@ -89,3 +89,12 @@ def alloc(like: torch.Tensor, dtype: torch.dtype, shape=None, strides=None) -> t
     else:
         out = torch.empty_strided(shape, strides, dtype=dtype, device=like.device)
     return out.fill_(float("nan")) if poisoning() else out
+
+
+def storage_problem(*tensors) -> str | None:
+    """Why one of ``tensors`` (None entries skipped) has no data to read: elements but no storage (resized to
+    0 bytes), which torch's own ops refuse too. None: every one has."""
+    for t in tensors:
+        if t is not None and not t.data_ptr() and t.numel() and not t.is_meta:
+            return f"a tensor of shape {tuple(t.shape)} has no storage (was it resized to 0 bytes?)"
+    return None

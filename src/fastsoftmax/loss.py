@@ -14,10 +14,34 @@ from __future__ import annotations
 
 import torch
 
-from . import dispatch, heuristics
+from . import compose, dispatch, heuristics
+from .layout import storage_problem
 from .reference import logsumexp_torch
 
 REDUCTIONS = ("none", "mean", "sum")
+TARGET_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8)
+
+
+def check_options(fn: str, ignore_index, reduction, label_smoothing) -> None:
+    """The loss options' checks, shared with fastsoftmax.distributed."""
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"{fn}: reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)):
+        raise TypeError(f"{fn}: label_smoothing must be a float")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"{fn}: label_smoothing must be in [0, 1], got {label_smoothing}")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"{fn}: ignore_index must be an int")
+
+
+def check_target(fn: str, logits, target) -> None:
+    if not isinstance(target, torch.Tensor):
+        raise TypeError(f"{fn}: target must be a torch.Tensor")
+    if target.dtype not in TARGET_DTYPES:
+        raise TypeError(f"{fn}: target must hold class indices (an integer dtype), got {target.dtype}")
+    if tuple(target.shape) != tuple(logits.shape[:-1]):
+        raise ValueError(f"{fn}: target has shape {tuple(target.shape)}, expected logits' shape without "
+                         f"the class dim, {tuple(logits.shape[:-1])}")  # fmt: skip
 
 
 def _check(logits, target, ignore_index, reduction, label_smoothing, backend):
@@ -25,34 +49,26 @@ def _check(logits, target, ignore_index, reduction, label_smoothing, backend):
         raise TypeError("cross_entropy: logits and target must be torch.Tensors")
     if not logits.dtype.is_floating_point:
         raise TypeError(f"cross_entropy: logits must be floating point, got {logits.dtype}")
-    if target.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
-        raise TypeError(f"cross_entropy: target must hold class indices (an integer dtype), got {target.dtype}")
     if logits.dim() < 1 or logits.shape[-1] == 0:
         raise ValueError(f"cross_entropy: logits need a class dim (the last) of size >= 1, got {tuple(logits.shape)}")
-    if tuple(target.shape) != tuple(logits.shape[:-1]):
-        raise ValueError(f"cross_entropy: target has shape {tuple(target.shape)}, expected logits' shape without "
-                         f"the class dim, {tuple(logits.shape[:-1])}")  # fmt: skip
+    check_target("cross_entropy", logits, target)
     if target.device != logits.device:
         raise ValueError(f"cross_entropy: target is on {target.device} but logits on {logits.device}")
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"cross_entropy: reduction must be one of {REDUCTIONS}, got {reduction!r}")
-    if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)):
-        raise TypeError("cross_entropy: label_smoothing must be a float")
-    if not 0.0 <= label_smoothing <= 1.0:
-        raise ValueError(f"cross_entropy: label_smoothing must be in [0, 1], got {label_smoothing}")
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
-        raise TypeError("cross_entropy: ignore_index must be an int")
+    check_options("cross_entropy", ignore_index, reduction, label_smoothing)
     if backend not in ("auto", "triton", "torch"):
         raise ValueError(f"cross_entropy: backend must be 'auto', 'triton' or 'torch', got {backend!r}")
 
 
-def _assert_targets(t: torch.Tensor, v: int, ignore_index: int) -> None:
+def _assert_targets(t: torch.Tensor, v, ignore_index: int) -> None:
+    """Raise when a target is outside [0, v) and not ignore_index (``v``: an int or a 0-d tensor), comparing
+    as int64 whatever the target's integer dtype (uint8 would wrap -100 to 156)."""
+    t = t.long()
     bad = ((t < 0) | (t >= v)) & (t != ignore_index)
     if t.is_cuda:
-        torch._assert_async(~bad.any(), f"cross_entropy: a target is outside [0, {v}) and not ignore_index")
+        torch._assert_async(~bad.any(), "cross_entropy: a target is outside [0, V) and not ignore_index")
     elif bad.any():
         i = int(bad.nonzero()[0, 0])
-        raise IndexError(f"cross_entropy: target {int(t[i])} at row {i} is outside [0, {v}) and not ignore_index")
+        raise IndexError(f"cross_entropy: target {int(t[i])} at row {i} is outside [0, {int(v)}) and not ignore_index")
 
 
 def _backend(x: torch.Tensor, backend: str) -> str:
@@ -79,9 +95,10 @@ def _launch(k, v: int, elsize: int, backward: bool) -> tuple[int, int, int]:
 
 
 def _rows_torch(x, t, ignore_index: int, smoothing: float):
-    """(loss per row, lse per row), fp32 (fp64 for fp64 logits), with torch ops."""
+    """(loss per row, lse per row), fp32 (fp64 for fp64 logits), with torch ops (differentiable in x)."""
     lse = logsumexp_torch(x)
     xc = x.to(lse.dtype)
+    t = t.long()
     keep = t != ignore_index
     x_t = xc.gather(-1, torch.where(keep, t, 0).long()[:, None]).squeeze(-1)
     loss = lse - x_t if smoothing == 0 else lse - (1 - smoothing) * x_t - smoothing * xc.mean(-1)
@@ -101,14 +118,24 @@ def dlogits_torch(x, t, lse, g, ignore_index: int, smoothing: float, offset: int
     a vocabulary split across ranks; by default the whole row)."""
     xc = x.to(lse.dtype)
     p = (xc - torch.where(lse == float("-inf"), 0.0, lse)[:, None]).exp()
+    t = t.long()
     keep = t != ignore_index
     local = t - offset
     own = keep & (local >= 0) & (local < x.shape[-1])
-    hot = torch.zeros_like(p)
-    if x.shape[-1]:
-        hot.scatter_(-1, torch.where(own, local, 0).long()[:, None], own.to(p.dtype)[:, None])
-    d = p - (1 - smoothing) * hot - smoothing / (v_total or x.shape[-1])
+    hot = (torch.arange(x.shape[-1], device=x.device) == local[:, None]) & own[:, None]
+    n = x.shape[-1] if v_total is None else v_total  # a 0-d tensor for a vocabulary split across ranks
+    d = p - (1 - smoothing) * hot.to(p.dtype) - smoothing / (n.to(p.dtype) if isinstance(n, torch.Tensor) else n)
     return torch.where(keep[:, None], d * g.to(d.dtype)[:, None], 0.0)
+
+
+def dlogits_differentiable(logits, target, stats, grad, ignore_index: int, reduction: str, smoothing: float):
+    """dlogits in torch ops, differentiable in the logits (the logsumexp recomputed from them, not the saved
+    one: the Hessian's -p p^T term) and in grad: create_graph=True and torch.func transforms."""
+    x, t = _flat(logits, target)
+    m = x.shape[0]
+    g = _row_grad(grad, stats[m], reduction, m).to(stats.dtype)
+    dx = dlogits_torch(x, t, logsumexp_torch(x), g, ignore_index, smoothing)
+    return dx.to(logits.dtype).reshape(logits.shape)
 
 
 def _reduce(loss_rows, kept, reduction, out_dtype):
@@ -132,29 +159,53 @@ def _row_grad(grad, kept, reduction, m):
 
 
 def cross_entropy(logits, target, *, ignore_index=-100, reduction="mean", label_smoothing=0.0, backend="auto"):
-    """torch.nn.functional.cross_entropy for logits with the classes along the last dim; see the module."""
+    """torch.nn.functional.cross_entropy for logits with the classes along the last dim; see the module.
+    Under torch.autocast the loss is float32 (as torch's); target: any integer dtype, any strides."""
     _check(logits, target, ignore_index, reduction, label_smoothing, backend)
-    if torch.compiler.is_compiling():
-        return torch.ops.fastsoftmax.cross_entropy(logits, target, ignore_index, reduction, float(label_smoothing),
-                                                   backend)[0]  # fmt: skip
-    if logits.requires_grad and torch.is_grad_enabled():
-        from .ops import CrossEntropyEager  # the custom op's code without its dispatch (ops.py)
+    eps, out_dtype = float(label_smoothing), compose.loss_dtype(logits)
+    route = compose.route(logits, target)
+    if route == "plain":
+        return _forward(logits, target, ignore_index, reduction, eps, backend, out_dtype)[0]
+    if route == "op":
+        return torch.ops.fastsoftmax.cross_entropy(logits, target, ignore_index, reduction, eps, backend, out_dtype)[0]
+    if route == "func":
+        return _composite(logits, target, ignore_index, reduction, eps, out_dtype)
+    from .ops import CrossEntropyEager  # the custom op's code without its dispatch (ops.py)
 
-        return CrossEntropyEager.apply(logits, target, ignore_index, reduction, float(label_smoothing), backend)[0]
-    return _forward(logits, target, ignore_index, reduction, float(label_smoothing), backend)[0]
+    return CrossEntropyEager.apply(logits, target, ignore_index, reduction, eps, backend, out_dtype)[0]
+
+
+def _composite(logits, target, ignore_index, reduction, smoothing, out_dtype):
+    """The loss in torch ops, differentiable to any order (torch.func transforms); targets are checked where
+    they are plain tensors (a batched one cannot be read: its gather raises on a bad index)."""
+    heuristics.record(heuristics.Plan("torch", "composite"))
+    x, t = logits.reshape(-1, logits.shape[-1]), target.reshape(-1)
+    if not torch._C._functorch.is_functorch_wrapped_tensor(t):
+        _assert_targets(t, x.shape[-1], ignore_index)
+    loss_rows, _ = _rows_torch(x, t, ignore_index, smoothing)
+    loss = _reduce(loss_rows, (t.long() != ignore_index).sum(), reduction, out_dtype)
+    return loss.reshape(target.shape) if reduction == "none" else loss
 
 
 def _flat(logits, target):
+    """(M, V) logits with unit stride along V, and the (M,) targets in memory order (what the kernels index:
+    a strided or expanded target is copied, M integers)."""
     v = logits.shape[-1]
     x = logits.reshape(-1, v)
     if x.stride(-1) != 1:
         x = x.contiguous()
-    return x, target.reshape(-1)
+    t = target.reshape(-1)
+    if t.numel() > 1 and t.stride(0) != 1:
+        t = t.contiguous()
+    return x, t
 
 
-def _forward(logits, target, ignore_index, reduction, smoothing, backend):
-    """(loss, stats): stats (M + 2,) holds each row's logsumexp, then the number of rows not ignored (the
-    mean's divisor, for the backward), then 1.0 if every target was in range."""
+def _forward(logits, target, ignore_index, reduction, smoothing, backend, out_dtype=None):
+    """(loss in out_dtype (default: the logits'), stats): stats (M + 2,) holds each row's logsumexp, then the
+    number of rows not ignored (the mean's divisor, for the backward), then 1.0 if every target was in range."""
+    if why := storage_problem(logits, target):
+        raise RuntimeError(f"cross_entropy: {why}")
+    out_dtype = out_dtype or logits.dtype
     x, t = _flat(logits, target)
     m, v = x.shape
     if m and _backend(x, backend) == "triton":
@@ -162,7 +213,7 @@ def _forward(logits, target, ignore_index, reduction, smoothing, backend):
 
         shape = _launch(k, v, x.element_size(), backward=False)
         with dispatch._on_device(x):
-            loss, stats = k.forward(x, t, ignore_index, smoothing, reduction, logits.dtype, shape)
+            loss, stats = k.forward(x, t, ignore_index, smoothing, reduction, out_dtype, shape)
         _raise_bad_targets(stats[m + 1], t, v, ignore_index)
         return (loss.reshape(target.shape) if reduction == "none" else loss), stats
     _assert_targets(t, v, ignore_index)
@@ -171,13 +222,15 @@ def _forward(logits, target, ignore_index, reduction, smoothing, backend):
         loss_rows, lse = _rows_torch(x, t, ignore_index, smoothing)
     else:
         loss_rows = lse = torch.zeros(0, dtype=torch.float32, device=x.device)
-    kept = (t != ignore_index).sum().to(lse.dtype)
+    kept = (t.long() != ignore_index).sum().to(lse.dtype)
     stats = torch.cat([lse, kept[None], torch.ones(1, dtype=lse.dtype, device=x.device)])
-    loss = _reduce(loss_rows, kept, reduction, logits.dtype)
+    loss = _reduce(loss_rows, kept, reduction, out_dtype)
     return (loss.reshape(target.shape) if reduction == "none" else loss), stats
 
 
 def _backward(logits, target, stats, grad, ignore_index, reduction, smoothing, backend):
+    if why := storage_problem(logits, target, stats, grad):
+        raise RuntimeError(f"cross_entropy: {why}")
     x, t = _flat(logits, target)
     m, v = x.shape
     if m and _backend(x, backend) == "triton":
