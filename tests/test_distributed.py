@@ -103,3 +103,127 @@ def test_needs_an_initialised_group():
         pytest.skip("a process group is already initialised in this process")
     with pytest.raises(RuntimeError, match="init_process_group"):
         fsd.softmax(torch.randn(2, 3))
+
+
+def _changing_widths(rank, world, splits):
+    """One rank's slice width changes between calls while another's stays (rank 0 keeps 5 at first): every
+    call right, the collectives in step on every rank."""
+    import fastsoftmax.distributed as fsd
+
+    x = full_logits(torch.float64)
+    x[1] = torch.randn(V, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    t = targets()
+    ref = F.cross_entropy(x, t, label_smoothing=0.1)
+    for widths in splits:
+        lo = sum(widths[:rank])
+        xs = x[:, lo : lo + widths[rank]].clone().requires_grad_()
+        loss = fsd.cross_entropy(xs, t, label_smoothing=0.1)
+        torch.testing.assert_close(loss, ref)
+        y = fsd.log_softmax(xs)
+        torch.testing.assert_close(y, torch.log_softmax(x, -1)[:, lo : lo + widths[rank]])
+        for tdtype in (torch.int16, torch.int32):  # narrow targets: compared as integers
+            torch.testing.assert_close(fsd.cross_entropy(xs, t.to(tdtype), label_smoothing=0.1), ref)
+        u = torch.where(t < 0, 0, t).to(torch.uint8)
+        torch.testing.assert_close(fsd.cross_entropy(xs, u), F.cross_entropy(x, u.long()))
+
+
+def _disagreeing(rank, world, case, out_dir):
+    """Ranks that disagree: each records the error it raised (or that it returned)."""
+    import fastsoftmax.distributed as fsd
+
+    x = full_logits(torch.float32)[:, rank * 11 : rank * 11 + 11 + rank]
+    t = targets()
+    try:
+        if case == "rows":
+            fsd.cross_entropy(x[: M - rank], t[: M - rank])
+        elif case == "dtype":
+            fsd.cross_entropy(x.double() if rank else x, t)
+        elif case == "options":
+            fsd.cross_entropy(x, t, label_smoothing=0.1 * rank)
+        else:
+            fsd.softmax(x[: M - rank])
+        msg = "returned"
+    except ValueError as e:
+        msg = f"ValueError: {e}"
+    (out_dir / f"rank{rank}.txt").write_text(msg)
+
+
+def _spawn(tmp_path, monkeypatch, fn, world, *args):
+    init_file = tmp_path / "store"
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    if os.path.exists("/sys/class/net/lo") and "GLOO_SOCKET_IFNAME" not in os.environ:
+        monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    mp.spawn(_run, args=(world, str(init_file), fn, args), nprocs=world, join=True)
+
+
+def _run(rank, world, init_file, fn, args):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        fn(rank, world, *args)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_slice_widths_change_between_calls(tmp_path, monkeypatch):
+    _spawn(tmp_path, monkeypatch, _changing_widths, 3, [(5, 0, 18), (5, 9, 9), (5, 9, 9), (1, 21, 1), (5, 0, 18)])
+
+
+@pytest.mark.parametrize("case", ["rows", "dtype", "options", "softmax-rows"])
+def test_disagreeing_ranks_all_raise_the_same_error(tmp_path, monkeypatch, case):
+    """Different row counts, dtypes or loss options on two ranks: both raise the same ValueError (no crash
+    on one and a result on the other, no hang)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    _spawn(tmp_path, monkeypatch, _disagreeing, 2, case, out)
+    msgs = [(out / f"rank{r}.txt").read_text() for r in range(2)]
+    assert msgs[0] == msgs[1] and msgs[0].startswith("ValueError: distributed."), msgs
+    assert "the ranks must pass shards of the same rows and dtype" in msgs[0]
+
+
+def test_options_are_checked_before_any_collective():
+    import fastsoftmax.distributed as fsd
+
+    x, t = torch.randn(3, 5), torch.zeros(3, dtype=torch.long)
+    for bad, err in ((1.5, ValueError), (-0.1, ValueError), ("0.1", TypeError)):
+        with pytest.raises(err, match="label_smoothing"):
+            fsd.cross_entropy(x, t, label_smoothing=bad)
+    with pytest.raises(ValueError, match="reduction"):
+        fsd.cross_entropy(x, t, reduction="avg")
+    with pytest.raises(TypeError, match="integer dtype"):
+        fsd.cross_entropy(x, t.float())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (NCCL)")
+def test_forward_has_no_host_sync_and_captures_in_a_cuda_graph(tmp_path, device):
+    """NCCL with one rank: softmax and cross_entropy forwards (the signature and statistics all-gathers, the
+    agreement and target assertions on the device) are captured in a CUDA graph, which a host sync would
+    abort, and replay right on new data."""
+    import fastsoftmax.distributed as fsd
+
+    if device != "cuda":
+        pytest.skip("a GPU test (--device cuda)")
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        x = torch.randn(64, 1000, device="cuda")
+        t = torch.randint(0, 1000, (64,), device="cuda")
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):  # warm up outside the capture (NCCL communicator, kernels)
+            fsd.cross_entropy(x, t, label_smoothing=0.1)
+            fsd.log_softmax(x)
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            loss = fsd.cross_entropy(x, t, label_smoothing=0.1)
+            y = fsd.log_softmax(x)
+        for _ in range(2):
+            x.copy_(torch.randn_like(x) * 3)
+            g.replay()
+            torch.cuda.synchronize()
+            torch.testing.assert_close(loss, F.cross_entropy(x, t, label_smoothing=0.1))
+            torch.testing.assert_close(y, torch.log_softmax(x, -1))
+    finally:
+        dist.destroy_process_group()

@@ -2,10 +2,15 @@
 process group: rank r holds a contiguous slice of the classes (slices may differ in width, be empty of
 finite values, or be empty), in rank order.
 
-One collective per forward: every rank all-gathers per-row statistics (its slice's logsumexp, and for
-cross-entropy the target logit if the target falls in its slice, the sum of its logits and its width), and
-merges them into the row's global logsumexp. Megatron-LM's vocabulary-parallel cross-entropy uses three
-all-reduces (max, sum of exp, target logit); a logsumexp carries max and sum in one number.
+Two collectives per forward, the same on every rank whatever its inputs: an all-gather of each rank's
+signature (its slice's width, its row count, its dtype and a digest of the call's options), from which every
+rank checks that the ranks agree and finds its slice's offset in the vocabulary, as a device tensor; then an
+all-gather of per-row statistics (its slice's logsumexp, and for cross-entropy the target logit if the target
+falls in its slice and the sum of its logits), merged into the row's global logsumexp. Megatron-LM's
+vocabulary-parallel cross-entropy uses three all-reduces (max, sum of exp, target logit); a logsumexp carries
+max and sum in one number. No host synchronisation (a forward can be captured in a CUDA graph): ranks that
+disagree (rows, dtype, options) raise the same ValueError on every rank for CPU tensors (gloo), and on CUDA
+tensors every rank stops at the same device-side assertion (torch._assert_async) before the statistics move.
 
 Backward: softmax and log_softmax need one all-reduce of a per-row sum (sum(y*dy), or sum(dy)); the
 cross-entropy backward needs none (dlogits come from the saved global logsumexp).
@@ -18,11 +23,16 @@ one write for the output).
 
 from __future__ import annotations
 
+import hashlib
+import math
+
 import torch
 import torch.distributed as dist
 
-from .loss import REDUCTIONS, _assert_targets, _reduce, _row_grad, dlogits_torch
+from .loss import _assert_targets, _reduce, _row_grad, check_options, check_target, dlogits_torch
 from .reference import logsumexp_torch
+
+_DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
 
 
 def _gather(stats: torch.Tensor, group) -> torch.Tensor:
@@ -61,9 +71,33 @@ def _normalise(x: torch.Tensor, lse: torch.Tensor, log: bool, dtype) -> torch.Te
     return y.to(dtype)
 
 
+def _agree(fn: str, x: torch.Tensor, group, options: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first collective: every rank's (width, rows, dtype, options digest), checked for agreement; returns
+    (this rank's offset in the vocabulary, the vocabulary's size), 0-d int64 tensors on x's device."""
+    rows = math.prod(x.shape[:-1])
+    digest = float(int(hashlib.sha256(repr(options).encode()).hexdigest()[:13], 16))  # < 2^52: exact in float64
+    sig = torch.full((4,), digest, dtype=torch.float64, device=x.device)  # fills, no host-to-device copy
+    sig[0], sig[1], sig[2] = float(x.shape[-1]), float(rows), float(_DTYPE_CODES[x.dtype])
+    every = _gather(sig, group)  # (world, 4)
+    same = (every[:, 1:] == every[:1, 1:]).all()
+    if x.is_cuda:
+        torch._assert_async(same, f"{fn}: the ranks disagree on the row count, dtype or options")
+    elif not bool(same):
+        names = {v: str(k).removeprefix("torch.") for k, v in _DTYPE_CODES.items()}
+        seen = []
+        for r, (_, rows_r, code, opts) in enumerate(every.tolist()):
+            other = "" if opts == every[0, 3] else ", other options"
+            seen.append(f"rank {r}: {int(rows_r)} rows of {names[int(code)]}{other}")
+        raise ValueError(f"{fn}: the ranks must pass shards of the same rows and dtype, with the same options "
+                         f"({'; '.join(seen)})")  # fmt: skip
+    widths = every[:, 0].long()
+    return widths[: dist.get_rank(group)].sum(), widths.sum()
+
+
 class _Softmax(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, log, group, dtype):
+        _agree("distributed.softmax", x, group, (log, str(dtype)))
         lse = _merge_lse(_gather(_local_lse(x), group))
         y = _normalise(x, lse, log, dtype or x.dtype)
         ctx.save_for_backward(y)
@@ -84,11 +118,14 @@ class _Softmax(torch.autograd.Function):
         return dx.to(ctx.x_dtype), None, None, None
 
 
-def _check_shard(fn, x, group):
+def _check_shard(fn, x, group, target=None):
+    """The shard's (and the target's) checks, then the process group's: what can fail before a collective."""
     if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point:
         raise TypeError(f"{fn}: expected a floating-point torch.Tensor shard")
     if x.dim() < 1:
         raise ValueError(f"{fn}: the shard needs the split class dim (the last)")
+    if target is not None:
+        check_target(fn, x, target)
     if not dist.is_initialized():
         raise RuntimeError(f"{fn}: torch.distributed is not initialised (init_process_group first)")
 
@@ -105,50 +142,22 @@ def log_softmax(x: torch.Tensor, *, group=None, dtype=None) -> torch.Tensor:
     return _Softmax.apply(x, True, group, dtype)
 
 
-_widths: dict = {}  # (group, world, rank, local width) -> every rank's width, as last seen
-
-
-def _group_key(group):
-    return id(group) if group is not None else None
-
-
 class _CrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, target, ignore_index, reduction, smoothing, group):
         v_local = x.shape[-1]
-        t = target.reshape(-1)
+        t = target.reshape(-1).long()
         xf = x.reshape(t.shape[0], v_local)
-        stat = torch.float64 if x.dtype == torch.float64 else torch.float32
-        world, rank = dist.get_world_size(group), dist.get_rank(group)
-        key = (_group_key(group), world, rank, v_local)
-        widths = _widths.get(key)
-        if widths is None:  # first call with this slice width: learn every rank's (one more collective, once)
-            widths = tuple(int(w) for w in _gather(torch.tensor([float(v_local)], device=x.device), group)[:, 0])
-            _widths[key] = widths
-        lse = _local_lse(xf)
-        sum_x = xf.to(stat).sum(-1) if smoothing else torch.zeros_like(lse)
-
-        def stats(widths):
-            offset = sum(widths[:rank])
-            local_t = t - offset
-            own = (t != ignore_index) & (local_t >= 0) & (local_t < v_local)
-            x_t = torch.zeros_like(lse)
-            if v_local:
-                x_t = torch.where(own, xf.gather(-1, torch.where(own, local_t, 0).long()[:, None])[:, 0].to(stat), 0.0)
-            st = torch.stack([lse, x_t, sum_x], -1)
-            head = torch.tensor([[float(v_local), 0.0, 0.0]], dtype=stat, device=x.device)
-            return torch.cat([head, st]), offset
-
-        st, offset = stats(widths)
-        g = _gather(st, group)  # (world, 1 + M, 3): the one collective
-        seen = tuple(int(w) for w in g[:, 0, 0])
-        if seen != widths:  # another rank's slice width changed since the last call: once more, with the new widths
-            widths = _widths[key] = seen
-            st, offset = stats(widths)
-            g = _gather(st, group)
-        v_total = sum(widths)
+        offset, v_total = _agree("distributed.cross_entropy", x, group, (ignore_index, reduction, smoothing))
         _assert_targets(t, v_total, ignore_index)
-        g = g[:, 1:]
+        lse = _local_lse(xf)
+        local_t = t - offset
+        own = (t != ignore_index) & (local_t >= 0) & (local_t < v_local)
+        x_t = torch.zeros_like(lse)
+        if v_local:
+            x_t = torch.where(own, xf.gather(-1, torch.where(own, local_t, 0)[:, None])[:, 0].to(lse.dtype), 0.0)
+        sum_x = xf.to(lse.dtype).sum(-1) if smoothing else torch.zeros_like(lse)
+        g = _gather(torch.stack([lse, x_t, sum_x], -1), group)  # (world, M, 3): the statistics
         lse_g = _merge_lse(g[..., 0])
         x_t_g = g[..., 1].sum(0)
         keep = t != ignore_index
@@ -157,16 +166,16 @@ class _CrossEntropy(torch.autograd.Function):
         else:
             loss = lse_g - x_t_g
         loss = torch.where(keep, loss, 0.0)
-        ctx.save_for_backward(x, target, lse_g)
-        ctx.args = (ignore_index, reduction, smoothing, offset, v_total)
+        ctx.save_for_backward(x, target, lse_g, offset, v_total)
+        ctx.args = (ignore_index, reduction, smoothing)
         out = _reduce(loss, keep.sum(), reduction, x.dtype)
         return out.reshape(target.shape) if reduction == "none" else out
 
     @staticmethod
     def backward(ctx, grad):
-        x, target, lse = ctx.saved_tensors
-        ignore_index, reduction, smoothing, offset, v_total = ctx.args
-        t = target.reshape(-1)
+        x, target, lse, offset, v_total = ctx.saved_tensors
+        ignore_index, reduction, smoothing = ctx.args
+        t = target.reshape(-1).long()
         g = _row_grad(grad, (t != ignore_index).sum(), reduction, t.shape[0]).to(lse.dtype)
         dx = dlogits_torch(x.reshape(t.shape[0], x.shape[-1]), t, lse, g, ignore_index, smoothing, offset, v_total)
         return dx.to(x.dtype).reshape(x.shape), None, None, None, None, None
@@ -175,10 +184,6 @@ class _CrossEntropy(torch.autograd.Function):
 def cross_entropy(logits, target, *, group=None, ignore_index=-100, reduction="mean", label_smoothing=0.0):
     """torch.nn.functional.cross_entropy of the full logits (classes along the last dim, split across
     ``group``; ``logits`` is this rank's slice) with global class indices as targets, on every rank."""
-    _check_shard("distributed.cross_entropy", logits, group)
-    if tuple(target.shape) != tuple(logits.shape[:-1]):
-        raise ValueError(f"distributed.cross_entropy: target has shape {tuple(target.shape)}, expected "
-                         f"{tuple(logits.shape[:-1])}")  # fmt: skip
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"distributed.cross_entropy: reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    check_options("distributed.cross_entropy", ignore_index, reduction, label_smoothing)
+    _check_shard("distributed.cross_entropy", logits, group, target)
     return _CrossEntropy.apply(logits, target, ignore_index, reduction, float(label_smoothing), group)
