@@ -31,7 +31,7 @@ def route(*tensors) -> str:
     """'op', 'func', 'function' or 'plain' for a call on ``tensors`` (None entries are skipped)."""
     if _compiling():
         return "op"
-    if transformed():
+    if _transforms_active() or _fwad._current_level >= 0:  # transformed(), inline: every call pays this
         return "func"
     if _dispatch_modes() or _tracing() is not None:
         return "op"

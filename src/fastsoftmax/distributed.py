@@ -76,8 +76,9 @@ def _agree(fn: str, x: torch.Tensor, group, options: tuple) -> tuple[torch.Tenso
     (this rank's offset in the vocabulary, the vocabulary's size), 0-d int64 tensors on x's device."""
     rows = math.prod(x.shape[:-1])
     digest = float(int(hashlib.sha256(repr(options).encode()).hexdigest()[:13], 16))  # < 2^52: exact in float64
-    sig = torch.full((4,), digest, dtype=torch.float64, device=x.device)  # fills, no host-to-device copy
-    sig[0], sig[1], sig[2] = float(x.shape[-1]), float(rows), float(_DTYPE_CODES[x.dtype])
+    sig = torch.empty(4, dtype=torch.float64, device=x.device)
+    for i, v in enumerate((x.shape[-1], rows, _DTYPE_CODES[x.dtype], digest)):
+        sig[i].fill_(v)  # a fill kernel each: no host-to-device copy, so a CUDA graph can capture it
     every = _gather(sig, group)  # (world, 4)
     same = (every[:, 1:] == every[:1, 1:]).all()
     if x.is_cuda:
