@@ -427,3 +427,20 @@ def test_public_backward_is_differentiable(device, log):
         assert torch.autograd.gradcheck(lambda a, b, m=mask: fb(a, b, mask=m), (dy, y))
     fb(dy.detach().float(), y.detach().float(), backend=kernel_backend(device))
     assert heuristics.last_plan().backend == kernel_backend(device)
+
+
+def test_learnable_mask_under_torch_compile():
+    """The learnable mask's gradient through the compiled custom op (fullgraph), as in eager."""
+    x = torch.randn(2, 3, 4, 6, requires_grad=True)
+    bias = torch.nn.Parameter(torch.randn(3, 1, 6))
+    w = torch.arange(6.0)
+
+    def f(a, b):
+        return (fs.softmax(a, mask=b, scale=0.5, causal=True) * w).sum()
+
+    torch._dynamo.reset()
+    got = torch.autograd.grad(torch.compile(f, fullgraph=True, backend="aot_eager")(x, bias), (x, bias))
+    want = torch.autograd.grad(f(x, bias), (x, bias))
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b)
+    assert got[1].abs().sum() > 0
