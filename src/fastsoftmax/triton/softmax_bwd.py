@@ -187,7 +187,7 @@ def softmax_bwd_split_sums(
     t = tl.zeros([ROWS], tl.float32)
     if EDGES:
         e_idx, e_ok = _edges(h, length, n, row_ok, VEC)
-        ae, fe = _load_terms(y_ptr, dy_ptr, ox[:, None] + e_idx, e_ok & (split == 0), LOG)
+        ae, fe = _load_terms(y_ptr, dy_ptr, ox[:, None] + e_idx, tl.where(split == 0, e_ok, False), LOG)
         s += tl.sum(ae, axis=1)
         t += tl.sum(fe, axis=1)
     j0 = split * chunks_per_split
@@ -226,7 +226,7 @@ def softmax_bwd_split_write(
     mrow, q = _mask_rows(row, md1, md2, md3, mb0, mb1, mb2, mb3)
     if EDGES:
         e_idx, e_ok = _edges(h, length, n, row_ok, VEC)
-        e_ok = e_ok & (split == 0)
+        e_ok = tl.where(split == 0, e_ok, False)
         ae, fe = _load_terms(y_ptr, dy_ptr, ox[:, None] + e_idx, e_ok, LOG)
         ge = _finish(_grad(ae, fe, s, t), e_ok, e_idx, mrow, q, m_ptr, msn, scale, c_off, MASK, CAUSAL, SCALED)
         tl.store(dx_ptr + oy[:, None] + e_idx, ge.to(dx_ptr.dtype.element_ty), mask=e_ok)

@@ -347,8 +347,8 @@ def softmax_fwd_split_stats(
     if EDGES:
         e_idx, e_ok = _edges(h, length, n, row_ok, VEC)
         xe = _load_logits(
-            x_ptr + ox[:, None] + e_idx, e_ok & (split == 0), e_idx, mrow, q, m_ptr, msn, scale, c_off, MASK,
-            CAUSAL, SCALED)  # fmt: skip
+            x_ptr + ox[:, None] + e_idx, tl.where(split == 0, e_ok, False), e_idx, mrow, q, m_ptr, msn, scale, c_off,
+            MASK, CAUSAL, SCALED)  # fmt: skip
         m, s = _chunk_stats(xe)
     j0 = split * chunks_per_split
     j1 = tl.minimum(j0 + chunks_per_split, tl.cdiv(n, BLOCK_N))
@@ -387,7 +387,7 @@ def softmax_fwd_split_write(
     mrow, q = _mask_rows(row, md1, md2, md3, mb0, mb1, mb2, mb3)
     if EDGES:
         e_idx, e_ok = _edges(h, length, n, row_ok, VEC)
-        e_ok = e_ok & (split == 0)
+        e_ok = tl.where(split == 0, e_ok, False)
         ze = (
             _load_logits(
                 x_ptr + ox[:, None] + e_idx, e_ok, e_idx, mrow, q, m_ptr, msn, scale, c_off, MASK, CAUSAL, SCALED
@@ -401,7 +401,7 @@ def softmax_fwd_split_write(
         x_ptr, y_ptr, xs, ys, c, row_ok, length, sxn, syn, j0, j1, m_safe, f, _head(h, EDGES), mrow, q, m_ptr, msn,
         scale, c_off, MASK, CAUSAL, SCALED, LOG, BLOCK_N)  # fmt: skip
     if WRITE_LSE:
-        tl.store(lse_ptr + row, m_safe + tl.math.log2(s) * LN2, mask=row_ok & (split == 0))
+        tl.store(lse_ptr + row, m_safe + tl.math.log2(s) * LN2, mask=tl.where(split == 0, row_ok, False))
 
 
 KERNELS = {
