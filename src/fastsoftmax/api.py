@@ -9,7 +9,7 @@ import torch
 
 from . import cache, compose, dispatch, fastpath, heuristics, masking
 from .layout import storage_problem
-from .reference import softmax_backward_torch
+from .reference import grad_torch
 
 _fast = fastpath.fast
 
@@ -242,12 +242,7 @@ def _public_backward(dy, y, dim, log, fn, mask, scale, causal, dtype, backend):
         return torch.ops.fastsoftmax.softmax_backward(dy, y, dim, log, out_dtype, backend)
     # autograd through the gradient itself, or a torch.func transform: torch ops, differentiable in dy and y
     heuristics.record(heuristics.Plan("torch", "composite"))
-    y1, dy1 = (y, dy) if y.dim() else (y.reshape(1), dy.reshape(1))
-    wide = torch.float64 in (y.dtype, dy.dtype, out_dtype)
-    dz = softmax_backward_torch(dy1, y1, d if y.dim() else 0, log, torch.float64 if wide else torch.float32)
-    if masked:
-        dz = masking.finish_grad(dz, y1, mask if y.dim() else None, scale, causal)
-    return dz.reshape(y.shape).to(out_dtype)
+    return grad_torch(dy, y, d, log, out_dtype, mask, scale, causal)
 
 
 def softmax_backward(dy, y, dim=-1, *, mask=None, scale=None, causal=False, dtype=None, backend="auto"):

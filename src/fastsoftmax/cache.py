@@ -89,8 +89,10 @@ def problems() -> dict[str, str]:
         return dict(_problems)
 
 
-def _digest(name: str, data: bytes) -> bytes:
-    return hashlib.sha256(name.encode() + b"\0" + data).hexdigest().encode()
+def _header(name: str, data: bytes) -> bytes:
+    """An entry's first bytes (always of the same length for a name): the format, the name, the SHA-256 of
+    the name and content."""
+    return MAGIC + name.encode() + b"\n" + hashlib.sha256(name.encode() + b"\0" + data).hexdigest().encode() + b"\n"
 
 
 def load(name: str) -> bytes | None:
@@ -111,12 +113,10 @@ def load(name: str) -> bytes | None:
         why = "it is not a regular file" if not stat.S_ISREG(st.st_mode) else _owned_privately(st)
         raw = f.read() if why is None else b""
     if why is None:
-        head = MAGIC + name.encode() + b"\n"
-        body = raw[len(head) + 65 :]
-        if not raw.startswith(head) or raw[len(head) : len(head) + 65] != _digest(name, body) + b"\n":
-            why = "corrupt (truncated, or not the entry its name says); it is rebuilt"
-        else:
-            return body
+        n = len(_header(name, b""))
+        if raw[:n] == _header(name, raw[n:]):
+            return raw[n:]
+        why = "corrupt (truncated, or not the entry its name says); it is rebuilt"
     _refuse(path, why, "entry")
     forget(name)
     return None
@@ -127,12 +127,11 @@ def store(name: str, data: bytes) -> Path | None:
     d = directory()
     if d is None:
         return None
-    head = MAGIC + name.encode() + b"\n" + _digest(name, data) + b"\n"
     try:
         fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp-")  # mode 0600
         try:
             with os.fdopen(fd, "wb") as f:
-                f.write(head + data)
+                f.write(_header(name, data) + data)
             os.replace(tmp, d / name)
         except BaseException:
             os.unlink(tmp)

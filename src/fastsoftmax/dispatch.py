@@ -23,7 +23,7 @@ import torch
 from . import heuristics, masking, tuning
 from .errors import BackendFailed
 from .layout import alloc
-from .reference import softmax_backward_torch, softmax_torch
+from .reference import grad_torch, softmax_torch
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 DEVICES = ("cpu", "cuda")
@@ -48,11 +48,7 @@ class TorchBackend:
 
     def backward(self, dy, y, dim, out_dtype, log, path=None, spec=masking.NONE):
         heuristics.record(heuristics.Plan("torch", "reference"))
-        if spec.active:
-            wide = torch.float64 in (y.dtype, dy.dtype, out_dtype)
-            dz = softmax_backward_torch(dy, y, dim, log, torch.float64 if wide else torch.float32)
-            return alloc(y, out_dtype).copy_(masking.finish_grad(dz, y, spec.mask, spec.scale, spec.causal))
-        return alloc(y, out_dtype).copy_(softmax_backward_torch(dy, y, dim, log, out_dtype))
+        return alloc(y, out_dtype).copy_(grad_torch(dy, y, dim, log, out_dtype, spec.mask, spec.scale, spec.causal))
 
 
 def _dtype_problem(family: str, x, out_dtype, dy) -> str | None:
@@ -264,6 +260,7 @@ def backward(impl, requested: str, dy, y, dim, out_dtype, log, path=None, spec=N
 
 
 def _fallback(x, out_dtype, dy=None):
+    """auto's choice without a table: the Triton kernels where they can run, else torch ops."""
     return BACKENDS["triton" if BACKENDS["triton"].unavailable(x, out_dtype, dy) is None else "torch"]
 
 
@@ -297,8 +294,7 @@ def select(
             )
             if pick and pick[0] in BACKENDS and BACKENDS[pick[0]].unavailable(x, out_dtype, dy, dim) is None:
                 return BACKENDS[pick[0]], pick[1]
-        ok = BACKENDS["triton"].unavailable(x, out_dtype, dy) is None
-        return BACKENDS["triton" if ok else "torch"], None
+        return _fallback(x, out_dtype, dy), None
     backend = BACKENDS.get(name) if isinstance(name, str) else None
     if backend is None:
         raise ValueError(f"unknown backend {name!r}; valid: {', '.join(repr(n) for n in NAMES)}")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from . import api, compose, heuristics, loss, masking
-from .reference import softmax_backward_torch, softmax_torch
+from .reference import grad_torch, softmax_torch
 
 
 def _softmax(x, dim, log, dtype, backend):
@@ -60,8 +60,7 @@ def _backward(ctx, dy, kernel_backward=None):
     (y,) = ctx.saved_tensors
     if _differentiable():
         # create_graph=True: a gradient made of torch ops, itself differentiable, so double backward works.
-        y1, dy1 = (y, dy) if y.dim() else (y.reshape(1), dy.reshape(1))
-        dx = softmax_backward_torch(dy1, y1, ctx.dim % y1.dim(), ctx.log, ctx.x_dtype).reshape(y.shape)
+        dx = grad_torch(dy, y, ctx.dim % max(y.dim(), 1), ctx.log, ctx.x_dtype)
     else:
         dx = (kernel_backward or softmax_backward)(dy, y, ctx.dim, ctx.log, ctx.x_dtype, ctx.backend)
     return dx, None, None, None, None
@@ -182,8 +181,8 @@ def _backward_masked(ctx, dy):
                                      ctx.causal)  # fmt: skip
     else:  # create_graph=True: torch ops, differentiable again
         wide = torch.float64 in (y.dtype, dy.dtype, ctx.x_dtype)
-        dz = softmax_backward_torch(dy, y, ctx.dim % y.dim(), ctx.log, torch.float64 if wide else torch.float32)
-        dz = masking.finish_grad(dz, y, mask, None, ctx.causal) if y.dim() else dz * 0
+        dz = grad_torch(dy, y, ctx.dim % max(y.dim(), 1), ctx.log, torch.float64 if wide else torch.float32, mask,
+                        None, ctx.causal)  # fmt: skip
     dx = (dz * ctx.scale if ctx.scale is not None else dz).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
     dmask = dz.sum_to_size(mask.shape).to(mask.dtype) if want_mask else None
     return dx, None, None, None, None, dmask, None, None

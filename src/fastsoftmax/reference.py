@@ -57,6 +57,22 @@ def softmax_backward_torch(
     return torch.where(t == 0, 0.0, a - f * s).to(out_dtype)
 
 
+def grad_torch(dy, y, dim: int, log: bool, out_dtype, mask=None, scale=None, causal=False) -> torch.Tensor:
+    """dx of softmax (log_softmax) along dim (non-negative) in torch ops, differentiable in dy and y: the torch
+    backend's, create_graph's and torch.func's. Computed in fp32 (fp64 where y, dy or out_dtype is), masked
+    positions 0 and scale applied (masking.finish_grad), returned in out_dtype; 0-d tensors are rows of one."""
+    from .masking import finish_grad
+
+    if y.dim() == 0:
+        m = mask.reshape(1) if mask is not None else None
+        return grad_torch(dy.reshape(1), y.reshape(1), 0, log, out_dtype, m, scale, causal).reshape(())
+    wide = torch.float64 in (y.dtype, dy.dtype, out_dtype)
+    dz = softmax_backward_torch(dy, y, dim, log, torch.float64 if wide else torch.float32)
+    if mask is not None or scale is not None or causal:
+        dz = finish_grad(dz, y, mask, scale, causal)
+    return dz.to(out_dtype)
+
+
 def oracle(x: torch.Tensor, dim: int = -1, log: bool = False) -> torch.Tensor:
     """The float64 reference the tests compare every path against, computed on x's device."""
     x64 = x.detach().to(torch.float64)
