@@ -1,16 +1,21 @@
 #!/usr/bin/env bash
-# The benchmark runs behind bench/results/h200*.{json,png,txt}, after the peers are installed (dev/peers.sh).
+# The benchmark runs behind bench/results/ (bench/results/README.md says which step made each file), after
+# the peers are installed (dev/peers.sh). Commit the JSON and PNG (bench/results/README.md indexes them); the .txt files are console logs, not committed.
 # Usage (device):  bash dev/bench_all.sh STEP "$OUT"
 #   tune     re-tune auto's table (fwd and bwd; about 4 minutes): $OUT/nvidia_h200.json, also kept in
-#            /tmp/fs_tuned.json for the next call on the same warm machine (the working tree is copied anew)
+#            /tmp/fs_tuned.json for the next call on the same warm machine (the working tree is copied anew);
+#            run it alone on its machine (beside other GPU work its timings came out up to 1.5x low)
 #   suite    the shape suite against every peer (auto reads /tmp/fs_tuned.json when there), then the masked
 #            attention-scores cases: $OUT/h200.{json,png,txt}, $OUT/h200_masked.{json,txt}
 #   ce       cross-entropy against torch, torch.compile, Liger and QuACK: $OUT/h200_ce.{json,txt}
+#   dist     the vocabulary-parallel run on every GPU of the host (NCCL; nvidia-h200-x2): $OUT/h200x2_dist.json
 #   cuda     every CUDA variant beside the Triton backend and torch eager (dev/bench_cuda.py all)
 set -u
 step=$1
 out=$2
 export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD/src PYTHONUNBUFFERED=1
+# where the committed tuning tables live
+tables=src/fastsoftmax/heuristics/tables
 case "$step" in
 tune)
     timeout 290 python3 -m fastsoftmax bench --tune "$out/nvidia_h200.json" --jobs 14 > "$out/tune.txt" 2>&1 \
@@ -19,7 +24,7 @@ tune)
     tail -n 2 "$out/tune.txt"
     ;;
 suite)
-    [ -f /tmp/fs_tuned.json ] && cp /tmp/fs_tuned.json src/fastsoftmax/tuning/nvidia_h200.json
+    [ -f /tmp/fs_tuned.json ] && cp /tmp/fs_tuned.json "$tables/nvidia_h200.json"
     timeout 300 python3 -m fastsoftmax bench --jobs 14 --json "$out/h200.json" --plot "$out/h200.png" \
         > "$out/h200.txt" 2> /tmp/fs_bench_err.txt  # the progress bar; the device tool returns few files
     echo "bench rc=$?" >> "$out/h200.txt"
@@ -30,17 +35,23 @@ suite)
     tail -n 30 "$out/h200_masked.txt"
     ;;
 ce)
-    [ -f /tmp/fs_tuned.json ] && cp /tmp/fs_tuned.json src/fastsoftmax/tuning/nvidia_h200.json
+    [ -f /tmp/fs_tuned.json ] && cp /tmp/fs_tuned.json "$tables/nvidia_h200.json"
     timeout 400 python3 -m fastsoftmax bench --ce --json "$out/h200_ce.json" > "$out/h200_ce.txt" 2>&1
     echo "ce rc=$?" >> "$out/h200_ce.txt"
     tail -n 30 "$out/h200_ce.txt"
+    ;;
+dist)
+    # 1024 rows: the float64 references of 4096 rows do not fit in an H200's memory
+    timeout 500 python3 dev/dist_nccl.py 1024 json="$out/h200x2_dist.json" > "$out/h200x2_dist.txt" 2>&1
+    echo "dist rc=$?" >> "$out/h200x2_dist.txt"
+    tail -n 14 "$out/h200x2_dist.txt"
     ;;
 cuda)
     timeout 500 python3 dev/bench_cuda.py all > "$out/bench_cuda.txt" 2>&1
     echo "bench_cuda rc=$?" >> "$out/bench_cuda.txt"
     ;;
 *)
-    echo "usage: $0 tune|suite|ce|cuda OUT" >&2
+    echo "usage: $0 tune|suite|ce|dist|cuda OUT" >&2
     exit 2
     ;;
 esac

@@ -13,15 +13,22 @@ import triton.testing
 
 import fastsoftmax as fs
 from fastsoftmax import heuristics
-from fastsoftmax.bench import SUITE, graphed
+from fastsoftmax.bench.suite import SUITE, graphed
 from fastsoftmax.cuda import build
 from fastsoftmax.reference import compare, compare_grad
 
 SHAPES = [s for s in SUITE if s != (1, 4096)]  # ../shared/BENCHING.md's suite (1x4096: host-bound)
 VARIANTS = ["warp", "block", "cluster", "online", "staged", "three_pass"]
 # occupancy mode: registers capped for more CTAs per SM, fewer vectors per thread, smaller CTAs
-EXPERIMENTS = [{"min_ctas": 8}, {"min_ctas": 16}, {"k_max": 4}, {"k_max": 2}, {"group_max": 256}, {"group_max": 128},
-               {"k_max": 4, "group_max": 256}]  # fmt: skip
+EXPERIMENTS = [
+    {"min_ctas": 8},
+    {"min_ctas": 16},
+    {"k_max": 4},
+    {"k_max": 2},
+    {"group_max": 256},
+    {"group_max": 128},
+    {"k_max": 4, "group_max": 256},
+]
 LONG_EXPERIMENTS = [{"k_max": 4}, {"group_max": 256}, {"k_max": 4, "group_max": 256}]
 QUICK = [(131072, 1024), (32768, 4096), (4096, 32000), (2048, 65536), (512, 262144), (8, 131072)]
 
@@ -82,8 +89,10 @@ def main():
     dst = torch.empty_like(src)
     copy = gbps(lambda: dst.copy_(src), 2 * src.numel(), False)
     fast = "on" if build.FAST_MATH else "off"
-    print(f"{torch.cuda.get_device_name()}: copy {copy:.0f} GB/s; NVRTC {build.nvrtc_version()}, exp {build.EXP}, "
-          f"-use_fast_math {fast}; timing: {'CUDA graph replay' if graph else 'eager'}")  # fmt: skip
+    print(
+        f"{torch.cuda.get_device_name()}: copy {copy:.0f} GB/s; NVRTC {build.nvrtc_version()}, "
+        f"-use_fast_math {fast}; timing: {'CUDA graph replay' if graph else 'eager'}"
+    )
     for p in ("fwd", "bwd"):
         if which not in (p, "all"):
             continue

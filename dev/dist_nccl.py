@@ -5,11 +5,14 @@ torch on the gathered logits, then timed: the whole step, and the collective alo
 Megatron-style vocabulary-parallel cross-entropy written with torch ops (three all-reduces: max, sum of
 exp, target logit). Bytes moved by the collective per row are printed.
 
-Usage (device, e.g. nvidia-h200-x2):  python dev/dist_nccl.py [ROWS] > $OUT/dist.txt
-Smoke run on CPUs (gloo, small shapes):  python dev/dist_nccl.py cpu
+Usage (device, e.g. nvidia-h200-x2):  python dev/dist_nccl.py [ROWS] [json=PATH] > $OUT/dist.txt
+(bench/results/h200x2_dist.json: ROWS 1024; the float64 references of 4096 rows do not fit in 141 GB)
+Smoke run on CPUs (gloo, small shapes):  python dev/dist_nccl.py cpu [json=PATH]
 Keep NVLink multicast off (NCCL_NVLS_ENABLE=0), as the device README says.
 """
 
+import datetime
+import json
 import os
 import sys
 import time
@@ -20,6 +23,10 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 DEV = "cpu" if "cpu" in sys.argv[1:] else "cuda"
+JSON = next((a[5:] for a in sys.argv[1:] if a.startswith("json=")), None)
+# the errors one() measures, in its order
+ERRORS = tuple(f"{f}_{o}" for f in ("softmax", "log_softmax") for o in ("y", "dx"))
+ERRORS += ("cross_entropy_loss_rel", "cross_entropy_dlogits")
 
 
 def megatron_ce(x, t, offset, group):
@@ -54,7 +61,8 @@ def timed(fn, reps=20):
 
 
 def one(fsd, v, dtype, rank, world, rows):
-    """Check and time one (vocabulary, dtype); returns the report line (errors are the worst over ranks)."""
+    """Check and time one (vocabulary, dtype); returns the report line and its record (errors are the worst
+    over ranks)."""
     g = torch.Generator(device=DEV).manual_seed(v)
     full = torch.randn(rows, v, device=DEV, dtype=dtype, generator=g) * 3
     t = torch.randint(0, v, (rows,), device=DEV, generator=g)
@@ -108,7 +116,30 @@ def one(fsd, v, dtype, rank, world, rows):
     mega_coll = timed(lambda: [dist.all_reduce(m_red) for _ in range(3)])
     ring = 2 * (world - 1) / world  # bytes a ring all-reduce sends per byte reduced
     e = [f"{x:.1e} (torch {y:.1e})" for x, y in zip(errs.tolist(), torch_errs.tolist(), strict=True)]
-    return (
+    rec = {
+        "V": v,
+        "dtype": str(dtype)[6:],
+        "rows": rows,
+        "shard": w,
+        "max_abs_error_vs_float64": {
+            n: {"ours": float(f"{x:.2g}"), "torch_unsplit": float(f"{y:.2g}")}
+            for n, x, y in zip(ERRORS, errs.tolist(), torch_errs.tolist(), strict=True)
+        },
+        "ms": {
+            k: round(t, 3)
+            for k, t in (
+                ("ce_fwd", ce_fwd),
+                ("ce_fwd_bwd", ce_step),
+                ("softmax_fwd", soft),
+                ("softmax_fwd_bwd", soft_step),
+                ("ce_all_gather", ce_coll),
+                ("softmax_all_gather", soft_coll),
+                ("megatron_ce_fwd", mega),
+                ("megatron_3_all_reduces", mega_coll),
+            )
+        },
+    }
+    return rec, (
         f"V={v} {str(dtype)[6:]:8} rows={rows} (shard {w}), max abs error vs float64, ours (torch's in this dtype, "
         f"unsplit): softmax y {e[0]} dx {e[1]}, "
         f"log_softmax y {e[2]} dx {e[3]}; cross_entropy rel.err {e[4]}, dlogits {e[5]}\n"
@@ -131,7 +162,27 @@ def worker(rank, world, rows, vocabs):
 
     out = [one(fsd, v, dtype, rank, world, rows) for v in vocabs for dtype in (torch.bfloat16, torch.float32)]
     if rank == 0:
-        print("\n".join(out), flush=True)
+        print("\n".join(text for _, text in out), flush=True)
+        if JSON:
+            name = torch.cuda.get_device_name(0) if DEV == "cuda" else "cpu"
+            doc = {
+                "device": f"{world} x {name}",
+                "date": datetime.date.today().isoformat(),
+                "torch": torch.__version__,
+                "backend": backend,
+                "world": world,
+                "rows": rows,
+                "method": "wall time per call, 3 warm-up then 20 calls back to back, synchronised; errors: max over "
+                "ranks, against float64 torch on the gathered logits (cross_entropy_loss_rel: relative)",
+                "collective_bytes_per_row": {
+                    "ce_all_gather_sent": 12,
+                    "softmax_all_gather_sent": 4,
+                    "megatron_all_reduces": "3 x 4 (ring sends 12 per rank)",
+                },
+                "records": [rec for rec, _ in out],
+            }
+            with open(JSON, "w") as f:
+                json.dump(doc, f, indent=1)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -140,7 +191,7 @@ if __name__ == "__main__":
     os.environ["NCCL_NVLS_ENABLE"] = "0"
     os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
     if DEV == "cuda":
-        rows = int(sys.argv[1]) if len(sys.argv) > 1 else 4096
+        rows = next((int(a) for a in sys.argv[1:] if a.isdigit()), 4096)
         vocabs, world = (131072, 262144), torch.cuda.device_count()
         print(f"{world} x {torch.cuda.get_device_name(0)}, torch {torch.__version__}, NCCL", flush=True)
     else:  # a smoke run of this script on CPUs (gloo): small shapes

@@ -33,7 +33,7 @@ for t in memcheck racecheck synccheck; do
     small=()
     [ "$t" = memcheck ] && args+=(--report-api-errors no)  # cuda-bindings probes newer driver entry points
     [ "$t" = racecheck ] && small=(small)
-    [ "$t" = synccheck ] && small=(synccheck)  # staged clusters capped at 8 there (kernels.STAGE_CLUSTER_MAX)
+    [ "$t" = synccheck ] && small=(synccheck)  # staged clusters capped at 8 there (heuristics/softmax_cuda.STAGE_CLUSTER_MAX)
     (CUDA_VISIBLE_DEVICES=$((i % ngpu)) timeout 150 compute-sanitizer "${args[@]}" python3 dev/sanitize_cuda.py "${small[@]}" > "$out/san_$t.txt" 2>&1
      echo "$t rc=$?" >> "$out/san_$t.txt") &
     i=$((i + 1))

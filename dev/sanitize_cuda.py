@@ -2,17 +2,16 @@
 unaligned rows, for compute-sanitizer: `compute-sanitizer --tool {memcheck,racecheck,synccheck}
 --error-exitcode 1 python dev/sanitize_cuda.py [small] [synccheck]` (memcheck with --report-api-errors no:
 cuda-bindings probes driver entry points newer than the driver, which memcheck reports as API errors).
-`synccheck`: the staged variant's clusters capped at 8 CTAs (synccheck breaks kernels with mbarriers in
-16-CTA clusters: kernels.STAGE_CLUSTER_MAX's note, dev/cluster16_probe.cu)."""
+`synccheck`: the staged variant's clusters capped at 8 CTAs (synccheck itself faults kernels with mbarriers in
+16-CTA clusters: docs/investigations.md, bench/results/sweeps/staged_cluster16_synccheck.json)."""
 
 import sys
 
 import torch
 
 import fastsoftmax as fs
-from fastsoftmax import heuristics
-from fastsoftmax.api import forward
-from fastsoftmax.cuda import kernels
+from fastsoftmax import dispatch, heuristics
+from fastsoftmax.heuristics import softmax_cuda
 
 CASES = {
     "three_pass": [1, 513, 4099],
@@ -27,8 +26,10 @@ CASES = {
 def main():
     runs = 0
     small = "small" in sys.argv  # one length per variant (racecheck is slow)
-    if "synccheck" in sys.argv:
-        kernels.STAGE_CLUSTER_MAX = 8
+    cap = 8 if "synccheck" in sys.argv else None
+    if cap:
+        softmax_cuda.STAGE_CLUSTER_MAX = cap  # read at each launch; the plans below must show it held
+    limit = softmax_cuda.STAGE_CLUSTER_MAX
     for variant, ns in CASES.items():
         for n in ns[1:2] if small else ns:
             for dtype in (torch.bfloat16, torch.float32):
@@ -36,8 +37,10 @@ def main():
                 x[0] = float("-inf")
                 with heuristics.force(path=variant):
                     for log in (False, True):
-                        y, lse = forward(x, -1, log=log, backend="cuda", want_lse=True)
-                        assert heuristics.last_plan().path == variant
+                        fn = "log_softmax" if log else "softmax"
+                        y, lse = dispatch.softmax(x, 1, log, dtype, "cuda", want_lse=True, fn=fn)
+                        plan = heuristics.last_plan()
+                        assert plan.path == variant and (variant != "staged" or plan.splits <= limit), plan
                         bwd = fs.log_softmax_backward if log else fs.softmax_backward
                         dx = bwd(torch.randn_like(y), y, backend="cuda")
                         runs += 2

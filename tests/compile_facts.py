@@ -8,34 +8,54 @@ import sys
 
 os.environ.pop("TRITON_INTERPRET", None)
 
-from fastsoftmax import heuristics  # noqa: E402
+from fastsoftmax.heuristics import softmax_triton
 from fastsoftmax.triton.compile import compile_forward, ptxas_report  # noqa: E402
 
 
 def facts(path, dtype, n, arch, log=False, backward=False, mask=0, causal=False):
     out = []
     n_rows = 8 if path == "split" else 1 << 20
-    kernels = compile_forward(path, dtype, n, log=log, arch=arch, n_rows=n_rows, backward=backward, mask=mask,
-                              causal=causal, scaled=bool(mask or causal))  # fmt: skip
+    kernels = compile_forward(
+        path,
+        dtype,
+        n,
+        log=log,
+        arch=arch,
+        n_rows=n_rows,
+        backward=backward,
+        mask=mask,
+        causal=causal,
+        scaled=bool(mask or causal),
+    )
     for k in kernels:
         ptx = k.asm["ptx"]
         rep = ptxas_report(ptx, "sm_90a" if arch == 90 else f"sm_{arch}")
-        out.append({
-            "path": path, "kernel": k.name, "dtype": dtype, "n": n, "arch": arch, "log": log, "mask": mask,
-            "causal": causal,
-            "num_warps": k.metadata.num_warps, "backward": backward,
-            "loads": sorted(set(re.findall(r"ld\.global[.\w]*", ptx))),
-            "stores": sorted(set(re.findall(r"st\.global[.\w]*", ptx))),
-            "ex2": "ex2.approx" in ptx, "div_rn": "div.rn.f32" in ptx,
-            **{k: v for k, v in rep.items() if k != "log"},
-        })  # fmt: skip
+        out.append(
+            {
+                "path": path,
+                "kernel": k.name,
+                "dtype": dtype,
+                "n": n,
+                "arch": arch,
+                "log": log,
+                "mask": mask,
+                "causal": causal,
+                "num_warps": k.metadata.num_warps,
+                "backward": backward,
+                "loads": sorted(set(re.findall(r"ld\.global[.\w]*", ptx))),
+                "stores": sorted(set(re.findall(r"st\.global[.\w]*", ptx))),
+                "ex2": "ex2.approx" in ptx,
+                "div_rn": "div.rn.f32" in ptx,
+                **{k: v for k, v in rep.items() if k != "log"},
+            }
+        )
     return out
 
 
 def main():
     out = []
-    rowblock_ns = [2**k for k in range(0, 15, 2) if 2**k <= heuristics.ROWBLOCK_MAX_N] + [7, 40, 513, 12289]
-    rowblock_ns.append(heuristics.ROWBLOCK_MAX_N)
+    rowblock_ns = [2**k for k in range(0, 15, 2) if 2**k <= softmax_triton.ROWBLOCK_MAX_N] + [7, 40, 513, 12289]
+    rowblock_ns.append(softmax_triton.ROWBLOCK_MAX_N)
     for dtype in ("bfloat16", "float16", "float32"):
         for n in rowblock_ns:
             out += facts("rowblock", dtype, n, 90)
@@ -48,7 +68,7 @@ def main():
         out += facts("rowblock", dtype, 1024, 80)
         out += facts("online", dtype, 50257, 80)
         out += facts("split", dtype, 50257, 80)
-        for n in (256, 513, 4096, heuristics.BWD_LONG_N, 20481, 32000, heuristics.ROWBLOCK_MAX_N):
+        for n in (256, 513, 4096, softmax_triton.BWD_LONG_N, 20481, 32000, softmax_triton.ROWBLOCK_MAX_N):
             for log in (False, True):
                 out += facts("rowblock", dtype, n, 90, log=log, backward=True)
         for path in ("online", "split"):
@@ -74,6 +94,7 @@ def ce_facts():
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from fastsoftmax.heuristics import cross_entropy as ce_rules
     from fastsoftmax.triton import cross_entropy as ce
 
     ty = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
@@ -81,28 +102,51 @@ def ce_facts():
     for dtype in ("bfloat16", "float32"):
         for v in (32000, 50257, 151936):
             for backward in (False, True):
-                rows, block, warps = ce._shape(v, 4 if dtype == "float32" else 2, backward)
+                rows, block, warps = ce_rules.launch_shape(v, 4 if dtype == "float32" else 2, backward)
                 kernel = ce.ce_bwd if backward else ce.ce_fwd
-                ptrs = {"x_ptr": ty[dtype], "t_ptr": "i64", "loss_ptr": "fp32", "lse_ptr": "fp32", "g_ptr": "fp32",
-                        "dx_ptr": ty[dtype]}  # fmt: skip
+                ptrs = {
+                    "x_ptr": ty[dtype],
+                    "t_ptr": "i64",
+                    "loss_ptr": "fp32",
+                    "lse_ptr": "fp32",
+                    "g_ptr": "fp32",
+                    "dx_ptr": ty[dtype],
+                }
                 consts = {"ROWS": rows, "BLOCK_N": block, "SMOOTH": True, "MEAN": True}
                 ints = {"v": v, "sx": v, "sdx": v}
                 names = kernel.arg_names
-                sig = {k: "constexpr" if k in consts else f"*{ptrs[k]}" if k in ptrs else "fp32" if k == "smoothing"
-                       else "i32" for k in names}  # fmt: skip
+                sig = {
+                    k: "constexpr"
+                    if k in consts
+                    else f"*{ptrs[k]}"
+                    if k in ptrs
+                    else "fp32"
+                    if k == "smoothing"
+                    else "i32"
+                    for k in names
+                }
                 div16 = [k for k in names if k in ptrs or (k in ints and ints[k] % 16 == 0)]
-                src = ASTSource(fn=kernel, signature=sig, constexprs={(names.index(k),): c for k, c in consts.items()
-                                                                      if k in names},
-                                attrs={(names.index(k),): [["tt.divisibility", 16]] for k in div16})  # fmt: skip
+                src = ASTSource(
+                    fn=kernel,
+                    signature=sig,
+                    constexprs={(names.index(k),): c for k, c in consts.items() if k in names},
+                    attrs={(names.index(k),): [["tt.divisibility", 16]] for k in div16},
+                )
                 k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
                 ptx = k.asm["ptx"]
                 rep = ptxas_report(ptx, "sm_90a")
-                out.append({
-                    "kernel": kernel.__name__, "dtype": dtype, "v": v, "block_n": block, "num_warps": warps,
-                    "loads": sorted(set(re.findall(r"ld\.global[.\w]*", ptx))),
-                    "stores": sorted(set(re.findall(r"st\.global[.\w]*", ptx))),
-                    **{k: v for k, v in rep.items() if k != "log"},
-                })  # fmt: skip
+                out.append(
+                    {
+                        "kernel": kernel.__name__,
+                        "dtype": dtype,
+                        "v": v,
+                        "block_n": block,
+                        "num_warps": warps,
+                        "loads": sorted(set(re.findall(r"ld\.global[.\w]*", ptx))),
+                        "stores": sorted(set(re.findall(r"st\.global[.\w]*", ptx))),
+                        **{k: v for k, v in rep.items() if k != "log"},
+                    }
+                )
     json.dump(out, sys.stdout)
 
 
@@ -110,7 +154,7 @@ def loop_facts():
     """The looping forward and backward kernels (online, split) at tiles of 1 and 64 rows, 1 and 8 warps,
     chunks of 16 to 4096: how many reshapes that may reorder elements (`allow_reorder`) each TTGIR holds.
     Triton 3.6 put one into a backward whose row sums were reduced inside the chunk loop, and on tiles where
-    a thread holds several rows it mixed rows (wrong gradients on the H200, 2026-11-30)."""
+    a thread holds several rows it mixed rows (wrong gradients on the H200)."""
     import itertools
 
     import triton
@@ -119,10 +163,28 @@ def loop_facts():
 
     from fastsoftmax.triton import softmax_bwd, softmax_fwd
 
-    base = dict(VEC=1, INNER=False, EDGES=False, Y_VEC=False, IDX64=False, MASK=0, CAUSAL=False, SCALED=False,
-                WRITE_LSE=False, md1=1, md2=1, md3=1, msn=0, SPLITS=8)  # fmt: skip
-    kernels = [softmax_fwd.softmax_fwd_online, softmax_fwd.softmax_fwd_split_stats, softmax_bwd.softmax_bwd_online,
-               softmax_bwd.softmax_bwd_split_sums]  # fmt: skip
+    base = dict(
+        VEC=1,
+        INNER=False,
+        EDGES=False,
+        Y_VEC=False,
+        IDX64=False,
+        MASK=0,
+        CAUSAL=False,
+        SCALED=False,
+        WRITE_LSE=False,
+        md1=1,
+        md2=1,
+        md3=1,
+        msn=0,
+        SPLITS=8,
+    )
+    kernels = [
+        softmax_fwd.softmax_fwd_online,
+        softmax_fwd.softmax_fwd_split_stats,
+        softmax_bwd.softmax_bwd_online,
+        softmax_bwd.softmax_bwd_split_sums,
+    ]
     out = []
     for kernel, (rows, block, warps, log) in itertools.product(
         kernels, itertools.product((1, 64), (16, 64, 4096), (1, 8), (False, True))
@@ -131,8 +193,10 @@ def loop_facts():
             continue
         names = kernel.arg_names
         consts = {k: v for k, v in {**base, "ROWS": rows, "BLOCK_N": block, "LOG": log}.items() if k in names}
-        sig = {k: "constexpr" if k in consts else "*fp32" if k.endswith("_ptr") else "fp32" if k == "scale"
-               else "i32" for k in names}  # fmt: skip
+        sig = {
+            k: "constexpr" if k in consts else "*fp32" if k.endswith("_ptr") else "fp32" if k == "scale" else "i32"
+            for k in names
+        }
         src = ASTSource(
             fn=kernel,
             signature=sig,
@@ -140,8 +204,17 @@ def loop_facts():
             attrs={(names.index(k),): [["tt.divisibility", 16]] for k in names if k.endswith("_ptr")},
         )
         k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
-        out.append({"kernel": kernel.__name__, "rows": rows, "block_n": block, "num_warps": warps, "log": log,
-                    "reorders": k.asm["ttgir"].count("allow_reorder"), "triton": triton.__version__})  # fmt: skip
+        out.append(
+            {
+                "kernel": kernel.__name__,
+                "rows": rows,
+                "block_n": block,
+                "num_warps": warps,
+                "log": log,
+                "reorders": k.asm["ttgir"].count("allow_reorder"),
+                "triton": triton.__version__,
+            }
+        )
     json.dump(out, sys.stdout)
 
 

@@ -26,3 +26,13 @@ def overflowing_grad_inputs(n: int, seed: int, device="cpu") -> tuple[torch.Tens
     y = (random_logits((3, n), torch.float32, gen) * 40).to(torch.float16)
     dy = torch.randn(3, n, generator=gen).to(torch.float16)
     return dy.to(device), y.to(device)
+
+
+def forward(x, dim=-1, *, log=False, dtype=None, backend="auto", want_lse=False):
+    """(y, logsumexp per row or None): the dispatch point with the public functions' checks, for tests that
+    read the logsumexp the kernels write beside y."""
+    from fastsoftmax import checks, dispatch
+
+    fn = "log_softmax" if log else "softmax"
+    d, out_dtype = checks.softmax(fn, x, dim, dtype, backend)
+    return dispatch.softmax(x, d, log, out_dtype, backend, want_lse=want_lse, fn=fn)

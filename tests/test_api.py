@@ -11,6 +11,7 @@ from helpers import assert_close
 
 import fastsoftmax as fs
 from fastsoftmax import heuristics
+from fastsoftmax.heuristics import softmax_triton
 
 
 @pytest.mark.parametrize("fn", [fs.softmax, fs.log_softmax])
@@ -79,13 +80,13 @@ def test_auto_dispatch(device):
 
 
 def test_requires_grad_goes_through_the_eager_function(device):
-    """Eager autograd takes ops.SoftmaxEager (the custom op's code without its dispatch layers; torch.compile
+    """Eager autograd takes ops.softmax.eager (the custom op's code without its dispatch layers; torch.compile
     traces the custom op, tests/test_backward.py)."""
     x = torch.randn(4, 10, device=device, requires_grad=True)
     w = torch.arange(10.0, device=device)
     for backend in ("auto", "triton", "torch") + (("cuda",) if device == "cuda" else ()):
         y = fs.softmax(x, backend=backend)
-        assert y.grad_fn is not None and y.grad_fn.name() == "SoftmaxEagerBackward"
+        assert y.grad_fn is not None and y.grad_fn.name() == "SoftmaxFunctionBackward"
         (g,) = torch.autograd.grad((y * w).sum(), x)
         ref = torch.autograd.grad((torch.softmax(x, -1) * w).sum(), x)[0]
         torch.testing.assert_close(g, ref)
@@ -160,10 +161,10 @@ def test_import_does_no_work():
 @pytest.mark.parametrize(
     "shape,dim,path,flags",
     [
-        ((3, heuristics.ROWBLOCK_MAX_N), -1, "rowblock", {"rows": 1}),
-        ((264, heuristics.ROWBLOCK_MAX_N + 1), -1, "online", {"rows": 1}),  # 2 rows per SM of an H200
-        ((2, 32 * heuristics.ONLINE_BLOCK + 1), -1, "split", {"rows": 1, "splits": 65}),  # few, long: split
-        ((8, heuristics.ROWBLOCK_MAX_N + 1), -1, "split", {"rows": 1, "splits": 9}),
+        ((3, softmax_triton.ROWBLOCK_MAX_N), -1, "rowblock", {"rows": 1}),
+        ((264, softmax_triton.ROWBLOCK_MAX_N + 1), -1, "online", {"rows": 1}),  # 2 rows per SM of an H200
+        ((2, 32 * softmax_triton.ONLINE_BLOCK + 1), -1, "split", {"rows": 1, "splits": 65}),  # few, long: split
+        ((8, softmax_triton.ROWBLOCK_MAX_N + 1), -1, "split", {"rows": 1, "splits": 9}),
         ((64, 256), -1, "rowblock", {"rows": 8}),  # short rows packed several per program
         ((64, 40), 0, "rowblock", {"rows": 64}),  # strided dim, adjacent rows
         ((5000, 3), 0, "online", {"rows": 4}),  # rows capped at the rows there are
@@ -175,7 +176,7 @@ def test_heuristics_table_branches(device, shape, dim, path, flags):
     gen = torch.Generator().manual_seed(14)
     if device == "cpu" and shape[0] * shape[1] > 1 << 22:
         n = shape[dim]
-        got = heuristics.launch_shape(n, shape[0], 2, False, 132)
+        got = softmax_triton.launch_shape(n, shape[0], 2, False, 132)
         assert (got.path, got.rows) == (path, flags["rows"])
         return
     x = torch.randn(shape, generator=gen, dtype=torch.bfloat16).to(device)

@@ -4,10 +4,11 @@ public backward functions, opcheck, and torch.compile(fullgraph=True) with no gr
 
 import pytest
 import torch
-from helpers import DTYPES, overflowing_grad_inputs, random_logits, special_rows
+from helpers import DTYPES, assert_close, overflowing_grad_inputs, random_logits, special_rows
 
 import fastsoftmax as fs
 from fastsoftmax import heuristics
+from fastsoftmax.heuristics import softmax_triton
 from fastsoftmax.reference import compare_grad
 
 # online and split with chunks of 256: rows of 513 and 1000 loop over 3-4 chunks (and segments)
@@ -55,7 +56,7 @@ def test_paths_against_oracle(device, path, force, n, dtype, log):
 def test_long_rows_take_rowblock_with_more_warps(device, dtype, log):
     """Unforced, a backward row of BWD_LONG_N < N <= ROWBLOCK_MAX_N is held in registers by BWD_LONG_WARPS
     warps (one read of y and dy), and is right, special rows included."""
-    n = heuristics.BWD_LONG_N + 3617
+    n = softmax_triton.BWD_LONG_N + 3617
     gen = torch.Generator().manual_seed(n)
     x = torch.cat([random_logits((1, n), dtype, gen), special_rows(n, dtype, gen)[[0, 6, 7]]]).to(device)
     dy = random_logits(x.shape, dtype, gen, scale=1.0).to(device)
@@ -63,7 +64,7 @@ def test_long_rows_take_rowblock_with_more_warps(device, dtype, log):
         y = FNS[log](x, -1, backend="triton")
         dx = BWD[log](dy, y, -1, backend="triton")  # called here: autograd's CUDA thread keeps its own plan
     plan = heuristics.last_plan()
-    assert (plan.path, plan.num_warps, plan.rows) == ("rowblock", heuristics.BWD_LONG_WARPS, 1)
+    assert (plan.path, plan.num_warps, plan.rows) == ("rowblock", softmax_triton.BWD_LONG_WARPS, 1)
     assert_grad(dx, dy, y, -1, log)
     assert (dx[1] == 0).all()  # the fully masked row
 
@@ -120,12 +121,18 @@ def test_layouts(device, path, force, shape, dim, make):
 @pytest.mark.parametrize("path", ["online", "split"])
 @pytest.mark.parametrize(
     "shape,dim,permute,block_n",
-    [((2, 129, 2), 0, False, 16), ((2, 129), 0, False, 16), ((2, 5, 129), -1, True, 2), ((3, 5, 3, 8), 0, False, 16)],
+    [
+        ((2, 129, 2), 0, False, 16),
+        ((2, 129), 0, False, 16),
+        ((2, 5, 129), -1, True, 2),
+        ((3, 5, 3, 8), 0, False, 16),
+        ((2, 3, 1, 17, 3), -5, False, 16),  # a size-1 dim among the row dims
+    ],
 )
 def test_strided_rows_on_multi_row_tiles(device, path, shape, dim, permute, block_n):
     """Short strided rows forced through the looping paths: tiles of 64 rows at 1 warp. On the H200 (Triton
     3.6) the backward's row sums were rewritten by the compiler and mixed rows 32-63 with rows 0-31 (dx = 0
-    there) or every row (2026-11-30; dev/logs/2026-11-30-h200-debug_online_bwd.txt): the cases seen."""
+    there) or every row (docs/investigations.md): the cases seen."""
     gen = torch.Generator().manual_seed(7)
     x = random_logits(shape, torch.float32, gen).to(device)
     x = x.permute(*range(x.dim() - 1, -1, -1)) if permute else x
@@ -134,6 +141,34 @@ def test_strided_rows_on_multi_row_tiles(device, path, shape, dim, permute, bloc
         y, dx, plan = forward_backward(x, dy, dim, log, path=path, block_n=block_n)
         assert (plan.path, plan.rows, plan.block_n) == (path, 64, block_n)
         assert_grad(dx, dy, y, dim, log)
+
+
+@pytest.mark.parametrize(
+    "shape,dtype,out_dtype,dim,log",
+    [
+        ((3, 5, 3, 8), torch.bfloat16, torch.float32, 0, False),  # bf16 in, fp32 out
+        ((2, 3, 1, 17, 3), torch.float32, None, -5, True),  # a size-1 dim among the row dims
+    ],
+    ids=["bf16_in_fp32_out", "5d_size1_dim"],
+)
+def test_strided_rows_on_multi_row_tiles_seen_cases(device, shape, dtype, out_dtype, dim, log):
+    """The two failing cases the property hunt printed for the mixed-rows bug above, exactly: contiguous x,
+    online path, chunks of 16, tiles of 64 rows, forward and backward against the float64 oracle."""
+    gen = torch.Generator().manual_seed(11)
+    x = random_logits(shape, dtype, gen).to(device)
+    y_dtype = out_dtype or dtype
+    dy = torch.randn(shape, generator=gen).to(y_dtype).to(device)
+    xg = x.detach().requires_grad_()
+    with heuristics.force(poison=True, path="online", block_n=16):
+        y = FNS[log](xg, dim, dtype=out_dtype, backend="triton")
+        (dx,) = torch.autograd.grad(y, xg, dy)
+        direct = BWD[log](dy, y.detach(), dim, dtype=dtype, backend="triton")
+        plan = heuristics.last_plan()
+    assert (plan.backend, plan.path, plan.rows, plan.block_n) == ("triton", "online", 64, 16)
+    torch.testing.assert_close(direct, dx, rtol=0, atol=0, equal_nan=True)
+    assert y.dtype == y_dtype and dx.dtype == dtype
+    assert_close(y.detach(), x, dim, log, out_dtype)
+    assert_grad(dx, dy, y.detach(), dim, log, dtype)
 
 
 @pytest.mark.parametrize("log", [False, True])
@@ -261,9 +296,11 @@ def test_gradient_overflow_is_checked():
     big = exact.isinf()
     assert big.any() and (~big).any()
     assert compare_grad(exact, dy, y, -1, False)[1] is None
-    wrong = {"saturated": torch.where(big, torch.finfo(torch.float16).max * exact.sign(), exact),
-             "flipped": torch.where(big, -exact, exact),
-             "spurious inf": torch.where(big, exact, exact.sign() * torch.inf)}  # fmt: skip
+    wrong = {
+        "saturated": torch.where(big, torch.finfo(torch.float16).max * exact.sign(), exact),
+        "flipped": torch.where(big, -exact, exact),
+        "spurious inf": torch.where(big, exact, exact.sign() * torch.inf),
+    }
     for name, dx in wrong.items():
         assert compare_grad(dx, dy, y, -1, False)[1] is not None, name
 

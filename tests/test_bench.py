@@ -12,6 +12,9 @@ import pytest
 import torch
 
 from fastsoftmax import bench, heuristics
+from fastsoftmax.backends import triton as triton_backend
+from fastsoftmax.bench import tuning as sweep
+from fastsoftmax.heuristics import tables
 
 KEYS = {"impl", "backend", "dtype", "M", "N", "pass", "ms", "gbps", "ok", "error", "graph_ms", "graph_gbps"}
 KEYS |= {"err_ratio", "case"}
@@ -19,9 +22,24 @@ KEYS |= {"err_ratio", "case"}
 
 def test_cpu_smoke_run(tmp_path):
     out_json, out_png = tmp_path / "b.json", tmp_path / "b.png"
-    cmd = [sys.executable, "-m", "fastsoftmax", "bench", "--device", "cpu", "--shapes", "4x33,3x1000",
-           "--dtypes", "float32,bfloat16", "--impls", "fastsoftmax,fastsoftmax-triton,torch,quack,copy",
-           "--json", str(out_json), "--plot", str(out_png)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "fastsoftmax",
+        "bench",
+        "--device",
+        "cpu",
+        "--shapes",
+        "4x33,3x1000",
+        "--dtypes",
+        "float32,bfloat16",
+        "--impls",
+        "fastsoftmax,fastsoftmax-triton,torch,quack,copy",
+        "--json",
+        str(out_json),
+        "--plot",
+        str(out_png),
+    ]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -30,9 +48,8 @@ def test_cpu_smoke_run(tmp_path):
     assert doc["copy_gbps"] > 0 and doc["host_us"]["fastsoftmax"] > 0 and doc["host_us"]["torch"] > 0
     recs = doc["records"]
     assert len(recs) == 2 * 2 * 2 * 5 and all(set(r) == KEYS for r in recs)
-    from fastsoftmax import dispatch
 
-    problem = dispatch.interpreter_problem()  # this Triton's interpreter cannot run here (the H200 image)
+    problem = triton_backend.interpreter_problem()  # this Triton's interpreter cannot run here (the H200 image)
     for r in recs:
         if r["impl"] == "quack":  # not importable here: unsupported, with the reason
             assert not r["ok"] and "quack" in r["error"] and r["gbps"] is None
@@ -51,18 +68,41 @@ def test_cpu_smoke_run(tmp_path):
 
 
 def rec(impl, gbps, n=1024, pass_="fwd", ok=True, graph=None):
-    return {"impl": impl, "backend": None, "dtype": "bfloat16", "M": 1 << 17, "N": n, "pass": pass_, "ms": 1.0,
-            "gbps": gbps, "ok": ok, "error": None if ok else "ValueError: refused", "graph_ms": None,
-            "graph_gbps": graph}  # fmt: skip
+    return {
+        "impl": impl,
+        "backend": None,
+        "dtype": "bfloat16",
+        "M": 1 << 17,
+        "N": n,
+        "pass": pass_,
+        "ms": 1.0,
+        "gbps": gbps,
+        "ok": ok,
+        "error": None if ok else "ValueError: refused",
+        "graph_ms": None,
+        "graph_gbps": graph,
+    }
 
 
 def test_tables_speedups_and_unsupported():
-    doc = {"device": "test", "torch": "t", "triton": "t", "method": "m", "copy_gbps": 4000.0,
-           "host_us": {"fastsoftmax": 10.0, "torch": 11.0},
-           "records": [rec("fastsoftmax", 4000.0), rec("torch", 1000.0), rec("quack", 2000.0),
-                       rec("fastsoftmax", 2000.0, n=513), rec("torch", 1000.0, n=513),
-                       rec("quack", None, n=513, ok=False),
-                       rec("fastsoftmax", 100.0, n=8, graph=800.0), rec("torch", 200.0, n=8)]}  # fmt: skip
+    doc = {
+        "device": "test",
+        "torch": "t",
+        "triton": "t",
+        "method": "m",
+        "copy_gbps": 4000.0,
+        "host_us": {"fastsoftmax": 10.0, "torch": 11.0},
+        "records": [
+            rec("fastsoftmax", 4000.0),
+            rec("torch", 1000.0),
+            rec("quack", 2000.0),
+            rec("fastsoftmax", 2000.0, n=513),
+            rec("torch", 1000.0, n=513),
+            rec("quack", None, n=513, ok=False),
+            rec("fastsoftmax", 100.0, n=8, graph=800.0),
+            rec("torch", 200.0, n=8),
+        ],
+    }
     out = io.StringIO()
     bench.print_tables(doc, out)
     text = out.getvalue()
@@ -74,46 +114,56 @@ def test_tables_speedups_and_unsupported():
 
 
 def test_cpu_tune_writes_a_table_auto_can_read(tmp_path):
-    from fastsoftmax import dispatch, tuning
 
     out = tmp_path / "t.json"
-    cmd = [sys.executable, "-m", "fastsoftmax", "bench", "--device", "cpu", "--tune", str(out),
-           "--shapes", "2x64,2x100", "--dtypes", "float32", "--passes", "fwd,bwd"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "fastsoftmax",
+        "bench",
+        "--device",
+        "cpu",
+        "--tune",
+        str(out),
+        "--shapes",
+        "2x64,2x100",
+        "--dtypes",
+        "float32",
+        "--passes",
+        "fwd,bwd",
+    ]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    problem = dispatch.interpreter_problem()
+    problem = triton_backend.interpreter_problem()
     if problem:  # this Triton's interpreter cannot run here: every candidate fails, each with the reason
         assert run.returncode != 0 and run.stderr.count(problem) >= 4 * 3, run.stderr[-3000:]
         return
     assert run.returncode == 0, run.stderr[-3000:]
-    doc = tuning.validate(json.loads(out.read_text()))
+    doc = tables.validate(json.loads(out.read_text()))
     assert doc["generated_by"] == "fastsoftmax bench --tune" and len(doc["entries"]) == 4
     for e in doc["entries"]:  # the winner is the fastest candidate measured, every candidate kept
-        assert e["backend"] == "triton" and f"{e['backend']}/{e['path']}" == tuning.pick(e["candidates"], e["default"])
+        assert e["backend"] == "triton" and f"{e['backend']}/{e['path']}" == tables.pick(e["candidates"], e["default"])
         assert e["candidates"][f"{e['backend']}/{e['path']}"] == e["gbps"]
         assert {"triton/rowblock", "triton/online", "triton/split"} == set(e["candidates"]), run.stderr[-3000:]
-    assert tuning.choose(doc, "bwd", "float32", 80, 2, 132) == (doc["entries"][3]["backend"], doc["entries"][3]["path"])
+    assert tables.choose(doc, "bwd", "float32", 80, 2, 132) == (doc["entries"][3]["backend"], doc["entries"][3]["path"])
 
 
 def test_tune_times_a_replacing_pick_twice(monkeypatch, device):
     """A candidate that would replace the default is timed again, with the default: an outlier slow timing of
     the default (first timing) does not hand the bucket to another path."""
-    from fastsoftmax import bench
-
     calls = []
     scripted = {"triton/rowblock": [10.0, 1.0], "triton/online": [5.0, 5.0], "triton/split": [6.0]}
 
     def fake_time_ms(fn, device):
-        if heuristics.forced() is None:  # the copy bandwidth for the table's header
-            return 1.0
         name = f"triton/{heuristics.forced()['path']}"
         calls.append(name)
         return scripted[name].pop(0)
 
-    monkeypatch.setattr(bench, "time_ms", fake_time_ms)
-    monkeypatch.setattr(bench, "candidates", lambda *a: [("triton", "rowblock"), ("triton", "online"),
-                                                         ("triton", "split")])  # fmt: skip
-    monkeypatch.setattr(bench, "graphed", lambda fn: fn)  # few rows on CUDA: the scripted clock needs no graph
+    monkeypatch.setattr(sweep, "time_ms", fake_time_ms)
+    monkeypatch.setattr(
+        sweep, "candidates", lambda *a: [("triton", "rowblock"), ("triton", "online"), ("triton", "split")]
+    )
+    monkeypatch.setattr(sweep, "graphed", lambda fn: fn)  # few rows on CUDA: the scripted clock needs no graph
     doc = bench.tune([(2, 64)], ["float32"], ["fwd"], device, progress=None)
     (e,) = doc["entries"]
     # first timings: online (5 ms) beat rowblock (10 ms, the outlier); timed again, rowblock takes 1 ms
@@ -127,19 +177,17 @@ def test_tune_times_a_replacing_pick_twice(monkeypatch, device):
 def test_tune_probes_a_pick_inside_its_bucket(monkeypatch, device, inside, won):
     """A pick that replaces the default at the bucket's top length (128) must also beat it at odd lengths
     inside the bucket ((64, 128]: 81 and 97); the entry records those probes."""
-    from fastsoftmax import bench
 
     def fake_time_ms(fn, device):
         f = heuristics.forced()
-        if f is None:  # the copy bandwidth for the table's header
-            return 1.0
         (n,) = {c.cell_contents.shape[-1] for c in fn.__closure__ if isinstance(c.cell_contents, torch.Tensor)}
         return {"rowblock": 5.0, "online": inside if n == 97 else 2.0, "split": 9.0}[f["path"]]
 
-    monkeypatch.setattr(bench, "time_ms", fake_time_ms)
-    monkeypatch.setattr(bench, "candidates", lambda *a: [("triton", "rowblock"), ("triton", "online"),
-                                                         ("triton", "split")])  # fmt: skip
-    monkeypatch.setattr(bench, "graphed", lambda fn: fn)  # few rows on CUDA: the scripted clock needs no graph
+    monkeypatch.setattr(sweep, "time_ms", fake_time_ms)
+    monkeypatch.setattr(
+        sweep, "candidates", lambda *a: [("triton", "rowblock"), ("triton", "online"), ("triton", "split")]
+    )
+    monkeypatch.setattr(sweep, "graphed", lambda fn: fn)  # few rows on CUDA: the scripted clock needs no graph
     doc = bench.tune([(2, 64), (2, 128)], ["float32"], ["fwd"], device, progress=None)
     e = doc["entries"][1]
     assert e["n_max"] == 128 and [p["N"] for p in e["probes"]] == [81, 97]  # a quarter and half way in
@@ -148,112 +196,110 @@ def test_tune_probes_a_pick_inside_its_bucket(monkeypatch, device, inside, won):
 
 
 def test_tune_takes_a_bucket_won_inside_it(monkeypatch, device):
-    """A challenger that ties the default at the bucket's top length (1% faster, under tuning.MARGIN) but wins
-    clearly at both probes takes the bucket (tuning.bucket_pick: geometric mean over the three); one that wins
+    """A challenger that ties the default at the bucket's top length (1% faster, under tables.MARGIN) but wins
+    clearly at both probes takes the bucket (tables.bucket_pick: geometric mean over the three); one that wins
     on the geometric mean but loses a probe by more than MARGIN does not."""
-    from fastsoftmax import bench, tuning
 
     def run(times):
         def fake_time_ms(fn, device):
             f = heuristics.forced()
-            if f is None:
-                return 1.0
             (n,) = {c.cell_contents.shape[-1] for c in fn.__closure__ if isinstance(c.cell_contents, torch.Tensor)}
             return times[f["path"]].get(n, times[f["path"]]["top"])
 
-        monkeypatch.setattr(bench, "time_ms", fake_time_ms)
-        monkeypatch.setattr(bench, "candidates", lambda *a: [("triton", "rowblock"), ("triton", "online")])
-        monkeypatch.setattr(bench, "graphed", lambda fn: fn)
+        monkeypatch.setattr(sweep, "time_ms", fake_time_ms)
+        monkeypatch.setattr(sweep, "candidates", lambda *a: [("triton", "rowblock"), ("triton", "online")])
+        monkeypatch.setattr(sweep, "graphed", lambda fn: fn)
         doc = bench.tune([(2, 64), (2, 128)], ["float32"], ["fwd"], device, progress=None)
-        assert doc["rule"] == tuning.RULE
+        assert doc["rule"] == tables.RULE
         e = doc["entries"][1]
         assert e["challenger"] == "triton/online" and [p["N"] for p in e["probes"]] == [81, 97]
-        assert f"{e['backend']}/{e['path']}" == tuning.entry_path(e, doc["rule"])
+        assert f"{e['backend']}/{e['path']}" == tables.entry_path(e, doc["rule"])
         return e["path"]
 
     tie_top = {"rowblock": {"top": 5.0}, "online": {"top": 5.0 / 1.01, 81: 3.0, 97: 3.0}}
     assert run(tie_top) == "online"
-    assert tuning.pick({"triton/online": 1.01, "triton/rowblock": 1.0}, "triton/rowblock") == "triton/rowblock"
+    assert tables.pick({"triton/online": 1.01, "triton/rowblock": 1.0}, "triton/rowblock") == "triton/rowblock"
     loses_inside = {"rowblock": {"top": 5.0}, "online": {"top": 2.0, 81: 2.0, 97: 5.5}}
     assert run(loses_inside) == "rowblock"
 
 
 def test_tune_band_challenger(monkeypatch, device):
-    """Rule "band": at the probes the tuner times the default and every candidate within tuning.BAND of the
+    """Rule "band": at the probes the tuner times the default and every candidate within tables.BAND of the
     fastest at the top length; the best geometric mean over all lengths is the challenger. Here split is
     fastest at the top length, online 7% slower there but far faster inside: online takes the bucket;
     rowblock (the default) and a candidate outside the band are not the challenger."""
-    from fastsoftmax import bench, tuning
-
-    times = {"rowblock": {"top": 5.0}, "split": {"top": 2.0, 81: 4.0, 97: 4.0},
-             "online": {"top": 2.14, 81: 1.0, 97: 1.0}, "cluster": {"top": 2.5, 81: 0.5, 97: 0.5}}  # fmt: skip
+    times = {
+        "rowblock": {"top": 5.0},
+        "split": {"top": 2.0, 81: 4.0, 97: 4.0},
+        "online": {"top": 2.14, 81: 1.0, 97: 1.0},
+        "cluster": {"top": 2.5, 81: 0.5, 97: 0.5},
+    }
     timed = []
 
     def fake_time_ms(fn, device):
         f = heuristics.forced()
-        if f is None:
-            return 1.0
         (n,) = {c.cell_contents.shape[-1] for c in fn.__closure__ if isinstance(c.cell_contents, torch.Tensor)}
         timed.append((f["path"], n))
         return times[f["path"]].get(n, times[f["path"]]["top"])
 
-    monkeypatch.setattr(bench, "time_ms", fake_time_ms)
+    monkeypatch.setattr(sweep, "time_ms", fake_time_ms)
     cands = [("triton", "rowblock"), ("triton", "split"), ("triton", "online"), ("cuda", "cluster")]
-    monkeypatch.setattr(bench, "candidates", lambda *a: cands)
-    monkeypatch.setattr(bench, "graphed", lambda fn: fn)
-    monkeypatch.setattr(bench, "_check", lambda *a: (0.0, None))
+    monkeypatch.setattr(sweep, "candidates", lambda *a: cands)
+    monkeypatch.setattr(sweep, "graphed", lambda fn: fn)
+    monkeypatch.setattr(sweep, "check_rows", lambda *a: (0.0, None))
     doc = bench.tune([(2, 64), (2, 128)], ["float32"], ["fwd"], device, progress=None)
     e = doc["entries"][1]
-    assert doc["rule"] == tuning.RULE == "band"
+    assert doc["rule"] == tables.RULE == "band"
     assert sorted(p for p, n in timed if n == 81) == ["online", "rowblock", "split"]  # cluster: 0.8x, outside
     assert e["challenger"] == "triton/online" and (e["backend"], e["path"]) == ("triton", "online")
-    assert tuning.entry_path(e, "band") == "triton/online"
+    assert tables.entry_path(e, "band") == "triton/online"
     e["challenger"] = "triton/split"  # a table whose challenger is not what its measurements say
     with pytest.raises(ValueError, match="challenger"):
-        tuning.entry_path(e, "band")
+        tables.entry_path(e, "band")
 
 
 def test_tune_rows_classes(monkeypatch, device):
     """Both rows classes get their own entries (the threshold lowered so that tiny shapes span both)."""
-    from fastsoftmax import bench, tuning
-
-    monkeypatch.setattr(tuning, "FEW_ROWS_PER_SM", 0.01)  # 132 SMs: 1 row is few, 2 or more many
+    monkeypatch.setattr(tables, "FEW_ROWS_PER_SM", 0.01)  # 132 SMs: 1 row is few, 2 or more many
     doc = bench.tune([(1, 64), (3, 64)], ["bfloat16"], ["fwd"], device, progress=None)
     assert [(e["rows"], e["n_max"]) for e in doc["entries"]] == [("few", 64), ("many", 64)]
 
 
 def test_tuning_buckets():
-    from fastsoftmax import tuning
-
-    entries = [{"pass": "fwd", "dtype": "bfloat16", "rows": r, "n_max": n, "backend": b, "path": p}
-               for r, n, b, p in [("many", 1024, "triton", "rowblock"), ("many", 65536, "cuda", "cluster"),
-                                  ("few", 65536, "triton", "split")]]  # fmt: skip
-    doc = tuning.validate({"device": "x", "date": "d", "entries": entries})
-    assert tuning.choose(doc, "fwd", "bfloat16", 513, 4096, 132) == ("triton", "rowblock")
-    assert tuning.choose(doc, "fwd", "bfloat16", 1024, 4096, 132) == ("triton", "rowblock")
-    assert tuning.choose(doc, "fwd", "bfloat16", 1025, 4096, 132) == ("cuda", "cluster")
-    assert tuning.choose(doc, "fwd", "bfloat16", 50257, 8, 132) == ("triton", "split")  # few rows
-    assert tuning.choose(doc, "fwd", "bfloat16", 65537, 4096, 132) is None  # past the grid: heuristics
-    assert tuning.choose(doc, "bwd", "bfloat16", 513, 4096, 132) is None
-    assert tuning.choose(None, "fwd", "bfloat16", 513, 4096, 132) is None
-    assert tuning.rows_class(263, 132) == "few" and tuning.rows_class(264, 132) == "many"
+    entries = [
+        {"pass": "fwd", "dtype": "bfloat16", "rows": r, "n_max": n, "backend": b, "path": p}
+        for r, n, b, p in [
+            ("many", 1024, "triton", "rowblock"),
+            ("many", 65536, "cuda", "cluster"),
+            ("few", 65536, "triton", "split"),
+        ]
+    ]
+    doc = tables.validate({"device": "x", "date": "d", "entries": entries})
+    assert tables.choose(doc, "fwd", "bfloat16", 513, 4096, 132) == ("triton", "rowblock")
+    assert tables.choose(doc, "fwd", "bfloat16", 1024, 4096, 132) == ("triton", "rowblock")
+    assert tables.choose(doc, "fwd", "bfloat16", 1025, 4096, 132) == ("cuda", "cluster")
+    assert tables.choose(doc, "fwd", "bfloat16", 50257, 8, 132) == ("triton", "split")  # few rows
+    assert tables.choose(doc, "fwd", "bfloat16", 65537, 4096, 132) is None  # past the grid: heuristics
+    assert tables.choose(doc, "bwd", "bfloat16", 513, 4096, 132) is None
+    assert tables.choose(None, "fwd", "bfloat16", 513, 4096, 132) is None
+    assert tables.rows_class(263, 132) == "few" and tables.rows_class(264, 132) == "many"
     bad = {"device": "x", "date": "d", "entries": [{**entries[0], "rows": "some"}]}
     try:
-        tuning.validate(bad)
+        tables.validate(bad)
     except ValueError as e:
         assert "malformed" in str(e)
     else:
         raise AssertionError("a malformed entry was accepted")
-    assert tuning.slug("NVIDIA H200") == "nvidia_h200"
+    assert tables.slug("NVIDIA H200") == "nvidia_h200"
     # a near-tie keeps the default path; a clear win replaces it
-    assert tuning.pick({"triton/online": 3918.0, "triton/rowblock": 3905.0}, "triton/rowblock") == "triton/rowblock"
-    assert tuning.pick({"cuda/cluster": 3773.0, "triton/online": 2845.0}, "triton/online") == "cuda/cluster"
-    assert tuning.pick({"cuda/cluster": 3773.0}, None) == "cuda/cluster"
+    assert tables.pick({"triton/online": 3918.0, "triton/rowblock": 3905.0}, "triton/rowblock") == "triton/rowblock"
+    assert tables.pick({"cuda/cluster": 3773.0, "triton/online": 2845.0}, "triton/online") == "cuda/cluster"
+    assert tables.pick({"cuda/cluster": 3773.0}, None) == "cuda/cluster"
 
 
 def test_warm_runs_every_job_in_worker_processes():
     # Two spawned processes, four jobs: the ones that can run fill caches; a broken one is counted, not fatal.
-    jobs = bench._jobs_for([(3, 40)], ["float32"], ["fwd", "bwd"], lambda m, n, d, p: ["torch", "no-such-impl"])
+    jobs = bench.jobs_for([(3, 40)], ["float32"], ["fwd", "bwd"], lambda m, n, d, p: ["torch", "no-such-impl"])
     assert len(jobs) == 4 and {j[4] for j in jobs} == {"torch", "no-such-impl"}
     assert bench.warm(jobs, 2, progress=None, device="cpu") == 2
     assert bench.warm(jobs, 0, progress=None, device="cpu") == 0  # jobs=0: nothing runs
@@ -262,27 +308,30 @@ def test_warm_runs_every_job_in_worker_processes():
 
 def test_committed_tables_are_valid():
     """Every committed table loads, names only backends and paths that exist, names per entry what its rule
-    makes of its measured candidates and probes (tuning.entry_path), and covers both passes, rows classes and
+    makes of its measured candidates and probes (tables.entry_path), and covers both passes, rows classes and
     its dtypes."""
     from importlib import resources
 
-    from fastsoftmax import dispatch, heuristics, tuning
+    from fastsoftmax import dispatch, heuristics
 
-    files = [f for f in resources.files("fastsoftmax").joinpath("tuning").iterdir() if f.name.endswith(".json")]
+    files = [
+        f for f in resources.files("fastsoftmax").joinpath("heuristics", "tables").iterdir() if f.name.endswith(".json")
+    ]
     assert files, "no tuning table committed"
     for f in files:
-        doc = tuning.validate(json.loads(f.read_text()))
-        assert tuning.slug(doc["device"]) == f.name[:-5]
+        doc = tables.validate(json.loads(f.read_text()))
+        assert tables.slug(doc["device"]) == f.name[:-5]
+        assert tables.table(doc["device"]) == doc  # what backend='auto' reads on that GPU
         for e in doc["entries"]:
             assert e["backend"] in dispatch.BACKENDS
             assert e["path"] in (heuristics.PATHS if e["backend"] == "triton" else heuristics.CUDA_PATHS)
-            assert f"{e['backend']}/{e['path']}" == tuning.entry_path(e, doc.get("rule")), e
+            assert f"{e['backend']}/{e['path']}" == tables.entry_path(e, doc.get("rule")), e
             assert e["gbps"] == e["candidates"][f"{e['backend']}/{e['path']}"]
         keys = {(e["pass"], e["dtype"], e["rows"]) for e in doc["entries"]}
         assert {(p, "bfloat16", r) for p in ("fwd", "bwd") for r in ("few", "many")} <= keys
         big = max(e["n_max"] for e in doc["entries"])
-        assert tuning.choose(doc, "fwd", "bfloat16", big + 1, 4096, doc["sm_count"]) is None  # past the table
-        assert tuning.choose(doc, "fwd", "bfloat16", 300, 1 << 20, doc["sm_count"]) is not None
+        assert tables.choose(doc, "fwd", "bfloat16", big + 1, 4096, doc["sm_count"]) is None  # past the table
+        assert tables.choose(doc, "fwd", "bfloat16", 300, 1 << 20, doc["sm_count"]) is not None
 
 
 def test_check_before_timing_peer_slack_and_wrong_results():
@@ -320,11 +369,23 @@ def test_check_before_timing_peer_slack_and_wrong_results():
 def test_cpu_masked_smoke_run(tmp_path):
     """--masked: attention scores with a padding mask, causal, both; every implementation checked first, the
     mask bytes counted; the Triton kernels run in the interpreter here."""
-    from fastsoftmax import dispatch
 
     out_json = tmp_path / "m.json"
-    cmd = [sys.executable, "-m", "fastsoftmax", "bench", "--device", "cpu", "--masked", "--attention", "2,2,40",
-           "--impls", "fastsoftmax,fastsoftmax-triton,torch", "--json", str(out_json)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "fastsoftmax",
+        "bench",
+        "--device",
+        "cpu",
+        "--masked",
+        "--attention",
+        "2,2,40",
+        "--impls",
+        "fastsoftmax,fastsoftmax-triton,torch",
+        "--json",
+        str(out_json),
+    ]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -333,7 +394,7 @@ def test_cpu_masked_smoke_run(tmp_path):
     assert doc["shape"] == [2, 2, 40] and len(recs) == 3 * 2 * 2 * 3
     assert {r["case"] for r in recs} == {"padding", "causal", "padding+causal"}
     for r in recs:
-        if r["impl"] == "fastsoftmax-triton" and dispatch.interpreter_problem():
+        if r["impl"] == "fastsoftmax-triton" and triton_backend.interpreter_problem():
             assert not r["ok"]
         else:
             assert r["ok"] and r["err_ratio"] <= 1 and r["gbps"] > 0, r
@@ -344,8 +405,23 @@ def test_cpu_ce_smoke_run(tmp_path):
     """--ce: cross-entropy forward and forward + backward, each implementation checked first; peers that cannot
     import are unsupported with the reason."""
     out_json = tmp_path / "ce.json"
-    cmd = [sys.executable, "-m", "fastsoftmax", "bench", "--device", "cpu", "--ce", "--shapes", "16x300,8x513",
-           "--dtypes", "float32", "--impls", "fastsoftmax,torch,quack", "--json", str(out_json)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "fastsoftmax",
+        "bench",
+        "--device",
+        "cpu",
+        "--ce",
+        "--shapes",
+        "16x300,8x513",
+        "--dtypes",
+        "float32",
+        "--impls",
+        "fastsoftmax,torch,quack",
+        "--json",
+        str(out_json),
+    ]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]

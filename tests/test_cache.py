@@ -66,15 +66,16 @@ def test_no_home_in_a_fresh_process(tmp_path):
         "import pwd\n"
         "def no_entry(uid): raise KeyError(uid)\n"
         "pwd.getpwuid = no_entry\n"
-        "from fastsoftmax import cache; from fastsoftmax.cuda import build, launch\n"
+        "from fastsoftmax import cache, launch; from fastsoftmax.cuda import build\n"
         "assert cache.root() is None\n"
         "c = build.compile_kernel(build.Config('fwd', 'float32', 'float16', group=16, rows=8), 'sm_90a')\n"
         "assert launch._load_native() is not None\n"
         "print(len(c.binary) > 0)\n"
     )
     env = {k: v for k, v in os.environ.items() if k not in ("HOME", "FASTSOFTMAX_CACHE_DIR", "XDG_CACHE_HOME")}
-    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True,
-                         timeout=300)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0 and out.stdout.strip() == "True", out.stderr[-2000:]
 
 
@@ -136,7 +137,7 @@ def test_corrupt_cubin_is_detected_and_rebuilt(cdir):
 def test_a_planted_library_never_runs(cdir, tmp_path):
     """A shared library planted under the launch helper's cache name (its constructor would write a file)
     is refused; the helper is rebuilt and loads."""
-    from fastsoftmax.cuda import launch
+    from fastsoftmax import launch
 
     cc = os.environ.get("CC") or "cc"
     marker = tmp_path / "ran"

@@ -45,8 +45,9 @@ def test_func_transforms_softmax(device, log, dim):
     w = torch.randn(5, 7, device=device)
     tol = dict(rtol=1e-4, atol=1e-5)
 
-    torch.testing.assert_close(func.grad(lambda t: (f(t) * w).sum())(x), func.grad(lambda t: (ref(t) * w).sum())(x),
-                               **tol)  # fmt: skip
+    torch.testing.assert_close(
+        func.grad(lambda t: (f(t) * w).sum())(x), func.grad(lambda t: (ref(t) * w).sum())(x), **tol
+    )
     for in_dims in (0, 1):
         xb = torch.stack([x, x * 2, x - 1], in_dims)
         heuristics.record(None)
@@ -153,8 +154,9 @@ def test_func_transforms_cross_entropy(device, reduction):
     torch.testing.assert_close(func.vmap(f)(xb, tb), func.vmap(ref)(xb, tb))
     v = torch.randn_like(x)
     torch.testing.assert_close(func.jvp(f, (x,), (v,))[1], func.jvp(ref, (x,), (v,))[1])
-    torch.testing.assert_close(func.hessian(f)(x[:3, :4].contiguous(), t[:3] % 4),
-                               func.hessian(ref)(x[:3, :4].contiguous(), t[:3] % 4))  # fmt: skip
+    torch.testing.assert_close(
+        func.hessian(f)(x[:3, :4].contiguous(), t[:3] % 4), func.hessian(ref)(x[:3, :4].contiguous(), t[:3] % 4)
+    )
     with fwAD.dual_level():
         tangent = fwAD.unpack_dual(f(fwAD.make_dual(x, v))).tangent
     torch.testing.assert_close(tangent, func.jvp(ref, (x,), (v,))[1])
@@ -231,10 +233,15 @@ def test_fake_tensors_reach_the_fake_implementations(device):
     with FakeTensorMode() as mode:
         x = mode.from_tensor(real).requires_grad_()
         d = x.detach()
-        outs = [fs.softmax(x), fs.log_softmax(x, 0, dtype=torch.float32), fs.softmax(x.t(), 0),
-                fs.softmax(x, mask=torch.ones(33, device=device, dtype=torch.bool), causal=True),
-                fs.cross_entropy(x, torch.zeros(4, dtype=torch.long, device=device)),
-                fs.softmax_backward(d, d), fs.log_softmax_backward(d, d)]  # fmt: skip
+        outs = [
+            fs.softmax(x),
+            fs.log_softmax(x, 0, dtype=torch.float32),
+            fs.softmax(x.t(), 0),
+            fs.softmax(x, mask=torch.ones(33, device=device, dtype=torch.bool), causal=True),
+            fs.cross_entropy(x, torch.zeros(4, dtype=torch.long, device=device)),
+            fs.softmax_backward(d, d),
+            fs.log_softmax_backward(d, d),
+        ]
         for y in outs:
             assert isinstance(y, FakeTensor)
         assert outs[2].stride() == want.stride()
@@ -244,8 +251,12 @@ def test_fake_tensors_reach_the_fake_implementations(device):
 
 def test_meta_tensors():
     x = torch.empty(3, 17, device="meta", dtype=torch.bfloat16)
-    for y in (fs.softmax(x), fs.log_softmax(x, 0, dtype=torch.float32), fs.softmax(x, scale=2.0),
-              fs.cross_entropy(x, torch.zeros(3, dtype=torch.long, device="meta"), reduction="none")):  # fmt: skip
+    for y in (
+        fs.softmax(x),
+        fs.log_softmax(x, 0, dtype=torch.float32),
+        fs.softmax(x, scale=2.0),
+        fs.cross_entropy(x, torch.zeros(3, dtype=torch.long, device="meta"), reduction="none"),
+    ):
         assert y.is_meta
     assert fs.log_softmax(x, 0, dtype=torch.float32).dtype == torch.float32
 
@@ -263,8 +274,11 @@ def test_make_fx_and_jit_trace(device):
     for mode in ("fake", "real"):
         g = make_fx(f, tracing_mode=mode)(x, t)
         targets = {str(n.target) for n in g.graph.nodes if n.op == "call_function"}
-        assert {"fastsoftmax.softmax.default", "fastsoftmax.cross_entropy.default",
-                "fastsoftmax.softmax_masked.default"} <= targets, targets  # fmt: skip
+        assert {
+            "fastsoftmax.softmax.default",
+            "fastsoftmax.cross_entropy.default",
+            "fastsoftmax.softmax_masked.default",
+        } <= targets, targets
         torch.testing.assert_close(g(x, t), f(x, t))
     traced = torch.jit.trace(lambda a: fs.log_softmax(a, -1), (x,))
     assert "fastsoftmax::softmax" in str(traced.graph)
@@ -335,15 +349,19 @@ def test_opcheck_layouts(device, name):
     (forward, backward, masked with a bool mask broadcast over the batch and an expanded additive one)."""
     x = dict(layouts(device))[name]
     g = torch.Generator().manual_seed(8)
-    masks = [(torch.rand(x.shape[1:], generator=g) > 0.3).to(device),
-             torch.randn(x.shape[-1], generator=g).to(device).expand(x.shape)]  # fmt: skip
+    masks = [
+        (torch.rand(x.shape[1:], generator=g) > 0.3).to(device),
+        torch.randn(x.shape[-1], generator=g).to(device).expand(x.shape),
+    ]
     for dim in (-1, 1):
         for log in (False, True):
             xg = x.detach().clone().requires_grad_() if name == "contiguous" else x
             torch.library.opcheck(torch.ops.fastsoftmax.softmax.default, (xg, dim, log, None, "auto"))
             y = fs.softmax(x, dim, dtype=torch.float32)
-            torch.library.opcheck(torch.ops.fastsoftmax.softmax_backward.default,
-                                  (torch.randn_like(y), y, dim, log, torch.float32, "auto"))  # fmt: skip
+            torch.library.opcheck(
+                torch.ops.fastsoftmax.softmax_backward.default,
+                (torch.randn_like(y), y, dim, log, torch.float32, "auto"),
+            )
             for m in masks:
                 causal = dim == -1
                 args = (xg, dim, log, None, "auto", m, 0.5, causal)
@@ -361,20 +379,24 @@ def test_opcheck_rows_out_of_logical_order_and_transposed_logits(device):
     scores = torch.randn(s, b, h, d, device=device).permute(1, 2, 0, 3)
     mask = torch.rand(b, 1, 1, d, generator=torch.Generator().manual_seed(2)).to(device) > 0.2
     for log in (False, True):
-        torch.library.opcheck(torch.ops.fastsoftmax.softmax_masked.default,
-                              (scores, -1, log, None, "auto", mask, 0.3, False))  # fmt: skip
+        torch.library.opcheck(
+            torch.ops.fastsoftmax.softmax_masked.default, (scores, -1, log, None, "auto", mask, 0.3, False)
+        )
     y = fs.softmax(scores, mask=mask)
     assert y.stride() == torch.empty_like(scores).stride()
     logits_t = torch.randn(11, 6, device=device).t()  # (6, 11), classes not contiguous
     target = torch.tensor([1, 2, 10, -100, 0, 4], device=device)
     for reduction in ("mean", "none"):
         lg = logits_t.detach().requires_grad_()
-        torch.library.opcheck(torch.ops.fastsoftmax.cross_entropy.default,
-                              (lg, target, -100, reduction, 0.1, "auto", torch.float32))  # fmt: skip
+        torch.library.opcheck(
+            torch.ops.fastsoftmax.cross_entropy.default, (lg, target, -100, reduction, 0.1, "auto", torch.float32)
+        )
         _, stats = torch.ops.fastsoftmax.cross_entropy(logits_t, target, -100, reduction, 0.1, "auto", torch.float32)
         grad = torch.ones(6 if reduction == "none" else (), device=device)
-        torch.library.opcheck(torch.ops.fastsoftmax.cross_entropy_backward.default,
-                              (logits_t, target, stats, grad, -100, reduction, 0.1, "auto"))  # fmt: skip
+        torch.library.opcheck(
+            torch.ops.fastsoftmax.cross_entropy_backward.default,
+            (logits_t, target, stats, grad, -100, reduction, 0.1, "auto"),
+        )
 
     def step(a, lt):
         return fs.softmax(a, mask=mask, scale=0.3).sum() + fs.cross_entropy(lt * 2, target)
@@ -401,9 +423,12 @@ def test_storage_resized_to_zero_raises(device):
     with pytest.raises(RuntimeError):
         torch.softmax(x, -1)
     for backend in ("auto", "triton", "torch"):
-        calls = (lambda b: fs.softmax(x, backend=b), lambda b: fs.log_softmax(x, backend=b),
-                 lambda b: fs.softmax(x, scale=2.0, backend=b),
-                 lambda b: fs.softmax_backward(x, x, backend=b))  # fmt: skip
+        calls = (
+            lambda b: fs.softmax(x, backend=b),
+            lambda b: fs.log_softmax(x, backend=b),
+            lambda b: fs.softmax(x, scale=2.0, backend=b),
+            lambda b: fs.softmax_backward(x, x, backend=b),
+        )
         for call in calls:
             with pytest.raises(RuntimeError, match="storage"):
                 call(backend)

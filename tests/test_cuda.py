@@ -4,11 +4,12 @@ CUDA graphs, side streams, 64-bit offsets. Run with `pytest --device cuda tests/
 
 import pytest
 import torch
-from helpers import DTYPES, assert_close, overflowing_grad_inputs, random_logits, special_rows
+from helpers import DTYPES, assert_close, forward, overflowing_grad_inputs, random_logits, special_rows
 
 import fastsoftmax as fs
 from fastsoftmax import heuristics
-from fastsoftmax.api import forward
+from fastsoftmax.backends import cuda as cuda_backend
+from fastsoftmax.heuristics import softmax_cuda, tables
 from fastsoftmax.reference import compare_grad, oracle, oracle_lse
 
 pytestmark = [
@@ -19,15 +20,27 @@ pytestmark = [
 # (variant, N): each variant on lengths it holds, odd ones first; the cluster and online lengths cross
 # 16-byte vectors, CTAs of a cluster and (online) several sweeps per thread.
 CASES = [
-    ("three_pass", 1), ("three_pass", 513), ("three_pass", 4099),
-    ("warp", 1), ("warp", 7), ("warp", 33), ("warp", 513), ("warp", 1000),
-    ("block", 513), ("block", 4099), ("block", 12289),
-    ("cluster", 513), ("cluster", 12289), ("cluster", 50257), ("cluster", 131072),
-    ("online", 7), ("online", 4099), ("online", 50257),
-]  # fmt: skip
+    ("three_pass", 1),
+    ("three_pass", 513),
+    ("three_pass", 4099),
+    ("warp", 1),
+    ("warp", 7),
+    ("warp", 33),
+    ("warp", 513),
+    ("warp", 1000),
+    ("block", 513),
+    ("block", 4099),
+    ("block", 12289),
+    ("cluster", 513),
+    ("cluster", 12289),
+    ("cluster", 50257),
+    ("cluster", 131072),
+    ("online", 7),
+    ("online", 4099),
+    ("online", 50257),
+]
 # The staged variant: lengths that cross CTAs of a cluster (1 to 8) and 16 KiB pieces of the bulk copy.
-STAGED_CASES = [("staged", 1), ("staged", 7), ("staged", 513), ("staged", 12289), ("staged", 50257),
-                ("staged", 131072)]  # fmt: skip
+STAGED_CASES = [("staged", 1), ("staged", 7), ("staged", 513), ("staged", 12289), ("staged", 50257), ("staged", 131072)]
 FNS = {False: fs.softmax, True: fs.log_softmax}
 
 
@@ -150,12 +163,19 @@ def test_gradient_overflow(variant):
     assert compare_grad(dx, dy, y, -1, False)[1] is None
 
 
-@pytest.mark.parametrize("variant,bwd_variant,shape,dtype", [
-    ("cluster", "cluster", (8, 262144), torch.float32), ("cluster", "online", (64, 524288), torch.bfloat16),
-    ("cluster", "cluster", (64, 262144), torch.bfloat16), ("cluster", "cluster", (8, 131072), torch.bfloat16),
-    ("online", "online", (4, 1 << 20), torch.float32), ("online", "online", (300, 1 << 19), torch.bfloat16),
-    ("block", "block", (4096, 16384), torch.float32), ("warp", "block", (65536, 2048), torch.bfloat16),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "variant,bwd_variant,shape,dtype",
+    [
+        ("cluster", "cluster", (8, 262144), torch.float32),
+        ("cluster", "online", (64, 524288), torch.bfloat16),
+        ("cluster", "cluster", (64, 262144), torch.bfloat16),
+        ("cluster", "cluster", (8, 131072), torch.bfloat16),
+        ("online", "online", (4, 1 << 20), torch.float32),
+        ("online", "online", (300, 1 << 19), torch.bfloat16),
+        ("block", "block", (4096, 16384), torch.float32),
+        ("warp", "block", (65536, 2048), torch.bfloat16),
+    ],
+)
 def test_large(variant, bwd_variant, shape, dtype):
     """The longest rows each variant holds (the backward holds half as many bf16 elements per thread)."""
     gen = torch.Generator().manual_seed(shape[1])
@@ -186,7 +206,6 @@ def test_staged_large(shape, dtype):
     """The staged forward on the longest rows it holds (16 CTAs x STAGE_MAX bytes: 786432 fp32), few rows
     spread over 16 CTAs, special rows; one element more is refused when forced. The staged backward (y and
     dy staged: half the length) on the same rows where they fit, refused where they do not."""
-    from fastsoftmax.cuda import kernels
 
     gen = torch.Generator().manual_seed(shape[1])
     x = random_logits(shape, dtype, gen)
@@ -196,15 +215,17 @@ def test_staged_large(shape, dtype):
         y, lse = run_forward(x, -1, log, "staged")
         assert_close(y, x, -1, log)
         torch.testing.assert_close(lse.double(), oracle_lse(x), rtol=2e-6, atol=2e-6, equal_nan=True)
-    assert heuristics.last_plan().splits == kernels.launch_shape(shape[1], shape[0], x.element_size(), 132, 90,
-                                                                 "staged").cluster  # fmt: skip
+    assert (
+        heuristics.last_plan().splits
+        == softmax_cuda.launch_shape(shape[1], shape[0], x.element_size(), 132, 90, "staged").cluster
+    )
     if shape[1] == 786432:
-        assert heuristics.last_plan().splits == kernels.STAGE_CLUSTER_MAX == 16
+        assert heuristics.last_plan().splits == softmax_cuda.STAGE_CLUSTER_MAX == 16
         with pytest.raises(ValueError, match="staged variant holds at most"):
             run_forward(torch.zeros(1, shape[1] + 4, device="cuda"), -1, False, "staged")
     dy = torch.randn(shape, generator=gen).to(dtype).cuda()
     with heuristics.force(poison=True, path="staged"):
-        if 2 * shape[1] * x.element_size() > kernels.STAGE_CLUSTER_MAX * kernels.STAGE_MAX:  # y and dy staged
+        if 2 * shape[1] * x.element_size() > softmax_cuda.STAGE_CLUSTER_MAX * softmax_cuda.STAGE_MAX:  # y and dy staged
             with pytest.raises(ValueError, match="staged variant holds at most"):
                 fs.softmax_backward(dy, y, backend="cuda")
             return
@@ -280,7 +301,6 @@ def test_cuda_graph():
 def test_row_of_2_pow_31_elements_or_more():
     """softmax.cu's row length is a 32-bit int: backend='cuda' refuses such a row before any launch, naming
     the limit; 'auto' (whatever the table says) takes the Triton kernels, and the output is written."""
-    from fastsoftmax import tuning
 
     n = (1 << 31) + 5
     x = torch.empty(1, n, device="cuda", dtype=torch.float16).normal_(0, 2)
@@ -288,7 +308,7 @@ def test_row_of_2_pow_31_elements_or_more():
     with pytest.raises(RuntimeError, match=r"at most 2\^31 - 1"):
         fs.softmax(x, backend="cuda")
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(tuning, "choose", lambda *a, **k: ("cuda", "online"))
+        mp.setattr(tables, "choose", lambda *a, **k: ("cuda", "online"))
         with heuristics.force(poison=True):
             y = fs.softmax(x, dtype=torch.float32)  # fp32: most of 2^31 probabilities underflow fp16
     assert heuristics.last_plan().backend == "triton"
@@ -330,16 +350,16 @@ def test_a_module_that_cannot_load_turns_the_backend_off(monkeypatch, tmp_path):
     """A cubin the driver rejects (what a driver older than the NVRTC that compiled it does): backend='cuda'
     raises naming the cause; 'auto' takes the Triton kernels for that call and the rest of the process, and
     fs.info() says why."""
-    from fastsoftmax import dispatch, fastpath, tuning
+    from fastsoftmax import fastpath
     from fastsoftmax.cuda import build, kernels
 
     monkeypatch.setenv("FASTSOFTMAX_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(kernels, "_functions", {})
     monkeypatch.setattr(kernels, "_modules", {})
     monkeypatch.setattr(build, "compile_kernel", lambda cfg, arch, *a, **k: build.Compiled(b"\x7fELF junk", "", "k"))
-    monkeypatch.setattr(tuning, "choose", lambda *a, **k: ("cuda", "warp"))
+    monkeypatch.setattr(tables, "choose", lambda *a, **k: ("cuda", "warp"))
     fastpath.clear()
-    dispatch.reset_cuda_failure()
+    cuda_backend.reset_failure()
     x = torch.randn(64, 1000, device="cuda")
     try:
         with pytest.raises(RuntimeError, match="cannot load the cubin"):
@@ -352,12 +372,12 @@ def test_a_module_that_cannot_load_turns_the_backend_off(monkeypatch, tmp_path):
             assert_close(y, x, -1, False)
         with pytest.raises(RuntimeError, match="failed earlier in this process"):
             fs.softmax(x, backend="cuda")
-        dispatch.reset_cuda_failure()  # the first failure under 'auto' itself falls back within the call
+        cuda_backend.reset_failure()  # the first failure under 'auto' itself falls back within the call
         y = fs.log_softmax(x)
-        assert heuristics.last_plan().backend == "triton" and dispatch.cuda_failure()
+        assert heuristics.last_plan().backend == "triton" and cuda_backend.failure()
         assert_close(y, x, -1, True)
     finally:
-        dispatch.reset_cuda_failure()
+        cuda_backend.reset_failure()
         fastpath.clear()
 
 

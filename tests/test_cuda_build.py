@@ -16,7 +16,9 @@ import fastsoftmax as fs
 from fastsoftmax import cache as disk_cache
 from fastsoftmax import heuristics
 from fastsoftmax.cuda import build, kernels
-from fastsoftmax.cuda.kernels import VARIANTS, config_for, function_attributes, launch_shape
+from fastsoftmax.cuda.kernels import config_for, function_attributes
+from fastsoftmax.heuristics import softmax_cuda
+from fastsoftmax.heuristics.softmax_cuda import VARIANTS, launch_shape
 
 pytest.importorskip("cuda.bindings.nvrtc", reason="the CUDA backend's NVRTC bindings are a default dependency")
 
@@ -99,7 +101,7 @@ def test_variant_compiles_with_its_facts(cache, variant, dtype, n, rows, backwar
         assert "barrier.cluster" not in ptx
     if not backward:
         assert "ex2.approx" in ptx  # as fs.info() says
-        if cfg.stream:  # outputs exp2((x - m)*log2 e - log2 s) by ex2.approx.ftz (one instruction per element)
+        if cfg.online:  # outputs exp2((x - m)*log2 e - log2 s) by ex2.approx.ftz (one instruction per element)
             assert "ex2.approx.ftz.f32" in ptx
         else:  # held exp values scaled by one IEEE (correctly rounded) 1/sum per row
             assert "rcp.rn.f32" in ptx or "div.rn.f32" in ptx
@@ -208,9 +210,15 @@ def test_info_records_fast_math():
 @pytest.mark.parametrize("backward", [False, True], ids=["fwd", "bwd"])
 @pytest.mark.parametrize(
     "dtype,n,rows,clusters",  # (forward's, backward's): y and dy staged, twice the bytes in a larger budget
-    [("bfloat16", 65536, 4096, (2, 4)), ("float32", 131072, 8, (16, 16)), ("float16", 513, 4096, (1, 1)),
-     ("float32", 50257, 8192, (4, 4)), ("bfloat16", 37984, 16384, (2, 2)), ("bfloat16", 131072, 64, (8, 16))],
-)  # fmt: skip
+    [
+        ("bfloat16", 65536, 4096, (2, 4)),
+        ("float32", 131072, 8, (16, 16)),
+        ("float16", 513, 4096, (1, 1)),
+        ("float32", 50257, 8192, (4, 4)),
+        ("bfloat16", 37984, 16384, (2, 2)),
+        ("bfloat16", 131072, 64, (8, 16)),
+    ],
+)
 def test_staged_compiles_with_its_facts(cache, dtype, n, rows, clusters, backward):
     """The staged variant: bulk copy engine loads into shared memory by pieces, each completed on its own
     mbarrier (the backward's y and dy on the same one); few registers (several CTAs per SM), no spills;
@@ -232,7 +240,10 @@ def test_staged_compiles_with_its_facts(cache, dtype, n, rows, clusters, backwar
         assert "barrier.cluster.arrive.relaxed" in ptx
     if facts["registers"]:  # CI's NVRTC logs ptxas -v (the H200 image's does not)
         assert 0 < facts["registers"] <= 64 and facts["spill_stores"] == facts["stack_bytes"] == 0, facts
-    assert kernels.stage_bytes(shape, n, 4 if dtype == "float32" else 2, 2 if backward else 1) <= kernels.STAGE_MAX
+    assert (
+        softmax_cuda.stage_bytes(shape, n, 4 if dtype == "float32" else 2, 2 if backward else 1)
+        <= softmax_cuda.STAGE_MAX
+    )
     with pytest.raises(ValueError, match="sm_90"):
         launch_shape(n, rows, 4, 108, 80, "staged")
 
@@ -249,7 +260,7 @@ def test_staged_spread_rule():
     assert ls(131072, 8, 2).cluster == 16  # 8 x 8 < 132: spread past 32 KiB slices
     assert ls(2048, 8, 2).cluster == 1  # 256 vectors: fewer than one per thread of 2 CTAs
     assert ls(4096, 8, 2).cluster == 2
-    assert ls(786432, 1, 4).cluster == kernels.STAGE_CLUSTER_MAX == 16
+    assert ls(786432, 1, 4).cluster == softmax_cuda.STAGE_CLUSTER_MAX == 16
     with pytest.raises(ValueError, match="holds at most 786432"):
         ls(786436, 1, 4)
 
@@ -263,8 +274,36 @@ def test_launch_shapes_hold_the_row(elsize, inputs, caps):
     a variant that cannot hold N raises instead."""
     vec = 16 // elsize
     k_max = min(caps.get("k_max", 8), 8 if inputs == 1 or elsize == 4 else 4)
-    for n in sorted({1, 2, 7, 8, 9, 33, 255, 256, 257, 513, 1000, 1024, 2049, 4097, 12289, 16384, 16385, 32768,
-                     50257, 65536, 131072, 262144, 262145, 524288, 524289, 1 << 20}):  # fmt: skip
+    for n in sorted(
+        {
+            1,
+            2,
+            7,
+            8,
+            9,
+            33,
+            255,
+            256,
+            257,
+            513,
+            1000,
+            1024,
+            2049,
+            4097,
+            12289,
+            16384,
+            16385,
+            32768,
+            50257,
+            65536,
+            131072,
+            262144,
+            262145,
+            524288,
+            524289,
+            1 << 20,
+        }
+    ):
         for rows in (1, 8, 64, 4096):
             shape = launch_shape(n, rows, elsize, 132, 90, inputs=inputs, **caps)
             assert shape.variant in VARIANTS
@@ -273,7 +312,7 @@ def test_launch_shapes_hold_the_row(elsize, inputs, caps):
                     s = launch_shape(n, rows, elsize, 132, 90, variant, inputs, **caps)
                 except ValueError:
                     assert variant in ("warp", "block", "cluster", "staged"), (variant, n)
-                    staged_cap = kernels.STAGE_CLUSTER_MAX * kernels.STAGE_MAX
+                    staged_cap = softmax_cuda.STAGE_CLUSTER_MAX * softmax_cuda.STAGE_MAX
                     assert variant != "staged" or inputs * -(-n // vec) * 16 > staged_cap
                     continue
                 assert s.variant == variant and 1 <= s.group * s.rows <= 1024 and 1 <= s.cluster <= 16
@@ -284,13 +323,12 @@ def test_launch_shapes_hold_the_row(elsize, inputs, caps):
                 if variant == "cluster":
                     assert s.cluster >= 2
                 if variant == "staged":
-                    assert kernels.stage_bytes(s, n, elsize, inputs) <= kernels.STAGE_MAX
-                    assert kernels.stage_bytes(s, n, elsize, inputs) * s.cluster >= inputs * n * elsize
+                    assert softmax_cuda.stage_bytes(s, n, elsize, inputs) <= softmax_cuda.STAGE_MAX
+                    assert softmax_cuda.stage_bytes(s, n, elsize, inputs) * s.cluster >= inputs * n * elsize
 
 
 def test_min_ctas_override_caps_registers():
     """heuristics.force(min_ctas=...) reaches the compile (the occupancy experiments of dev/bench_cuda.py)."""
-    from fastsoftmax.cuda import kernels
 
     shape = launch_shape(4096, 4096, 2, 132, 90, "block")
     x = torch.empty(1, dtype=torch.bfloat16)

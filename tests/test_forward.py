@@ -4,11 +4,10 @@ logsumexp. Runs the Triton kernels in the interpreter on CPU, compiled with --de
 
 import pytest
 import torch
-from helpers import DTYPES, assert_close, random_logits, special_rows
+from helpers import DTYPES, assert_close, forward, random_logits, special_rows
 
 import fastsoftmax as fs
 from fastsoftmax import heuristics
-from fastsoftmax.api import forward
 from fastsoftmax.reference import oracle, oracle_lse
 
 FNS = {False: fs.softmax, True: fs.log_softmax}

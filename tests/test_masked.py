@@ -54,8 +54,14 @@ def masks(device):
     add[0, 5:] = float("-inf")
     head = torch.rand(H, 1, SK, generator=g) > 0.5
     full = torch.randn(B, H, SQ, SK, generator=g)
-    out = [("none", None), ("pad-bool", pad), ("sq-sk-add", add), ("head-bool", head), ("full-add", full),
-           ("pad-add", torch.where(pad, 0.0, float("-inf")))]  # fmt: skip
+    out = [
+        ("none", None),
+        ("pad-bool", pad),
+        ("sq-sk-add", add),
+        ("head-bool", head),
+        ("full-add", full),
+        ("pad-add", torch.where(pad, 0.0, float("-inf"))),
+    ]
     return [(n, m.to(device) if m is not None else None) for n, m in out]
 
 

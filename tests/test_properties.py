@@ -5,13 +5,12 @@ import math
 
 import pytest
 import torch
-from helpers import DTYPES, assert_close
+from helpers import DTYPES, assert_close, forward
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import fastsoftmax as fs
 from fastsoftmax import heuristics
-from fastsoftmax.api import forward
 
 FNS = {False: fs.softmax, True: fs.log_softmax}
 

@@ -1,7 +1,7 @@
 """Snapshot facts of the compiled Triton kernels, without a GPU: every variant the heuristics table can
 produce compiles for sm_90a and sm_80, moves data with 16-byte vector instructions (scalar code only for
 the edges of rows that are not 16-byte aligned), uses ex2.approx, and spills nothing (ptxas -v) but where
-heuristics.py takes a measured spill (the backward rowblock past BWD_LONG_N).
+heuristics/softmax_triton.py takes a measured spill (the backward rowblock past BWD_LONG_N).
 
 The kernels are compiled in a separate process (tests/compile_facts.py): the interpreter tests in this
 process need TRITON_INTERPRET=1, under which Triton hands out interpreted functions that cannot compile."""
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from fastsoftmax import heuristics
+from fastsoftmax.heuristics import softmax_triton
 
 
 def _compile_facts(*args):
@@ -25,8 +25,9 @@ def _compile_facts(*args):
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
         env.update(CUDA_VISIBLE_DEVICES="", TRITON_CACHE_DIR=cache)
         script = Path(__file__).with_name("compile_facts.py")
-        out = subprocess.run([sys.executable, str(script), *args], env=env, capture_output=True, text=True,
-                             timeout=1800)  # fmt: skip
+        out = subprocess.run(
+            [sys.executable, str(script), *args], env=env, capture_output=True, text=True, timeout=1800
+        )
     if out.returncode != 0:
         pytest.fail(f"compile_facts.py failed (exit {out.returncode}):\n{out.stderr[-6000:]}", pytrace=False)
     return json.loads(out.stdout)
@@ -58,12 +59,16 @@ def test_cross_entropy_kernels():
 def test_loop_row_sums_are_never_reordered():
     """No looping kernel (online, split; forward and backward) holds a reshape that may reorder elements on
     a tile of several rows: Triton 3.6 (the H200 image's) rewrote the backward's per-chunk row sums into
-    thread-local partial sums that way, and on 64-row tiles at 1 warp mixed rows (wrong gradients,
-    2026-11-30). Multi-row tiles now sum chunks element-wise and reduce once after the loop. Triton 3.8
+    thread-local partial sums that way, and on 64-row tiles at 1 warp mixed rows (wrong gradients).
+    Multi-row tiles now sum chunks element-wise and reduce once after the loop. Triton 3.8
     (CI's) rewrites neither form, so this test guards the H200's Triton (the GPU run compiles with it)."""
     facts = _compile_facts("loops")
     assert len(facts) == 80 and {f["kernel"] for f in facts} == {
-        "softmax_fwd_online", "softmax_fwd_split_stats", "softmax_bwd_online", "softmax_bwd_split_sums"}  # fmt: skip
+        "softmax_fwd_online",
+        "softmax_fwd_split_stats",
+        "softmax_bwd_online",
+        "softmax_bwd_split_sums",
+    }
     bad = [f for f in facts if f["reorders"] and f["rows"] > 1]  # within one row a reorder cannot mix rows
     assert not bad, bad
 
@@ -77,20 +82,20 @@ def test_every_variant_compiles(facts):
 
 
 def test_no_spills(facts):
-    """No kernel spills, except the backward rowblock on rows longer than heuristics.BWD_LONG_N, which the table
-    takes knowingly (measured 1.3-1.45x the spill-free online path; heuristics.py): its spills stay small."""
+    """No kernel spills, except the backward rowblock on rows longer than softmax_triton.BWD_LONG_N, which the table
+    takes knowingly (1.3-1.45x the spill-free online path; heuristics/softmax_triton.py): its spills stay small."""
 
     def known(f):
-        return f["backward"] and f["path"] == "rowblock" and f["n"] > heuristics.BWD_LONG_N
+        return f["backward"] and f["path"] == "rowblock" and f["n"] > softmax_triton.BWD_LONG_N
 
     bad = [f for f in facts if (f["spill_stores"] or f["spill_loads"] or f["stack_bytes"]) and not known(f)]
     assert not bad, [(f["path"], f["dtype"], f["n"], f["spill_stores"]) for f in bad]
     long_bwd = [f for f in facts if known(f)]
-    assert long_bwd and all(f["num_warps"] == heuristics.BWD_LONG_WARPS for f in long_bwd)
-    # measured 2026-11-29 with Triton 3.6: 36-80 bytes (softmax), up to 168 (fp32 log_softmax); 2026-11-30 at
-    # odd N (20481, the edge code) with the register cap (heuristics.max_registers): Triton 3.6 up to 216,
-    # Triton 3.8 up to 364 (fp32 log_softmax). Without the cap Triton 3.6 fell to 32 registers and 1,520
-    # bytes of spills for fp32 softmax there (575 GB/s on the H200): the bound is what catches that.
+    assert long_bwd and all(f["num_warps"] == softmax_triton.BWD_LONG_WARPS for f in long_bwd)
+    # Spills seen: 36-80 bytes (softmax), up to 168 (fp32 log_softmax); at odd N (20481, the edge code) with
+    # the register cap (softmax_triton.max_registers) up to 216 (Triton 3.6) and 364 (Triton 3.8, fp32
+    # log_softmax). Without the cap Triton 3.6 fell to 32 registers and 1,520 bytes of spills for fp32
+    # softmax there (3-5x slower): the bound is what catches that.
     assert all(f["spill_stores"] <= 512 and f["spill_loads"] <= 512 for f in long_bwd), long_bwd
     capped = [f for f in long_bwd if f["n"] % 16]
     assert capped and all(f["registers"] >= 128 for f in capped), capped
@@ -120,8 +125,13 @@ def test_masked_variants_compile_and_read_the_mask_wide(facts):
     """The masked kernels (mask, scale and causal in the load step / the dx pass) compile on every path with
     no spills; on aligned rows the mask too is read with 16-byte loads only."""
     masked = [f for f in facts if f["mask"]]
-    assert {f["kernel"] for f in masked} >= {"softmax_fwd_rowblock", "softmax_fwd_online", "softmax_fwd_split_write",
-                                               "softmax_bwd_rowblock", "softmax_bwd_split_write"}  # fmt: skip
+    assert {f["kernel"] for f in masked} >= {
+        "softmax_fwd_rowblock",
+        "softmax_fwd_online",
+        "softmax_fwd_split_write",
+        "softmax_bwd_rowblock",
+        "softmax_bwd_split_write",
+    }
     for f in masked:
         if f["n"] % 16 == 0 and f["kernel"] not in ("softmax_fwd_split_write", "softmax_bwd_split_write"):
             assert set(f["loads"]) == {"ld.global.v4.b32"}, (f["kernel"], f["mask"], f["loads"])

@@ -1,12 +1,21 @@
-"""fastsoftmax: softmax and log_softmax GPU kernels for PyTorch, right on every input.
+"""fastsoftmax: softmax, log_softmax and cross-entropy GPU kernels for PyTorch, right on every input.
 
 Nothing runs at import: kernels are imported, compiled and cached on first use.
 """
 
-from . import ops  # noqa: F401  registers the torch.library custom ops (no device work)
-from .api import LogSoftmax, Softmax, info, log_softmax, log_softmax_backward, softmax, softmax_backward
+from .api import LogSoftmax, Softmax, log_softmax, log_softmax_backward, softmax, softmax_backward
+from .info import info
 from .loss import cross_entropy
+from .version import __version__
 
-__version__ = "0.1.0"
-__all__ = ["LogSoftmax", "Softmax", "cross_entropy", "info", "log_softmax", "log_softmax_backward", "softmax",
-           "softmax_backward"]  # fmt: skip
+__all__ = [
+    "__version__",
+    "LogSoftmax",
+    "Softmax",
+    "cross_entropy",
+    "info",
+    "log_softmax",
+    "log_softmax_backward",
+    "softmax",
+    "softmax_backward",
+]

@@ -64,6 +64,7 @@ def check(args) -> int:
 
     import fastsoftmax as fs
     from fastsoftmax import heuristics
+    from fastsoftmax.dtypes import KERNEL
     from fastsoftmax.reference import compare, compare_grad, random_logits, special_rows
 
     info = fs.info()
@@ -85,7 +86,7 @@ def check(args) -> int:
         cases += [(*c, "cuda") for c in CUDA_CASES]
     elif gpu:
         print("  CUDA backend: not available here (cuda-python's bindings or NVRTC missing): not checked")
-    dtypes = [torch.float32, torch.bfloat16, torch.float16]
+    dtypes = list(reversed(KERNEL))
     rows, failed = [], 0
     gen = torch.Generator().manual_seed(0)
     t0 = time.time()
@@ -112,8 +113,10 @@ def check(args) -> int:
     print(f"\n{'path':18} {'dtype':9} {'shape':22} {'op':16} {'err/tol':>9}  result")
     for ran, dt, shp, name, err, ok, problem in rows:
         print(f"{ran:18} {dt:9} {shp:22} {name:16} {err:9.3f}  {'pass' if ok else 'FAIL: ' + str(problem)}")
-    print(f"\n{len(rows) - failed}/{len(rows)} passed in {time.time() - t0:.1f} s; err/tol is the worst error as a "
-          "fraction of the tolerance (fastsoftmax.reference.TOLERANCE), <= 1 passes")  # fmt: skip
+    print(
+        f"\n{len(rows) - failed}/{len(rows)} passed in {time.time() - t0:.1f} s; err/tol is the worst error as a "
+        "fraction of the tolerance (fastsoftmax.reference.TOLERANCE), <= 1 passes"
+    )
     for dt in sorted({r[1] for r in rows}):
         print(f"  worst err/tol, {dt}: {max(r[4] for r in rows if r[1] == dt):.3f}")
     return 1 if failed else 0
@@ -145,7 +148,9 @@ def asm(args) -> int:
 
 def _asm_cuda(args) -> int:
     from fastsoftmax.cuda import build
-    from fastsoftmax.cuda.kernels import VARIANTS, config_for
+    from fastsoftmax.cuda.kernels import config_for
+    from fastsoftmax.heuristics.softmax_cuda import VARIANTS
+    from fastsoftmax.info import KERNEL_FAMILIES
 
     if args.variant not in (None, *VARIANTS):
         print(f"fastsoftmax asm: the CUDA backend's variants are {', '.join(VARIANTS)}", file=sys.stderr)
@@ -163,7 +168,7 @@ def _asm_cuda(args) -> int:
     facts = build.ptxas_facts(build.compile_kernel(cfg, args.arch).log)
     nvrtc = ".".join(map(str, build.nvrtc_version()))
     print(f"// kernel {cfg.entry}: {shape}; NVRTC {nvrtc} {' '.join(build.OPTIONS)}")
-    print(f"// exp: {build.EXP}; -use_fast_math: {'on' if build.FAST_MATH else 'off'}")
+    print(f"// exp: {KERNEL_FAMILIES['cuda.softmax']['exp']}; -use_fast_math: {'on' if build.FAST_MATH else 'off'}")
     print(ptx)
     print(
         f"// ptxas: {facts['registers']} registers, {facts['spill_stores']} B spill stores, "
@@ -175,9 +180,49 @@ def _asm_cuda(args) -> int:
 def bench(args) -> int:
     if args.device == "cpu":
         os.environ["TRITON_INTERPRET"] = "1"  # the Triton kernels in the interpreter (before their import)
+    import torch
+
     from fastsoftmax import bench as b
 
-    return b.main(args)
+    device = args.device
+    if device == "cuda" and not torch.cuda.is_available():
+        print("fastsoftmax bench: no CUDA device (use --device cpu for a smoke run)", file=sys.stderr)
+        return 2
+    if args.ce:
+        impls = args.impls.split(",") if args.impls else list(b.CE_IMPLS)
+        shapes = b.CE_SUITE if args.shapes == "suite" else b.parse_shapes(args.shapes)
+        b.write_json(b.run_ce(shapes, args.dtypes.split(","), impls, device), args.json)
+        return 0
+    if args.masked:
+        impls = args.impls.split(",") if args.impls else list(b.MASKED_IMPLS)
+        shape = tuple(int(v) for v in args.attention.split(",")) if args.attention else b.ATTENTION
+        b.write_json(b.run_masked(args.dtypes.split(","), args.passes.split(","), impls, device, shape), args.json)
+        return 0
+    impls = args.impls.split(",") if args.impls else list(b.IMPLS)
+    bad = [i for i in impls if i not in b.BUILDERS]
+    if bad:
+        print(f"fastsoftmax bench: unknown implementations {bad}; valid: {', '.join(b.IMPLS)}", file=sys.stderr)
+        return 2
+    jobs = b.default_jobs(device) if args.jobs is None else args.jobs
+    if args.tune:
+        sms = torch.cuda.get_device_properties(0).multi_processor_count if device == "cuda" else 132
+        shapes = b.tune_shapes(sms) if args.shapes == "suite" else b.parse_shapes(args.shapes)
+        doc = b.tune(shapes, args.dtypes.split(","), args.passes.split(","), device, jobs=jobs)
+        if not doc["entries"]:
+            print(
+                "fastsoftmax bench --tune: no candidate ran on any problem (reasons above); nothing written",
+                file=sys.stderr,
+            )
+            return 1
+        b.write_json(doc, args.tune)
+        print(f"wrote {len(doc['entries'])} entries to {args.tune}")
+        return 0
+    shapes = b.parse_shapes(args.shapes)
+    doc = b.run(shapes, args.dtypes.split(","), args.passes.split(","), impls, device, args.graph, jobs=jobs)
+    b.write_json(doc, args.json)
+    if args.plot:
+        b.plot(doc, args.plot)
+    return 0
 
 
 def main(argv=None) -> int:
@@ -186,8 +231,12 @@ def main(argv=None) -> int:
     sub.add_parser("check", help="every kernel path against the float64 oracle").set_defaults(fn=check)
     a = sub.add_parser("asm", help="compiled code of a kernel variant (no GPU needed)")
     a.add_argument("--backend", default="triton", choices=["triton", "cuda"])
-    a.add_argument("--variant", default=None, help="triton: rowblock|online|split (default rowblock); "
-                   "cuda: three_pass|warp|block|cluster|online|staged (default: what auto picks)")  # fmt: skip
+    a.add_argument(
+        "--variant",
+        default=None,
+        help="triton: rowblock|online|split (default rowblock); "
+        "cuda: three_pass|warp|block|cluster|online|staged (default: what auto picks)",
+    )
     a.add_argument("--rows", type=int, default=4096, help="rows of the (rows, n) problem the launch is planned for")
     a.add_argument("--backward", action="store_true", help="the backward kernel")
     a.add_argument("--dtype", default="bfloat16", choices=["float16", "bfloat16", "float32"])
@@ -201,14 +250,23 @@ def main(argv=None) -> int:
     b.add_argument("--dtypes", default="bfloat16,float32")
     b.add_argument("--passes", default="fwd,bwd")
     b.add_argument("--impls", default=None, help="comma list; default all (peers that cannot import: unsupported)")
-    b.add_argument("--graph", default="auto", choices=["auto", "always", "never"],
-                   help="CUDA-graph timing too: auto = shapes under 2^24 elements")  # fmt: skip
+    b.add_argument(
+        "--graph",
+        default="auto",
+        choices=["auto", "always", "never"],
+        help="CUDA-graph timing too: auto = shapes under 2^24 elements",
+    )
     b.add_argument("--json", default=None, help="write every record to this JSON file")
     b.add_argument("--plot", default=None, help="write GB/s against N to this PNG (needs matplotlib)")
     b.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke run of the harness")
-    b.add_argument("--tune", default=None, metavar="PATH", help="measure every backend/path per problem and "
-                   "write the table backend='auto' reads (src/fastsoftmax/tuning/<gpu>.json); shapes: the tuning "
-                   "grid unless --shapes is given")  # fmt: skip
+    b.add_argument(
+        "--tune",
+        default=None,
+        metavar="PATH",
+        help="measure every backend/path per problem and "
+        "write the table backend='auto' reads (src/fastsoftmax/heuristics/tables/<gpu>.json); shapes: the tuning "
+        "grid unless --shapes is given",
+    )
     b.add_argument(
         "--jobs",
         type=int,

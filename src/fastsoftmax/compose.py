@@ -15,25 +15,28 @@ from __future__ import annotations
 import torch
 import torch.autograd.forward_ad as _fwad
 
-_transforms_active = torch._C._are_functorch_transforms_active
-_dispatch_modes = torch._C._len_torch_dispatch_stack
-_tracing = torch._C._get_tracing_state
-_compiling = torch.compiler.is_compiling
+from . import dtypes
+
+# torch's own checks, bound once (a small call's host time is mostly Python calls); fastpath.py uses them too
+transforms_active = torch._C._are_functorch_transforms_active
+dispatch_modes = torch._C._len_torch_dispatch_stack
+tracing = torch._C._get_tracing_state
+compiling = torch.compiler.is_compiling
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
 def transformed() -> bool:
     """Inside a torch.func transform or a forward-mode AD level."""
-    return _transforms_active() or _fwad._current_level >= 0
+    return transforms_active() or _fwad._current_level >= 0
 
 
 def route(*tensors) -> str:
     """'op', 'func', 'function' or 'plain' for a call on ``tensors`` (None entries are skipped)."""
-    if _compiling():
+    if compiling():
         return "op"
-    if _transforms_active() or _fwad._current_level >= 0:  # transformed(), inline: every call pays this
+    if transforms_active() or _fwad._current_level >= 0:  # transformed(), inline: every call pays this
         return "func"
-    if _dispatch_modes() or _tracing() is not None:
+    if dispatch_modes() or tracing() is not None:
         return "op"
     grad = False
     for t in tensors:
@@ -50,13 +53,12 @@ def route(*tensors) -> str:
 # these against torch on the device it runs on.
 _SOFTMAX_FP32 = ("cuda",)
 _LOSS_FP32 = ("cuda", "cpu")
-_LOW = (torch.float16, torch.bfloat16)
 
 if hasattr(torch._C, "_is_any_autocast_enabled"):
-    _any_autocast = torch._C._is_any_autocast_enabled
+    any_autocast = torch._C._is_any_autocast_enabled
 else:  # older torch
 
-    def _any_autocast() -> bool:
+    def any_autocast() -> bool:
         return torch.is_autocast_enabled() or torch.is_autocast_cpu_enabled()
 
 
@@ -70,7 +72,7 @@ def _autocast_on(device_type: str) -> bool:
 def softmax_dtype(x: torch.Tensor, dtype):
     """The output dtype torch's autocast gives softmax / log_softmax of x: float32 for a 16-bit x under
     autocast on CUDA with no dtype given; else ``dtype`` as given."""
-    if dtype is None and x.dtype in _LOW and _any_autocast() and x.device.type in _SOFTMAX_FP32:
+    if dtype is None and x.dtype in dtypes.LOW and any_autocast() and x.device.type in _SOFTMAX_FP32:
         if _autocast_on(x.device.type):
             return torch.float32
     return dtype
@@ -79,7 +81,7 @@ def softmax_dtype(x: torch.Tensor, dtype):
 def loss_dtype(logits: torch.Tensor) -> torch.dtype:
     """The loss's dtype: float32 for 16-bit logits under autocast on their device (torch's cross_entropy
     policy), else the logits' dtype."""
-    if logits.dtype in _LOW and _any_autocast() and logits.device.type in _LOSS_FP32:
+    if logits.dtype in dtypes.LOW and any_autocast() and logits.device.type in _LOSS_FP32:
         if _autocast_on(logits.device.type):
             return torch.float32
     return logits.dtype

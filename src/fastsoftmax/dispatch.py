@@ -1,300 +1,54 @@
-"""The one dispatch point. Every backend registers in BACKENDS with the same methods, and select() is
-the only place that chooses between them (``auto``: on CUDA tensors what the GPU's tuning table names for
-the problem, else the Triton kernels when they can run it; everything else takes torch ops).
+"""The one dispatch point: every call that runs kernels (or torch ops) comes here with its arguments
+checked, and select() is the only place that chooses a backend (``auto``: on CUDA tensors what the GPU's
+tuning table names for the problem, else the Triton kernels when they can run it; everything else takes
+torch ops). Where the CUDA backend fails to load or launch under ``auto``, the call runs on the Triton
+kernels instead (and the CUDA backend stays off for the process: backends/cuda.py).
 
-    unavailable(x, out_dtype, dy=None, dim=-1) -> str | None   why this backend cannot run x along dim (None:
-        it can)
-    forward(x, dim, out_dtype, log, want_lse, path=None) -> (y, lse | None)
-        x non-empty, at least 1-d, dim non-negative; lse is fp32 logsumexp per row, x's shape without dim;
-        path: the tuning table's choice for this backend, or None for its own
-    backward(dy, y, dim, out_dtype, log, path=None) -> dx
-        same preconditions, on y; dy has y's shape
+Also here, shared by every backend: 0-d and empty inputs, masks moved to the last dim, the recording of a
+plain call for the eager replay (fastpath.py), and cross-entropy's flattening and target checks.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import importlib
-import os
-
 import torch
 
-from . import heuristics, masking, tuning
+from . import dtypes, fastpath, heuristics, masking
+from .backends.cuda import CudaBackend
+from .backends.torch import TorchBackend, reduce_loss, row_grad
+from .backends.triton import TritonBackend
 from .errors import BackendFailed
-from .layout import alloc
-from .reference import grad_torch, softmax_torch
+from .heuristics import device, tables
+from .layout import storage_problem
 
-KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+BACKENDS = {b.name: b for b in (TritonBackend(), CudaBackend(), TorchBackend())}
+NAMES = ("auto", *BACKENDS)
 DEVICES = ("cpu", "cuda")
+LOSS_BACKENDS = ("auto", "triton", "torch")
 
 
-class TorchBackend:
-    """torch ops, float32 accumulation (float64 for float64): the reference path, any device torch runs."""
-
-    name = "torch"
-
-    def unavailable(self, x, out_dtype, dy=None, dim=-1):
-        return None
-
-    def forward(self, x, dim, out_dtype, log, want_lse, path=None, spec=masking.NONE):
-        heuristics.record(heuristics.Plan("torch", "reference"))
-        if spec.active:
-            x = masking.logits(x, spec.mask, spec.scale, spec.causal, torch.float64 if x.dtype == torch.float64
-                               or out_dtype == torch.float64 else torch.float32)  # fmt: skip
-        y, lse = softmax_torch(x, dim, log, out_dtype)
-        # In the layout every backend promises (and the custom op's fake implementation states).
-        return alloc(x, out_dtype).copy_(y), (lse.to(torch.float32) if want_lse else None)
-
-    def backward(self, dy, y, dim, out_dtype, log, path=None, spec=masking.NONE):
-        heuristics.record(heuristics.Plan("torch", "reference"))
-        return alloc(y, out_dtype).copy_(grad_torch(dy, y, dim, log, out_dtype, spec.mask, spec.scale, spec.causal))
-
-
-def _dtype_problem(family: str, x, out_dtype, dy) -> str | None:
-    dtypes = (x.dtype, out_dtype) + ((dy.dtype,) if dy is not None else ())
-    if any(d not in KERNEL_DTYPES for d in dtypes):
-        return (
-            f"the {family} kernels take float16, bfloat16 and float32 (got {', '.join(map(str, dtypes))}); "
-            "float64 runs on backend='torch', which 'auto' picks"
-        )
-    return None
-
-
-@functools.cache
-def _kernels(name: str):
-    """A Triton kernel module, imported on first use: that first import decides, from TRITON_INTERPRET,
-    whether its kernels are compiled or interpreted."""
-    return importlib.import_module(f".triton.{name}", __package__)
-
-
-@functools.cache
-def triton_import_error() -> str | None:
-    """Why triton cannot be imported here (None: it can). Under TRITON_INTERPRET=1 importing triton also
-    imports numpy, for the interpreter."""
-    try:
-        import triton  # noqa: F401
-    except ImportError as e:
-        return f"triton cannot be imported ({e})"
-    return None
-
-
-@functools.cache
-def interpreter_problem() -> str | None:
-    """Why Triton's interpreter cannot run the kernels here (None: it can): Triton before 3.8 calls int()
-    on 1-element arrays for loop bounds, which numpy 2.4 refuses (seen on the H200 image: triton 3.6.0,
-    numpy 2.4)."""
-    import re
-
-    import numpy
-    import triton
-
-    def version(v):
-        return tuple(int(p) for p in re.findall(r"\d+", v)[:2])
-
-    if version(triton.__version__) < (3, 8) and version(numpy.__version__) >= (2, 4):
-        return (
-            f"Triton {triton.__version__}'s interpreter cannot run loops with numpy {numpy.__version__}: "
-            "pip install 'numpy<2.4' (or triton>=3.8)"
-        )
-    return None
-
-
-_interpreted: list[bool] = []  # filled once the kernels are imported, when the answer can no longer change
-
-
-def triton_interpreted() -> bool:
-    """Whether the Triton kernels run in Triton's interpreter: fixed when the kernel module is first
-    imported, from TRITON_INTERPRET at that moment."""
-    if _interpreted:
-        return _interpreted[0]
-    if _kernels.cache_info().currsize:
-        from triton.runtime.interpreter import InterpretedFunction
-
-        _interpreted.append(isinstance(_kernels("softmax_fwd").softmax_fwd_rowblock, InterpretedFunction))
-        return _interpreted[0]
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def _on_device(t: torch.Tensor):
-    """Triton launches on the current CUDA device: make it t's for the launch when it is not already."""
-    if t.is_cuda and t.device.index != torch.cuda.current_device():
-        return torch.cuda.device(t.device)
-    return contextlib.nullcontext()
-
-
-class TritonBackend:
-    """The Triton kernels: CUDA tensors, and CPU tensors under Triton's interpreter."""
-
-    name = "triton"
-
-    def unavailable(self, x, out_dtype, dy=None, dim=-1):
-        if why := _dtype_problem("Triton", x, out_dtype, dy):
-            return why
-        if triton_import_error():
-            return triton_import_error()
-        if x.device.type == "cpu" and not triton_interpreted():
-            return (
-                "CPU tensors run the Triton kernels only in Triton's interpreter: set TRITON_INTERPRET=1 "
-                "before fastsoftmax's first call"
-            )
-        if x.device.type == "cpu" and interpreter_problem():
-            return interpreter_problem()
-        if x.device.type == "cuda" and triton_interpreted():
-            return "the Triton kernels were loaded for the interpreter (TRITON_INTERPRET=1); CUDA needs them compiled"
-        return None
-
-    def forward(self, x, dim, out_dtype, log, want_lse, path=None, spec=masking.NONE):
-        y = alloc(x, out_dtype)
-        with _on_device(x):
-            return y, _kernels("softmax_fwd").forward(x, y, dim, log, want_lse, path, spec)[1]
-
-    def backward(self, dy, y, dim, out_dtype, log, path=None, spec=masking.NONE):
-        dx = alloc(y, out_dtype)
-        with _on_device(y):
-            _kernels("softmax_bwd").backward(dy, y, dx, dim, log, path, spec)
-        return dx
-
-
-@functools.cache
-def cuda_import_error() -> str | None:
-    """Why the CUDA backend's Python dependencies cannot be imported here (None: they can)."""
-    try:
-        from cuda.bindings import driver, nvrtc  # noqa: F401
-    except ImportError as e:
-        return (
-            f"cuda-python's bindings cannot be imported ({e}); pip install 'cuda-bindings>=13' 'nvidia-cuda-nvrtc>=13'"
-        )
-    return None
-
-
-def _cuda_kernels():
-    return importlib.import_module(".cuda.kernels", __package__)
-
-
-_cuda_failure: list[str] = []  # why the CUDA backend failed to load or launch in this process (then it is off)
-
-
-def cuda_failure() -> str | None:
-    """Why the CUDA backend is off for the rest of this process (a load or launch failed), or None."""
-    return _cuda_failure[0] if _cuda_failure else None
-
-
-def reset_cuda_failure() -> None:
-    """Turn the CUDA backend on again after a failure (tests)."""
-    _cuda_failure.clear()
-
-
-CUDA_MAX_N = (1 << 31) - 1  # softmax.cu's row length is a 32-bit int
-
-
-class CudaBackend:
-    """CUDA C kernels (fastsoftmax/cuda/softmax.cu) compiled by NVRTC at first use: CUDA tensors on sm_80+."""
-
-    name = "cuda"
-
-    def unavailable(self, x, out_dtype, dy=None, dim=-1):
-        if why := _dtype_problem("CUDA", x, out_dtype, dy):
-            return why
-        if x.device.type != "cuda":
-            return f"the CUDA kernels run on CUDA tensors only (got a {x.device.type} tensor)"
-        if cuda_import_error():
-            return cuda_import_error()
-        if _cuda_failure:
-            return f"it failed earlier in this process and is off ({_cuda_failure[0]})"
-        if x.dim() and x.shape[dim] > CUDA_MAX_N:
-            return f"its rows hold at most 2^31 - 1 elements (this one: {x.shape[dim]}; the Triton kernels: any)"
-        index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-        cc = _cuda_kernels()._device_facts(index)[1]
-        if cc < 80:
-            return f"the CUDA kernels need compute capability 8.0 or newer (this GPU: {cc // 10}.{cc % 10})"
-        return None
-
-    def forward(self, x, dim, out_dtype, log, want_lse, path=None):  # no masks: select() keeps them off
-        y = alloc(x, out_dtype)
-        with _on_device(x):
-            try:
-                return y, _cuda_kernels().forward(x, y, dim, log, want_lse, path)
-            except BackendFailed as e:
-                _failed(e)
-                raise
-
-    def backward(self, dy, y, dim, out_dtype, log, path=None):
-        dx = alloc(y, out_dtype)
-        with _on_device(y):
-            try:
-                _cuda_kernels().backward(dy, y, dx, dim, log, path)
-            except BackendFailed as e:
-                _failed(e)
-                raise
-        return dx
-
-
-def _failed(e: BackendFailed) -> None:
-    """A load or launch failure of the CUDA backend: it is off for the rest of the process."""
-    if not _cuda_failure:
-        _cuda_failure.append(str(e))
-
-
-def forward(impl, requested: str, x, dim, out_dtype, log, want_lse, path=None, spec=None):
-    """impl.forward, and where the CUDA backend fails to load or launch under 'auto', the Triton kernels (or
-    torch ops) for this call instead (and, through cuda_failure(), for the rest of the process)."""
-    extra = () if spec is None else (spec,)
-    try:
-        return impl.forward(x, dim, out_dtype, log, want_lse, path, *extra)
-    except BackendFailed:
-        if requested != "auto":
-            raise
-    return _fallback(x, out_dtype).forward(x, dim, out_dtype, log, want_lse, None, *extra)
-
-
-def backward(impl, requested: str, dy, y, dim, out_dtype, log, path=None, spec=None):
-    """impl.backward, with forward()'s fallback."""
-    extra = () if spec is None else (spec,)
-    try:
-        return impl.backward(dy, y, dim, out_dtype, log, path, *extra)
-    except BackendFailed:
-        if requested != "auto":
-            raise
-    return _fallback(y, out_dtype, dy).backward(dy, y, dim, out_dtype, log, None, *extra)
-
-
-def _fallback(x, out_dtype, dy=None):
+def fallback(x, out_dtype, dy=None):
     """auto's choice without a table: the Triton kernels where they can run, else torch ops."""
     return BACKENDS["triton" if BACKENDS["triton"].unavailable(x, out_dtype, dy) is None else "torch"]
 
 
-BACKENDS = {b.name: b for b in (TritonBackend(), CudaBackend(), TorchBackend())}
-
-NAMES = ("auto", *BACKENDS)
-
-
-@functools.cache
-def _gpu(index: int) -> tuple[str, int]:
-    """(name, SM count) of a GPU, read once."""
-    p = torch.cuda.get_device_properties(index)
-    return p.name, p.multi_processor_count
-
-
-def select(
-    name: str, x: torch.Tensor, out_dtype: torch.dtype, dy: torch.Tensor | None = None, dim: int = -1, masked=False
-):
+def select(name: str, x: torch.Tensor, out_dtype: torch.dtype, dy=None, dim: int = -1, masked: bool = False):
     """(backend, path or None) that runs x (forward) or y and dy (backward) along dim: the named backend
     (raising if it cannot) with its own path choice; or for 'auto', on a CUDA tensor, what the GPU's tuning
-    table (tuning.py) names for this problem when that backend can run it, else the Triton kernels when
-    they can; torch ops for everything else."""
+    table (heuristics/tables.py) names for this problem when that backend can run it, else the Triton
+    kernels when they can; torch ops for everything else."""
     if name == "auto":
         if x.device.type != "cuda":
             return BACKENDS["torch"], None
         if x.dim() and x.numel() and not masked:
-            gpu_name, sms = _gpu(x.device.index if x.device.index is not None else torch.cuda.current_device())
+            facts = device.of(device.index_of(x))
             n = x.shape[dim]
-            pick = tuning.choose(
-                tuning.table(gpu_name), "bwd" if dy is not None else "fwd", str(x.dtype)[6:], n, x.numel() // n, sms
+            pass_ = "bwd" if dy is not None else "fwd"
+            pick = tables.choose(
+                tables.table(facts.name), pass_, dtypes.NAME[x.dtype], n, x.numel() // n, facts.sm_count
             )
             if pick and pick[0] in BACKENDS and BACKENDS[pick[0]].unavailable(x, out_dtype, dy, dim) is None:
                 return BACKENDS[pick[0]], pick[1]
-        return _fallback(x, out_dtype, dy), None
+        return fallback(x, out_dtype, dy), None
     backend = BACKENDS.get(name) if isinstance(name, str) else None
     if backend is None:
         raise ValueError(f"unknown backend {name!r}; valid: {', '.join(repr(n) for n in NAMES)}")
@@ -304,3 +58,219 @@ def select(
     if why:
         raise RuntimeError(f"backend={name!r} cannot run this tensor ({x.device}, {x.dtype}): {why}")
     return backend, None
+
+
+def _run(impl, requested: str, method: str, args: tuple, spec, like, out_dtype, dy=None):
+    """impl's pass, and where the CUDA backend fails to load or launch under 'auto', the Triton kernels (or
+    torch ops) for this call instead."""
+    extra = () if spec is None else (spec,)
+    try:
+        return getattr(impl, method)(*args, *extra)
+    except BackendFailed:
+        if requested != "auto" or impl.name != "cuda":
+            raise
+    return getattr(fallback(like, out_dtype, dy), method)(*args[:-1], None, *extra)
+
+
+# ---- softmax ------------------------------------------------------------------------------------------
+
+
+def _logical_rows(t: torch.Tensor) -> bool:
+    """Whether t's rows (every dim but the last) sit in memory in their logical order at one stride, so
+    that a row's flat index is its position: what the masked kernels address the mask by."""
+    dims = [(size, stride) for size, stride in zip(t.shape[:-1], t.stride()[:-1], strict=True) if size != 1]
+    return all(a[1] == b[1] * b[0] for a, b in zip(dims, dims[1:], strict=False))
+
+
+def _masked_problem(impl, tensors, dim, mask, scale, causal, backend, fn):
+    """(backend, the tensors with dim moved last, masking.Spec): the first tensor's rows in logical order for
+    the kernels (copied when they are not); the torch backend where the mask needs more than 4 row dims."""
+    moved = [t.movedim(dim, -1) for t in tensors]
+    mw = mask.expand(tensors[0].shape).movedim(dim, -1) if mask is not None else None
+    spec = masking.spec(moved[0], mw, scale, causal)
+    if spec is None:
+        if backend != "auto":
+            raise RuntimeError(
+                f"{fn}: backend={backend!r} addresses masks over at most 4 row dims; this "
+                f"mask of shape {tuple(mask.shape)} needs more (backend='torch' runs it)"
+            )
+        impl = BACKENDS["torch"]
+        spec = masking.Spec(1 if mask.dtype == torch.bool else 2, mw, scale, causal, (1, 1, 1), (0,) * 4, 0, 0)
+    if impl.name != "torch" and not _logical_rows(moved[0]):
+        moved[0] = moved[0].contiguous()
+    return impl, tuple(moved), spec
+
+
+def _like_empty_like(out: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """out in the layout torch.empty_like(like) gives (what the custom ops' fake implementations promise): as
+    it is when it has it, else copied once (the masked path on rows not in logical order: x was copied too)."""
+    if (like.is_contiguous() and out.is_contiguous()) or (
+        out.stride() == torch.empty_like(like, dtype=out.dtype, device="meta").stride()
+    ):
+        return out
+    return torch.empty_like(like, dtype=out.dtype).copy_(out)
+
+
+def softmax(
+    x, dim, log, out_dtype, backend, *, want_lse=False, fn="softmax", key=None, mask=None, scale=None, causal=False
+):
+    """(softmax or log_softmax of x along dim in out_dtype, its fp32 logsumexp per row or None) for checked
+    arguments (``dim`` non-negative). ``key``: the call's fastpath key, to record its launches for replay.
+    ``mask``, ``scale``, ``causal``: see masking.py."""
+    masked = mask is not None or scale is not None or causal is not False
+    if why := storage_problem(x, mask):
+        raise RuntimeError(f"{fn}: {why}")
+    impl, path = select(backend, x, out_dtype, dim=dim, masked=masked)
+    if x.dim() == 0:
+        m = mask.reshape(1) if mask is not None else None
+        y, lse = softmax(
+            x.reshape(1), 0, log, out_dtype, impl.name, want_lse=want_lse, fn=fn, mask=m, scale=scale, causal=causal
+        )
+        return y.reshape(()), (lse.reshape(()) if lse is not None else None)
+    if x.numel() == 0:
+        heuristics.record(heuristics.Plan(impl.name, "empty"))
+        lse = None
+        if want_lse:  # an empty row is fully masked: lse = -inf
+            lse = torch.full(x.shape[:dim] + x.shape[dim + 1 :], float("-inf"), device=x.device)
+        return torch.empty_like(x, dtype=out_dtype), lse
+    if masked:  # softmax(scale * x + mask) along dim, causal over the last two dims
+        impl, (xw,), spec = _masked_problem(impl, (x,), dim, mask, scale, causal, backend, fn)
+        y, lse = _run(impl, backend, "forward", (xw, x.dim() - 1, out_dtype, log, want_lse, path), spec, xw, out_dtype)
+        return _like_empty_like(y.movedim(-1, dim), x), lse
+    args = (x, dim, out_dtype, log, want_lse, path)
+    rec = fastpath.start(key) if key is not None and not want_lse else None
+    if rec is None:
+        return _run(impl, backend, "forward", args, None, x, out_dtype)
+    try:
+        y, lse = _run(impl, backend, "forward", args, None, x, out_dtype)
+    except BaseException:
+        fastpath.abort()
+        raise
+    fastpath.finish(rec, key, x, None, y, out_dtype)
+    return y, lse
+
+
+def softmax_backward(
+    dy, y, dim, log, out_dtype, backend, *, fn="softmax_backward", key=None, mask=None, scale=None, causal=False
+):
+    """The gradient of softmax (log_softmax) from its output y and the output gradient dy, in out_dtype,
+    computed in fp32, for checked arguments. ``key``, ``mask``, ``scale``, ``causal``: as softmax's
+    (dx = scale * dz, 0 at masked positions)."""
+    masked = mask is not None or scale is not None or causal is not False
+    if why := storage_problem(y, dy, mask):
+        raise RuntimeError(f"{fn}: {why}")
+    impl, path = select(backend, y, out_dtype, dy, dim=dim, masked=masked)
+    if y.dim() == 0:
+        m = mask.reshape(1) if mask is not None else None
+        return softmax_backward(
+            dy.reshape(1), y.reshape(1), 0, log, out_dtype, impl.name, fn=fn, mask=m, scale=scale, causal=causal
+        ).reshape(())
+    if y.numel() == 0:
+        heuristics.record(heuristics.Plan(impl.name, "empty"))
+        return torch.empty_like(y, dtype=out_dtype)
+    if masked:
+        impl, (yw, dyw), spec = _masked_problem(impl, (y, dy), dim, mask, scale, causal, backend, fn)
+        dx = _run(impl, backend, "backward", (dyw, yw, y.dim() - 1, out_dtype, log, path), spec, yw, out_dtype, dyw)
+        return _like_empty_like(dx.movedim(-1, dim), y)
+    args = (dy, y, dim, out_dtype, log, path)
+    rec = fastpath.start(key) if key is not None else None
+    if rec is None:
+        return _run(impl, backend, "backward", args, None, y, out_dtype, dy)
+    try:
+        dx = _run(impl, backend, "backward", args, None, y, out_dtype, dy)
+    except BaseException:
+        fastpath.abort()
+        raise
+    fastpath.finish(rec, key, y, dy, dx, out_dtype)
+    return dx
+
+
+# ---- cross-entropy ------------------------------------------------------------------------------------
+
+
+def _loss_backend(x: torch.Tensor, backend: str):
+    if backend == "torch" or x.dtype == torch.float64:
+        return BACKENDS["torch"]
+    why = BACKENDS["triton"].unavailable(x, x.dtype)
+    if backend == "triton" and why:
+        raise RuntimeError(f"cross_entropy: backend='triton' cannot run this tensor ({x.device}, {x.dtype}): {why}")
+    if backend == "auto" and (x.device.type != "cuda" or why):
+        return BACKENDS["torch"]
+    return BACKENDS["triton"]
+
+
+def flat(logits, target):
+    """(M, V) logits with unit stride along V, and the (M,) targets in memory order (what the kernels index:
+    a strided or expanded target is copied, M integers)."""
+    v = logits.shape[-1]
+    x = logits.reshape(-1, v)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    t = target.reshape(-1)
+    if t.numel() > 1 and t.stride(0) != 1:
+        t = t.contiguous()
+    return x, t
+
+
+def assert_targets(t: torch.Tensor, v, ignore_index: int) -> None:
+    """Raise when a target is outside [0, v) and not ignore_index (``v``: an int or a 0-d tensor), comparing
+    as int64 whatever the target's integer dtype (uint8 would wrap -100 to 156). On a GPU through
+    torch._assert_async (no host synchronisation: the error surfaces at the next synchronising call)."""
+    t = t.long()
+    bad = ((t < 0) | (t >= v)) & (t != ignore_index)
+    if t.is_cuda:
+        torch._assert_async(~bad.any(), "cross_entropy: a target is outside [0, V) and not ignore_index")
+    elif bad.any():
+        i = int(bad.nonzero()[0, 0])
+        raise IndexError(f"cross_entropy: target {int(t[i])} at row {i} is outside [0, {int(v)}) and not ignore_index")
+
+
+def _raise_bad_targets(ok: torch.Tensor, t: torch.Tensor, v: int, ignore_index: int) -> None:
+    """After the Triton forward: ok (a 0-d tensor) is 1 when every target not ignored was in [0, v)."""
+    if t.is_cuda:
+        torch._assert_async(ok, f"cross_entropy: a target is outside [0, {v}) and not ignore_index")
+    elif not ok.item():
+        assert_targets(t, v, ignore_index)
+
+
+def cross_entropy(logits, target, ignore_index, reduction, smoothing, backend, out_dtype):
+    """(loss in out_dtype, stats) for checked arguments: stats (M + 2,) holds each row's logsumexp, then the
+    number of rows not ignored (the mean's divisor, for the backward), then 1.0 if every target was in range.
+    On the Triton path the range check is a by-product of the forward's last kernel."""
+    if why := storage_problem(logits, target):
+        raise RuntimeError(f"cross_entropy: {why}")
+    x, t = flat(logits, target)
+    m, v = x.shape
+    impl = _loss_backend(x, backend) if m else BACKENDS["torch"]
+    if impl.name == "torch":
+        assert_targets(t, v, ignore_index)
+    loss, stats = impl.cross_entropy(x, t, ignore_index, smoothing, reduction, out_dtype)
+    if impl.name != "torch":
+        _raise_bad_targets(stats[m + 1], t, v, ignore_index)
+    return (loss.reshape(target.shape) if reduction == "none" else loss), stats
+
+
+def cross_entropy_backward(logits, target, stats, grad, ignore_index, reduction, smoothing, backend):
+    """dlogits (logits' shape and dtype, contiguous) from the forward's stats and the loss's gradient."""
+    if why := storage_problem(logits, target, stats, grad):
+        raise RuntimeError(f"cross_entropy: {why}")
+    x, t = flat(logits, target)
+    m = x.shape[0]
+    impl = _loss_backend(x, backend) if m else BACKENDS["torch"]
+    dx = impl.cross_entropy_backward(x, t, stats, grad, ignore_index, smoothing, reduction, logits.dtype)
+    return dx.reshape(logits.shape)
+
+
+__all__ = [
+    "BACKENDS",
+    "NAMES",
+    "assert_targets",
+    "cross_entropy",
+    "cross_entropy_backward",
+    "flat",
+    "reduce_loss",
+    "row_grad",
+    "select",
+    "softmax",
+    "softmax_backward",
+]

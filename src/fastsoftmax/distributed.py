@@ -29,10 +29,10 @@ import math
 import torch
 import torch.distributed as dist
 
-from .loss import _assert_targets, _reduce, _row_grad, check_options, check_target, dlogits_torch
+from . import checks, dtypes
+from .backends.torch import dlogits_torch, reduce_loss, row_grad
+from .dispatch import assert_targets
 from .reference import logsumexp_torch
-
-_DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
 
 
 def _gather(stats: torch.Tensor, group) -> torch.Tensor:
@@ -77,20 +77,21 @@ def _agree(fn: str, x: torch.Tensor, group, options: tuple) -> tuple[torch.Tenso
     rows = math.prod(x.shape[:-1])
     digest = float(int(hashlib.sha256(repr(options).encode()).hexdigest()[:13], 16))  # < 2^52: exact in float64
     sig = torch.empty(4, dtype=torch.float64, device=x.device)
-    for i, v in enumerate((x.shape[-1], rows, _DTYPE_CODES[x.dtype], digest)):
+    for i, v in enumerate((x.shape[-1], rows, dtypes.CODE[x.dtype], digest)):
         sig[i].fill_(v)  # a fill kernel each: no host-to-device copy, so a CUDA graph can capture it
     every = _gather(sig, group)  # (world, 4)
     same = (every[:, 1:] == every[:1, 1:]).all()
     if x.is_cuda:
         torch._assert_async(same, f"{fn}: the ranks disagree on the row count, dtype or options")
     elif not bool(same):
-        names = {v: str(k).removeprefix("torch.") for k, v in _DTYPE_CODES.items()}
+        names = {v: dtypes.NAME[k] for k, v in dtypes.CODE.items()}
         seen = []
         for r, (_, rows_r, code, opts) in enumerate(every.tolist()):
             other = "" if opts == every[0, 3] else ", other options"
             seen.append(f"rank {r}: {int(rows_r)} rows of {names[int(code)]}{other}")
-        raise ValueError(f"{fn}: the ranks must pass shards of the same rows and dtype, with the same options "
-                         f"({'; '.join(seen)})")  # fmt: skip
+        raise ValueError(
+            f"{fn}: the ranks must pass shards of the same rows and dtype, with the same options ({'; '.join(seen)})"
+        )
     widths = every[:, 0].long()
     return widths[: dist.get_rank(group)].sum(), widths.sum()
 
@@ -126,7 +127,7 @@ def _check_shard(fn, x, group, target=None):
     if x.dim() < 1:
         raise ValueError(f"{fn}: the shard needs the split class dim (the last)")
     if target is not None:
-        check_target(fn, x, target)
+        checks.target(fn, x, target)
     if not dist.is_initialized():
         raise RuntimeError(f"{fn}: torch.distributed is not initialised (init_process_group first)")
 
@@ -150,7 +151,7 @@ class _CrossEntropy(torch.autograd.Function):
         t = target.reshape(-1).long()
         xf = x.reshape(t.shape[0], v_local)
         offset, v_total = _agree("distributed.cross_entropy", x, group, (ignore_index, reduction, smoothing))
-        _assert_targets(t, v_total, ignore_index)
+        assert_targets(t, v_total, ignore_index)
         lse = _local_lse(xf)
         local_t = t - offset
         own = (t != ignore_index) & (local_t >= 0) & (local_t < v_local)
@@ -169,7 +170,7 @@ class _CrossEntropy(torch.autograd.Function):
         loss = torch.where(keep, loss, 0.0)
         ctx.save_for_backward(x, target, lse_g, offset, v_total)
         ctx.args = (ignore_index, reduction, smoothing)
-        out = _reduce(loss, keep.sum(), reduction, x.dtype)
+        out = reduce_loss(loss, keep.sum(), reduction, x.dtype)
         return out.reshape(target.shape) if reduction == "none" else out
 
     @staticmethod
@@ -177,7 +178,7 @@ class _CrossEntropy(torch.autograd.Function):
         x, target, lse, offset, v_total = ctx.saved_tensors
         ignore_index, reduction, smoothing = ctx.args
         t = target.reshape(-1).long()
-        g = _row_grad(grad, (t != ignore_index).sum(), reduction, t.shape[0]).to(lse.dtype)
+        g = row_grad(grad, (t != ignore_index).sum(), reduction, t.shape[0]).to(lse.dtype)
         dx = dlogits_torch(x.reshape(t.shape[0], x.shape[-1]), t, lse, g, ignore_index, smoothing, offset, v_total)
         return dx.to(x.dtype).reshape(x.shape), None, None, None, None, None
 
@@ -185,6 +186,6 @@ class _CrossEntropy(torch.autograd.Function):
 def cross_entropy(logits, target, *, group=None, ignore_index=-100, reduction="mean", label_smoothing=0.0):
     """torch.nn.functional.cross_entropy of the full logits (classes along the last dim, split across
     ``group``; ``logits`` is this rank's slice) with global class indices as targets, on every rank."""
-    check_options("distributed.cross_entropy", ignore_index, reduction, label_smoothing)
+    checks.loss_options("distributed.cross_entropy", ignore_index, reduction, label_smoothing)
     _check_shard("distributed.cross_entropy", logits, group, target)
     return _CrossEntropy.apply(logits, target, ignore_index, reduction, float(label_smoothing), group)

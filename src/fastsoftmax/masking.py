@@ -8,10 +8,10 @@ Semantics (every backend; the float64 reference is `logits()` below followed by 
 then softmax / log_softmax of z with the library's conventions: masked positions give exactly 0 / -inf,
 and a fully masked row gives zeros / -inf (never NaN).
 
-Gradients flow to x only (none to the mask or the scale): dx = scale * dz, 0 at masked positions (False in
-a bool mask, -inf in an additive one, above the causal diagonal) and on fully masked rows. (torch's
-autograd of `log_softmax(x + mask)` would give dy at additive -inf positions; here every masked position
-gets 0, whatever the mask's kind.)
+Gradients: dx = scale * dz, 0 at masked positions (False in a bool mask, -inf in an additive one, above
+the causal diagonal) and on fully masked rows; a floating mask that requires grad gets dz, summed over
+the dims it is broadcast along (ops.py); the scale gets none. (torch's autograd of
+`log_softmax(x + mask)` would give dy at additive -inf positions; here every masked position gets 0.)
 
 The mask is broadcast to x's shape as a view (stride 0 along broadcast dims) and never expanded in memory:
 the kernels address it through per-row strides over at most four row dimensions (adjacent dims are merged
@@ -114,8 +114,9 @@ def spec(x: torch.Tensor, mask, scale, causal: bool) -> Spec | None:
     groups = [[1, 0]] * (MAX_ROW_DIMS - len(groups)) + groups
     dims = tuple(g[0] for g in groups[1:])
     offset = x.shape[-1] - x.shape[-2] if causal else 0
-    return Spec(kind, m, None if scale is None else float(scale), causal, dims, tuple(g[1] for g in groups),
-                col, offset)  # fmt: skip
+    return Spec(
+        kind, m, None if scale is None else float(scale), causal, dims, tuple(g[1] for g in groups), col, offset
+    )
 
 
 def causal_keep(x: torch.Tensor) -> torch.Tensor:

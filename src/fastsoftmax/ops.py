@@ -1,126 +1,253 @@
-"""softmax / log_softmax and their backward as torch.library custom ops, so that autograd, torch.compile
-(no graph break: each pass is one opaque op with a fake implementation) and torch.library.opcheck see
-them. One implementation serves every device: it calls the dispatch point, which picks the backend.
+"""The operations as torch.library custom ops, each made by one helper, Op: an implementation becomes a
+custom op (``fastsoftmax::<name>``) with its fake implementation and its autograd formula, the same
+forward, context and backward as an eager torch.autograd.Function, and a call that picks the route
+(compose.py) for the inputs at hand:
+
+  op        the custom op: torch.compile traces it as one opaque node (no graph break), fake tensors and
+            dispatch modes see its fake implementation, torch.library.opcheck checks it
+  func      torch.func transforms and forward-mode AD: the eager Function's vmap and jvp rules, or a
+            composite of torch ops where the op gives one
+  function  eager autograd: the eager Function (the custom op's dispatch layers cost more host time per call
+            than the kernels of a large problem)
+  plain     nothing to record: the implementation itself
 
 Registering the ops is the only thing this module does at import (no device query, no compile).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-from . import api, compose, heuristics, loss, masking
-from .reference import grad_torch, softmax_torch
+from . import checks, compose, dispatch, fastpath, heuristics, masking
+from .backends.torch import dlogits_torch, loss_rows_torch, reduce_loss, row_grad
+from .reference import grad_torch, logsumexp_torch, softmax_torch
 
 
-def _softmax(x, dim, log, dtype, backend):
-    return api.forward(x, dim, log=log, dtype=dtype, backend=backend, fn="log_softmax" if log else "softmax")[0]
+class Op:
+    """One implementation as a custom op, its eager Function and its routed call. ``tensors``: the positions
+    of the arguments the route looks at. ``plain``: the call for the plain route (default: ``impl``).
+    ``func``: what torch.func transforms run when the eager Function cannot (default: the Function, with its
+    ``jvp`` and ``vmap`` rules); also the eager-autograd call of an op without a backward formula."""
+
+    def __init__(
+        self,
+        name: str,
+        impl: Callable,
+        fake: Callable,
+        *,
+        tensors: tuple[int, ...],
+        setup_context: Callable | None = None,
+        backward: Callable | None = None,
+        jvp: Callable | None = None,
+        vmap: Callable | None = None,
+        func: Callable | None = None,
+        plain: Callable | None = None,
+    ):
+        self.custom = torch.library.custom_op(f"fastsoftmax::{name}", impl, mutates_args=())
+        self.custom.register_fake(fake)
+        self.eager = None
+        if backward is not None:
+            self.custom.register_autograd(backward, setup_context=setup_context)
+            body = {
+                "forward": staticmethod(impl),
+                "setup_context": staticmethod(setup_context),
+                "backward": staticmethod(backward),
+            }
+            if jvp is not None:
+                body["jvp"] = staticmethod(jvp)
+            if vmap is not None:
+                body["vmap"] = staticmethod(vmap)
+            title = "".join(w.title() for w in name.split("_"))
+            self.eager = type(f"{title}Function", (torch.autograd.Function,), body)
+        self.impl, self.plain, self.func, self.tensors = impl, plain or impl, func, tensors
+
+    def __call__(self, *args):
+        route = compose.route(*(args[i] for i in self.tensors))
+        if route == "plain":
+            return self.plain(*args)
+        if route == "op":
+            return self.custom(*args)
+        if self.eager is not None and (route == "function" or self.func is None):
+            return self.eager.apply(*args)
+        return self.func(*args)
 
 
-def _softmax_backward(dy, y, dim, log, dtype, backend):
-    return api.backward(dy, y, dim, log=log, dtype=dtype, backend=backend)
-
-
-@torch.library.custom_op("fastsoftmax::softmax", mutates_args=())
-def softmax(x: torch.Tensor, dim: int, log: bool, dtype: torch.dtype | None, backend: str) -> torch.Tensor:
-    return _softmax(x, dim, log, dtype, backend)
-
-
-@softmax.register_fake
-def _(x, dim, log, dtype, backend):
-    return torch.empty_like(x, dtype=dtype or x.dtype)
-
-
-@torch.library.custom_op("fastsoftmax::softmax_backward", mutates_args=())
-def softmax_backward(
-    dy: torch.Tensor, y: torch.Tensor, dim: int, log: bool, dtype: torch.dtype, backend: str
-) -> torch.Tensor:
-    return _softmax_backward(dy, y, dim, log, dtype, backend)
-
-
-@softmax_backward.register_fake
-def _(dy, y, dim, log, dtype, backend):
-    return torch.empty_like(y, dtype=dtype)
-
-
-def _setup_context(ctx, inputs, output):
-    x, dim, log, dtype, backend = inputs
-    ctx.save_for_backward(output)  # only the output: the gradient needs y, never x
-    ctx.dim, ctx.log, ctx.x_dtype, ctx.backend = dim, log, x.dtype, backend
-
-
-def _differentiable() -> bool:
+def differentiable() -> bool:
     """Whether a backward must itself be differentiable: create_graph=True, or a torch.func transform (whose
     tensors the kernels cannot take) is active."""
     return torch.is_grad_enabled() or compose.transformed()
 
 
-def _backward(ctx, dy, kernel_backward=None):
-    """``kernel_backward``: what computes dx without create_graph (default: the softmax_backward op)."""
+def _name(log: bool) -> str:
+    return "log_softmax" if log else "softmax"
+
+
+# ---- softmax and log_softmax ------------------------------------------------------------------------------
+
+
+def _softmax(x: torch.Tensor, dim: int, log: bool, dtype: torch.dtype | None, backend: str) -> torch.Tensor:
+    d, out_dtype = checks.softmax(_name(log), x, dim, dtype, backend)
+    return dispatch.softmax(x, d, log, out_dtype, backend, fn=_name(log))[0]
+
+
+def _softmax_plain(x, dim, log, dtype, backend):
+    """Arguments checked by the public function; the key records this call for later replays."""
+    key = fastpath.key(x, None, dim, dtype, log, backend)
+    return dispatch.softmax(x, dim % max(x.dim(), 1), log, dtype or x.dtype, backend, fn=_name(log), key=key)[0]
+
+
+def _softmax_fake(x, dim, log, dtype, backend):
+    return torch.empty_like(x, dtype=dtype or x.dtype)
+
+
+def _softmax_setup(ctx, inputs, output):
+    x, dim, log, dtype, backend = inputs
+    ctx.save_for_backward(output)  # only the output: the gradient needs y, never x
+    ctx.save_for_forward(output)  # the jvp's (eager Function under torch.func)
+    ctx.dim, ctx.log, ctx.x_dtype, ctx.backend = dim, log, x.dtype, backend
+
+
+def _softmax_grad(ctx, dy):
     (y,) = ctx.saved_tensors
-    if _differentiable():
-        # create_graph=True: a gradient made of torch ops, itself differentiable, so double backward works.
+    if differentiable():  # create_graph=True: a gradient of torch ops, itself differentiable
         dx = grad_torch(dy, y, ctx.dim % max(y.dim(), 1), ctx.log, ctx.x_dtype)
     else:
-        dx = (kernel_backward or softmax_backward)(dy, y, ctx.dim, ctx.log, ctx.x_dtype, ctx.backend)
+        dx = softmax_backward(dy, y, ctx.dim, ctx.log, ctx.x_dtype, ctx.backend)
     return dx, None, None, None, None
 
 
-softmax.register_autograd(_backward, setup_context=_setup_context)
+def _softmax_jvp(ctx, x_t, *_):
+    """softmax's tangent y * (t - sum(y * t)), log_softmax's t - sum(exp(y) * t); 0 on fully masked rows."""
+    (y,) = ctx.saved_tensors
+    if y.dim() == 0:  # softmax of a scalar is constant
+        return torch.zeros_like(y)
+    wide = torch.float64 if torch.float64 in (y.dtype, x_t.dtype) else torch.float32
+    t, p = x_t.to(wide), y.to(wide)
+    p = p.exp() if ctx.log else p
+    s = (p * t).sum(ctx.dim, keepdim=True)
+    out = t - s if ctx.log else p * (t - s)
+    return torch.where(p.sum(ctx.dim, keepdim=True) == 0, 0.0, out).to(y.dtype)
 
 
-# Eager autograd: the custom ops' forward, context and backward without the ops' dispatch layers. Under
-# torch.profiler on the H200 (dev/profile_ce.py; the profiler's own overhead included) the ops' wrappers
-# held ~0.4 ms of CPU time per call, more than the kernels of 500 MB of logits; without them fp32
-# cross-entropy fwd+bwd at 8192x32000 went from 73% to 93% of copy (bench/results/h200_ce*.txt).
-# torch.compile traces the custom ops instead (api.py and loss.py choose).
+def _softmax_vmap(info, in_dims, x, dim, log, dtype, backend):
+    """The batch is more rows: one launch of the kernels."""
+    apply = softmax.eager.apply
+    if in_dims[0] is None:
+        return apply(x, dim, log, dtype, backend), None
+    x = x.movedim(in_dims[0], 0)
+    if x.dim() == 1:  # a batch of 0-d tensors: each a row of one element
+        return apply(x[:, None], 1, log, dtype, backend)[:, 0], 0
+    return apply(x, dim % (x.dim() - 1) + 1, log, dtype, backend), 0
 
 
-class SoftmaxEager(torch.autograd.Function):
-    """Also what torch.func transforms and forward-mode AD see (compose.py's 'func' route): a vmap rule (the
-    batch is more rows: one launch of the kernels) and a jvp rule in torch ops (softmax's tangent is
-    y * (t - sum(y * t)), log_softmax's t - sum(exp(y) * t); 0 on fully masked rows)."""
-
-    @staticmethod
-    def forward(x, dim, log, dtype, backend):
-        return _softmax(x, dim, log, dtype, backend)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        _setup_context(ctx, inputs, output)
-        ctx.save_for_forward(output)
-
-    @staticmethod
-    def backward(ctx, dy):
-        return _backward(ctx, dy, _softmax_backward)
-
-    @staticmethod
-    def jvp(ctx, x_t, *_):
-        (y,) = ctx.saved_tensors
-        if y.dim() == 0:  # softmax of a scalar is constant
-            return torch.zeros_like(y)
-        wide = torch.float64 if torch.float64 in (y.dtype, x_t.dtype) else torch.float32
-        t, p = x_t.to(wide), y.to(wide)
-        p = p.exp() if ctx.log else p
-        s = (p * t).sum(ctx.dim, keepdim=True)
-        out = t - s if ctx.log else p * (t - s)
-        return torch.where(p.sum(ctx.dim, keepdim=True) == 0, 0.0, out).to(y.dtype)  # fully masked rows: 0
-
-    @staticmethod
-    def vmap(info, in_dims, x, dim, log, dtype, backend):
-        if in_dims[0] is None:
-            return SoftmaxEager.apply(x, dim, log, dtype, backend), None
-        x = x.movedim(in_dims[0], 0)
-        if x.dim() == 1:  # a batch of 0-d tensors: each a row of one element
-            return SoftmaxEager.apply(x[:, None], 1, log, dtype, backend)[:, 0], 0
-        return SoftmaxEager.apply(x, dim % (x.dim() - 1) + 1, log, dtype, backend), 0
+softmax = Op(
+    "softmax",
+    _softmax,
+    _softmax_fake,
+    tensors=(0,),
+    setup_context=_softmax_setup,
+    backward=_softmax_grad,
+    jvp=_softmax_jvp,
+    vmap=_softmax_vmap,
+    plain=_softmax_plain,
+)
 
 
-def softmax_masked_torch(x, dim, log, dtype, mask, scale, causal):
+def _backward(
+    dy: torch.Tensor, y: torch.Tensor, dim: int, log: bool, dtype: torch.dtype | None, backend: str
+) -> torch.Tensor:
+    fn = _name(log) + "_backward"
+    d, out_dtype = checks.softmax_backward(fn, dy, y, dim, dtype, backend)
+    return dispatch.softmax_backward(dy, y, d, log, out_dtype, backend, fn=fn)
+
+
+def _backward_plain(dy, y, dim, log, dtype, backend):
+    key = fastpath.key(y, dy, dim, dtype, log, backend)
+    fn = _name(log) + "_backward"
+    return dispatch.softmax_backward(dy, y, dim % max(y.dim(), 1), log, dtype or y.dtype, backend, fn=fn, key=key)
+
+
+def _backward_fake(dy, y, dim, log, dtype, backend):
+    return torch.empty_like(y, dtype=dtype or y.dtype)
+
+
+def _backward_composite(dy, y, dim, log, dtype, backend, mask=None, scale=None, causal=False):
+    """Autograd through the gradient itself, or a torch.func transform: torch ops, differentiable in dy and y."""
+    heuristics.record(heuristics.Plan("torch", "composite"))
+    return grad_torch(dy, y, dim % max(y.dim(), 1), log, dtype or y.dtype, mask, scale, causal)
+
+
+softmax_backward = Op(
+    "softmax_backward", _backward, _backward_fake, tensors=(0, 1), func=_backward_composite, plain=_backward_plain
+)
+
+
+# ---- masked softmax (mask, scale, causal: masking.py) ---------------------------------------------------
+
+
+def _masked(
+    x: torch.Tensor,
+    dim: int,
+    log: bool,
+    dtype: torch.dtype | None,
+    backend: str,
+    mask: torch.Tensor | None,
+    scale: float | None,
+    causal: bool,
+) -> torch.Tensor:
+    d, out_dtype = checks.softmax(_name(log), x, dim, dtype, backend)
+    return dispatch.softmax(x, d, log, out_dtype, backend, fn=_name(log), mask=mask, scale=scale, causal=causal)[0]
+
+
+def _masked_plain(x, dim, log, dtype, backend, mask, scale, causal):
+    d = dim % max(x.dim(), 1)
+    return dispatch.softmax(x, d, log, dtype or x.dtype, backend, fn=_name(log), mask=mask, scale=scale, causal=causal)[
+        0
+    ]
+
+
+def _masked_fake(x, dim, log, dtype, backend, mask, scale, causal):
+    return torch.empty_like(x, dtype=dtype or x.dtype)
+
+
+def _masked_setup(ctx, inputs, output):
+    x, dim, log, dtype, backend, mask, scale, causal = inputs
+    ctx.save_for_backward(output, mask)  # the output and the mask (a broadcast view), never x
+    ctx.dim, ctx.log, ctx.x_dtype, ctx.backend, ctx.scale, ctx.causal = dim, log, x.dtype, backend, scale, causal
+
+
+def _masked_grad(ctx, dy):
+    """dx = scale * dz (dz: the plain backward), 0 at masked positions (one fused pass on the Triton
+    backend); a floating mask that requires grad gets dz, summed over the dims it is broadcast along."""
+    y, mask = ctx.saved_tensors
+    want_mask = ctx.needs_input_grad[5] and mask is not None and mask.dtype.is_floating_point
+    args = (ctx.dim, ctx.log)
+    if not differentiable():
+        if not want_mask:
+            dx = softmax_backward_masked(dy, y, *args, ctx.x_dtype, ctx.backend, mask, ctx.scale, ctx.causal)
+            return dx, None, None, None, None, None, None, None
+        wide = torch.float64 in (y.dtype, dy.dtype, ctx.x_dtype, mask.dtype)
+        dz = softmax_backward_masked(
+            dy, y, *args, torch.float64 if wide else torch.float32, ctx.backend, mask, None, ctx.causal
+        )
+    else:  # create_graph=True: torch ops, differentiable again
+        wide = torch.float64 in (y.dtype, dy.dtype, ctx.x_dtype)
+        dz = grad_torch(
+            dy, y, ctx.dim % max(y.dim(), 1), ctx.log, torch.float64 if wide else torch.float32, mask, None, ctx.causal
+        )
+    dx = (dz * ctx.scale if ctx.scale is not None else dz).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
+    dmask = dz.sum_to_size(mask.shape).to(mask.dtype) if want_mask else None
+    return dx, None, None, None, None, dmask, None, None
+
+
+def masked_composite(x, dim, log, dtype, backend, mask, scale, causal):
     """Masked softmax in torch ops, differentiable in x and a floating mask (torch.func transforms): the
     library's conventions (removed positions exactly 0 / -inf with gradient 0, fully masked rows zeros /
-    -inf). ``dim`` non-negative."""
+    -inf)."""
     heuristics.record(heuristics.Plan("torch", "composite"))
+    dim = dim % max(x.dim(), 1)
     out_dtype = dtype or x.dtype
     wide = torch.float64 in (x.dtype, out_dtype) or (mask is not None and mask.dtype == torch.float64)
     xm = x.movedim(dim, -1)
@@ -133,120 +260,132 @@ def softmax_masked_torch(x, dim, log, dtype, mask, scale, causal):
     return y.movedim(-1, dim)
 
 
-@torch.library.custom_op("fastsoftmax::softmax_masked", mutates_args=())
-def softmax_masked(
-    x: torch.Tensor, dim: int, log: bool, dtype: torch.dtype | None, backend: str, mask: torch.Tensor | None,
-    scale: float | None, causal: bool,
-) -> torch.Tensor:  # fmt: skip
-    return api.forward(x, dim, log=log, dtype=dtype, backend=backend, fn="log_softmax" if log else "softmax",
-                       mask=mask, scale=scale, causal=causal)[0]  # fmt: skip
+softmax_masked = Op(
+    "softmax_masked",
+    _masked,
+    _masked_fake,
+    tensors=(0, 5),
+    setup_context=_masked_setup,
+    backward=_masked_grad,
+    func=masked_composite,
+    plain=_masked_plain,
+)
 
 
-@softmax_masked.register_fake
-def _(x, dim, log, dtype, backend, mask, scale, causal):
-    return torch.empty_like(x, dtype=dtype or x.dtype)
+def _masked_backward(
+    dy: torch.Tensor,
+    y: torch.Tensor,
+    dim: int,
+    log: bool,
+    dtype: torch.dtype | None,
+    backend: str,
+    mask: torch.Tensor | None,
+    scale: float | None,
+    causal: bool,
+) -> torch.Tensor:
+    fn = _name(log) + "_backward"
+    d, out_dtype = checks.softmax_backward(fn, dy, y, dim, dtype, backend)
+    return dispatch.softmax_backward(dy, y, d, log, out_dtype, backend, fn=fn, mask=mask, scale=scale, causal=causal)
 
 
-def _setup_masked(ctx, inputs, output):
-    x, dim, log, dtype, backend, mask, scale, causal = inputs
-    ctx.save_for_backward(output, mask)  # the output and the mask (a broadcast view), never x
-    ctx.dim, ctx.log, ctx.x_dtype, ctx.backend, ctx.scale, ctx.causal = dim, log, x.dtype, backend, scale, causal
+def _masked_backward_fake(dy, y, dim, log, dtype, backend, mask, scale, causal):
+    return torch.empty_like(y, dtype=dtype or y.dtype)
 
 
-@torch.library.custom_op("fastsoftmax::softmax_backward_masked", mutates_args=())
-def softmax_backward_masked(
-    dy: torch.Tensor, y: torch.Tensor, dim: int, log: bool, dtype: torch.dtype, backend: str,
-    mask: torch.Tensor | None, scale: float | None, causal: bool,
-) -> torch.Tensor:  # fmt: skip
-    return api.backward(dy, y, dim, log=log, dtype=dtype, backend=backend, mask=mask, scale=scale, causal=causal)
+softmax_backward_masked = Op(
+    "softmax_backward_masked", _masked_backward, _masked_backward_fake, tensors=(1, 0, 6), func=_backward_composite
+)
 
 
-@softmax_backward_masked.register_fake
-def _(dy, y, dim, log, dtype, backend, mask, scale, causal):
-    return torch.empty_like(y, dtype=dtype)
+# ---- cross-entropy ----------------------------------------------------------------------------------------
 
 
-def _backward_masked(ctx, dy):
-    """dx = scale * dz (dz: the plain backward), 0 at masked positions (one fused pass on the Triton
-    backend); a floating mask that requires grad gets dz, summed over the dims it is broadcast along."""
-    y, mask = ctx.saved_tensors
-    want_mask = ctx.needs_input_grad[5] and mask is not None and mask.dtype.is_floating_point
-    args = (ctx.dim, ctx.log)
-    if not _differentiable():
-        if not want_mask:
-            dx = softmax_backward_masked(dy, y, *args, ctx.x_dtype, ctx.backend, mask, ctx.scale, ctx.causal)
-            return dx, None, None, None, None, None, None, None
-        wide = torch.float64 in (y.dtype, dy.dtype, ctx.x_dtype, mask.dtype)
-        dz = softmax_backward_masked(dy, y, *args, torch.float64 if wide else torch.float32, ctx.backend, mask, None,
-                                     ctx.causal)  # fmt: skip
-    else:  # create_graph=True: torch ops, differentiable again
-        wide = torch.float64 in (y.dtype, dy.dtype, ctx.x_dtype)
-        dz = grad_torch(dy, y, ctx.dim % max(y.dim(), 1), ctx.log, torch.float64 if wide else torch.float32, mask,
-                        None, ctx.causal)  # fmt: skip
-    dx = (dz * ctx.scale if ctx.scale is not None else dz).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
-    dmask = dz.sum_to_size(mask.shape).to(mask.dtype) if want_mask else None
-    return dx, None, None, None, None, dmask, None, None
+def _ce(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    ignore_index: int,
+    reduction: str,
+    label_smoothing: float,
+    backend: str,
+    out_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return dispatch.cross_entropy(logits, target, ignore_index, reduction, label_smoothing, backend, out_dtype)
 
 
-softmax_masked.register_autograd(_backward_masked, setup_context=_setup_masked)
-
-
-@torch.library.custom_op("fastsoftmax::cross_entropy", mutates_args=())
-def cross_entropy(
-    logits: torch.Tensor, target: torch.Tensor, ignore_index: int, reduction: str, label_smoothing: float,
-    backend: str, out_dtype: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    return loss._forward(logits, target, ignore_index, reduction, label_smoothing, backend, out_dtype)
-
-
-@cross_entropy.register_fake
-def _(logits, target, ignore_index, reduction, label_smoothing, backend, out_dtype):
+def _ce_fake(logits, target, ignore_index, reduction, label_smoothing, backend, out_dtype):
     rows = logits.numel() // logits.shape[-1]
     stat = torch.float64 if logits.dtype == torch.float64 else torch.float32
     shape = target.shape if reduction == "none" else ()
-    return logits.new_empty(shape, dtype=out_dtype), logits.new_empty((rows + 2,), dtype=stat)  # loss._forward's
+    return logits.new_empty(shape, dtype=out_dtype), logits.new_empty((rows + 2,), dtype=stat)  # dispatch's
 
 
-@torch.library.custom_op("fastsoftmax::cross_entropy_backward", mutates_args=())
-def cross_entropy_backward(
-    logits: torch.Tensor, target: torch.Tensor, stats: torch.Tensor, grad: torch.Tensor, ignore_index: int,
-    reduction: str, label_smoothing: float, backend: str,
-) -> torch.Tensor:  # fmt: skip
-    return loss._backward(logits, target, stats, grad, ignore_index, reduction, label_smoothing, backend)
-
-
-@cross_entropy_backward.register_fake
-def _(logits, target, stats, grad, ignore_index, reduction, label_smoothing, backend):
-    return logits.new_empty(logits.shape)  # contiguous, as loss._backward writes it
-
-
-def _setup_ce(ctx, inputs, output):
+def _ce_setup(ctx, inputs, output):
     logits, target, ignore_index, reduction, label_smoothing, backend, _ = inputs
     ctx.save_for_backward(logits, target, output[1])  # the logits; one logsumexp per row, the rows kept
     ctx.args = (ignore_index, reduction, label_smoothing, backend)
     ctx.mark_non_differentiable(output[1])
 
 
-def _backward_ce(ctx, grad_loss, _grad_lse, kernel_backward=None):
+def _ce_grad(ctx, grad_loss, _grad_stats):
     logits, target, stats = ctx.saved_tensors
-    if _differentiable():  # create_graph=True: torch ops, differentiable in the logits and grad_loss
-        dx = loss.dlogits_differentiable(logits, target, stats, grad_loss, *ctx.args[:3])
+    if differentiable():  # create_graph=True: torch ops, differentiable in the logits and grad_loss
+        dx = dlogits_differentiable(logits, target, stats, grad_loss, *ctx.args[:3])
     else:
-        dx = (kernel_backward or cross_entropy_backward)(logits, target, stats, grad_loss, *ctx.args)
+        dx = cross_entropy_backward(logits, target, stats, grad_loss, *ctx.args)
     return dx, None, None, None, None, None, None
 
 
-cross_entropy.register_autograd(_backward_ce, setup_context=_setup_ce)
+def dlogits_differentiable(logits, target, stats, grad, ignore_index: int, reduction: str, smoothing: float):
+    """dlogits in torch ops, differentiable in the logits (the logsumexp recomputed from them, not the saved
+    one: the Hessian's -p p^T term) and in grad: create_graph=True and torch.func transforms."""
+    x, t = dispatch.flat(logits, target)
+    m = x.shape[0]
+    g = row_grad(grad, stats[m], reduction, m).to(stats.dtype)
+    dx = dlogits_torch(x, t, logsumexp_torch(x), g, ignore_index, smoothing)
+    return dx.to(logits.dtype).reshape(logits.shape)
 
 
-class CrossEntropyEager(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits, target, ignore_index, reduction, label_smoothing, backend, out_dtype):
-        inputs = (logits, target, ignore_index, reduction, label_smoothing, backend, out_dtype)
-        out = loss._forward(*inputs)
-        _setup_ce(ctx, inputs, out)
-        return out
+def ce_composite(logits, target, ignore_index, reduction, smoothing, backend, out_dtype):
+    """The loss in torch ops, differentiable to any order (torch.func transforms), as (loss, None); targets
+    are checked where they are plain tensors (a batched one cannot be read: its gather raises on a bad
+    index)."""
+    heuristics.record(heuristics.Plan("torch", "composite"))
+    x, t = logits.reshape(-1, logits.shape[-1]), target.reshape(-1)
+    if not torch._C._functorch.is_functorch_wrapped_tensor(t):
+        dispatch.assert_targets(t, x.shape[-1], ignore_index)
+    rows, _ = loss_rows_torch(x, t, ignore_index, smoothing)
+    loss = reduce_loss(rows, (t.long() != ignore_index).sum(), reduction, out_dtype)
+    return (loss.reshape(target.shape) if reduction == "none" else loss), None
 
-    @staticmethod
-    def backward(ctx, grad_loss, grad_lse):
-        return _backward_ce(ctx, grad_loss, grad_lse, loss._backward)
+
+cross_entropy = Op(
+    "cross_entropy", _ce, _ce_fake, tensors=(0, 1), setup_context=_ce_setup, backward=_ce_grad, func=ce_composite
+)
+
+
+def _ce_backward(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    stats: torch.Tensor,
+    grad: torch.Tensor,
+    ignore_index: int,
+    reduction: str,
+    label_smoothing: float,
+    backend: str,
+) -> torch.Tensor:
+    return dispatch.cross_entropy_backward(
+        logits, target, stats, grad, ignore_index, reduction, label_smoothing, backend
+    )
+
+
+def _ce_backward_fake(logits, target, stats, grad, ignore_index, reduction, label_smoothing, backend):
+    return logits.new_empty(logits.shape)  # contiguous, as dispatch writes it
+
+
+cross_entropy_backward = Op(
+    "cross_entropy_backward",
+    _ce_backward,
+    _ce_backward_fake,
+    tensors=(0, 3),
+    func=lambda *a: dlogits_differentiable(*a[:7]),
+)

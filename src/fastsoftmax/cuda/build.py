@@ -3,8 +3,9 @@
 Output is a cubin for the GPU's exact architecture (sm_90a on an H100/H200), never PTX for the driver to
 JIT: NVRTC writes PTX in its own ISA version (NVRTC 13.5: ISA 9.5) and a driver older than that NVRTC
 rejects it, while a cubin from any NVRTC of the driver's CUDA major version loads (CUDA minor-version
-compatibility). A driver of an older major version than NVRTC (say driver 12.x with NVRTC 13) cannot load
-either, and the launch error says so. PTX is produced only for reading (``fastsoftmax asm``).
+compatibility; checked: NVRTC 13.5 cubins on driver 580, bench/results/investigations/cubin_compat.json). A
+driver of an older major version than NVRTC (say driver 12.x with NVRTC 13) cannot load either, and the
+launch error says so. PTX is produced only for reading (``fastsoftmax asm``).
 
 Cache key: sha256 of the source, the NVRTC version, the target, the -D configuration and the options.
 Disk cache: fastsoftmax/cache.py (private to the user, atomic, verified; a refused entry is compiled again).
@@ -21,7 +22,6 @@ from .. import cache
 
 OPTIONS = ("--std=c++17", "-Xptxas=-v")  # no -use_fast_math: exp is __expf by choice, division is IEEE
 FAST_MATH = False
-EXP = "__expf (ex2.approx.f32 of x*log2(e))"
 
 KINDS = {"fwd": 1, "bwd": 2, "fwd3": 3, "bwd3": 4}
 ENTRY = {"fwd": "fs_fwd", "bwd": "fs_bwd", "fwd3": "fs_fwd3", "bwd3": "fs_bwd3"}
@@ -44,17 +44,24 @@ class Config:
     rows: int = 1
     cluster: int = 1
     k: int = 1
-    stream: bool = False
+    online: bool = False  # the two-pass variant (any length)
     staged: bool = False
     min_ctas: int = 0  # CTAs per SM ptxas must fit (registers); 0: softmax.cu's rule (512 threads per SM)
 
     def defines(self) -> dict[str, int]:
         return {
-            "FS_KIND": KINDS[self.kind], "IN_T": TYPE_CODES[self.in_t], "OUT_T": TYPE_CODES[self.out_t],
-            "D_T": TYPE_CODES[self.d_t], "GROUP": self.group, "ROWS": self.rows, "CLUSTER": self.cluster,
-            "K": self.k, "STREAM": int(self.stream), "STAGED": int(self.staged),
+            "FS_KIND": KINDS[self.kind],
+            "IN_T": TYPE_CODES[self.in_t],
+            "OUT_T": TYPE_CODES[self.out_t],
+            "D_T": TYPE_CODES[self.d_t],
+            "GROUP": self.group,
+            "ROWS": self.rows,
+            "CLUSTER": self.cluster,
+            "K": self.k,
+            "ONLINE": int(self.online),
+            "STAGED": int(self.staged),
             **({"MIN_CTAS_SET": self.min_ctas} if self.min_ctas else {}),
-        }  # fmt: skip
+        }
 
     @property
     def entry(self) -> str:

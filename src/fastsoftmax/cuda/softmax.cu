@@ -10,8 +10,8 @@
 //   GROUP     threads of one CTA that share a row; ROWS rows per CTA (GROUP * ROWS threads, ROWS > 1 only
 //             when GROUP <= 32: a warp or sub-warp per row)
 //   CLUSTER   CTAs of a thread-block cluster that share a row (sm_90); 1 = no cluster
-//   K         16-byte vectors of the row each thread holds in registers (STREAM 0)
-//   STREAM    1: loop over the row twice instead of holding it (any length)
+//   K         16-byte vectors of the row each thread holds in registers (ONLINE 0)
+//   ONLINE    1: loop over the row twice instead of holding it (any length)
 //   STAGED    1 (sm_90, unit-stride rows): each CTA's slice of the row body (backward: of y and of dy, dy in
 //             y's element size) is copied into shared memory by the bulk-copy engine (cp.async.bulk, an
 //             mbarrier per 16 KiB piece), reduced and written from there: one read, a few registers per
@@ -34,6 +34,8 @@
 // the row is cut into h scalar head elements (up to x's first 16-byte boundary), nv vectors of VEC
 // elements, and t < VEC scalar tail elements; other tensors (y, dy) use 16-byte accesses for the same
 // vectors when their own addresses allow it, scalar accesses otherwise. Nothing outside a row is touched.
+//
+// Measurements: bench/results/sweeps/staged_exchange.json, cuda_registers.json, staged_piece_size.json.
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -305,8 +307,8 @@ __device__ __forceinline__ float cluster_load(const float* local, u32 rank) {
 // How CTAs of a cluster exchange their partials: pushed (the staged variant: PUSH) as below; otherwise (the
 // variants holding the row in registers, at 64 registers per thread: the push's few more live registers
 // spilled 8 bytes at cluster fp32 262144) each CTA reads the others' through distributed shared memory
-// between two cluster barriers, the second keeping every CTA until the others have read it. (The push ran
-// the staged kernels 5-25% faster on the H200: dev/logs/2026-11-30d-h200-bench-staged-push.txt.)
+// between two cluster barriers, the second keeping every CTA until the others have read it. (Pushing beat
+// reading by up to 1.24x on the staged kernels.)
 #define PUSH (CLUSTER > 1 && STAGED)
 
 #if CLUSTER > 1
@@ -442,28 +444,30 @@ template <int N> __device__ __forceinline__ void load_y_dy(Raw<IN_T> (&ry)[N], R
 
 #if FS_KIND == 1 || FS_KIND == 2
 // CTAs per SM ptxas must leave room for, from a register budget per thread: 64 for the fp32 forward and the
-// streaming forward (measured on the H200: 1.1-1.6x faster than at 128, no spills), else 128 (16-bit rows
-// held on chip need them); or, for tuning experiments, the MIN_CTAS_SET the launcher was given.
+// streaming forward (1.2-1.7x faster than 128, no spills), else 128 (16-bit rows held on chip need them);
+// or, for tuning experiments, the MIN_CTAS_SET the launcher was given.
 #if defined(MIN_CTAS_SET) && MIN_CTAS_SET > 0
 constexpr int MIN_CTAS = MIN_CTAS_SET;
 #else
 // (The one exception, checked by compiling every variant: a lone 512-thread CTA holding 8 fp32 vectors per
 // thread, which ptxas spills 8 bytes for at 64.)
-constexpr bool LONE_FULL_CTA = !STREAM && CLUSTER == 1 && GROUP * ROWS == 512 && K == 8;
-constexpr int REG_BUDGET = STAGED || (FS_KIND == 1 && (STREAM || (K * VEC <= 32 && !LONE_FULL_CTA))) ? 64 : 128;
+constexpr bool LONE_FULL_CTA = !ONLINE && CLUSTER == 1 && GROUP * ROWS == 512 && K == 8;
+constexpr int REG_BUDGET = STAGED || (FS_KIND == 1 && (ONLINE || (K * VEC <= 32 && !LONE_FULL_CTA))) ? 64 : 128;
 constexpr int CTAS_FOR_BUDGET = 65536 / (GROUP * ROWS * REG_BUDGET);
 constexpr int MIN_CTAS = CTAS_FOR_BUDGET < 1 ? 1 : CTAS_FOR_BUDGET > 16 ? 16 : CTAS_FOR_BUDGET;
 #endif
 #endif
-#if STREAM
+#if ONLINE
 constexpr int BATCH = 4;  // vectors per thread in flight per step of the streaming loops
 #endif
 
 #if STAGED
 extern __shared__ __align__(128) unsigned char stage[];  // this CTA's slice of the row body (backward: y, dy)
 
-constexpr int PIECE_VECS = 1024;  // 16 KiB: the slice arrives in pieces, each completing its own mbarrier
-constexpr int MAX_PIECES = 12;    // a slice of at most 192 KiB (kernels.STAGE_MAX)
+// The slice arrives in 16 KiB pieces, each completing its own mbarrier (4-16 KiB measured alike; the largest
+// needs the fewest barriers).
+constexpr int PIECE_VECS = 1024;
+constexpr int MAX_PIECES = 12;  // a slice of at most 192 KiB (heuristics/softmax_cuda.py's STAGE_MAX)
 
 // Copy `bytes` (a multiple of 16) from global src (16-byte aligned) into shared memory at dst with the
 // bulk-copy engine, completing them on `bar`.
@@ -524,7 +528,7 @@ template <int T> __device__ __forceinline__ void staged_raw(Raw<T>& r, int v) {
 #endif
 
 #if FS_KIND == 1
-// ---- forward: on chip (STREAM 0: one read) or streaming (STREAM 1: two reads) ----------------------
+// ---- forward: on chip (ONLINE 0: one read) or streaming (ONLINE 1: two reads) ----------------------
 
 // The row's output scale from its (max, sum): out_value(x) is exp(x - m) / s or (x - m) - log s, with no
 // per-element test. A row all -inf (m = -inf, s = 0) takes m = 0, log2 s = log s = 0: its elements, all
@@ -651,7 +655,7 @@ template <bool LOG> __device__ __forceinline__ void fwd_body(const Params& p) {
         store<OUT_T>(R.yb + (i64)(S.v0 + v) * R.vy, f, R.ywide, R.ys);
     }
 }
-#elif STREAM
+#elif ONLINE
 template <bool LOG> __device__ __forceinline__ void fwd_body(const Params& p) {
     const Thread T = thread_of(p);
     const Row R = row_geometry<IN_T, OUT_T, IN_T>(p, T.row);
@@ -843,7 +847,7 @@ template <bool LOG> __device__ __forceinline__ void bwd_body(const Params& p) {
     const bool ypad = LOG;  // padding y: -inf for log_softmax (f = exp(y) = 0), 0 for softmax; dy: 0
     float hy, hd, ty, td, s, t;
     load_edges_bwd<LOG>(T, R, hy, hd, ty, td, s, t);
-#if STREAM
+#if ONLINE
     for (int v0 = T.g; v0 < R.nv; v0 += BATCH * T.G) {
         Raw<IN_T> ry[BATCH];
         Raw<D_T> rd[BATCH];
@@ -861,7 +865,7 @@ template <bool LOG> __device__ __forceinline__ void bwd_body(const Params& p) {
     if (!T.row_ok) return;
     if (T.g < R.h) store1<OUT_T>(R.y + T.g * R.ys, grad<LOG>(hy, hd, s, t));
     if (T.g < R.t) store1<OUT_T>(R.yb + ((i64)R.nv * VEC + T.g) * R.ys, grad<LOG>(ty, td, s, t));
-#if STREAM
+#if ONLINE
     for (int v0 = T.g; v0 < R.nv; v0 += BATCH * T.G) {
         Raw<IN_T> ry2[BATCH];
         Raw<D_T> rd2[BATCH];

@@ -20,16 +20,27 @@ import triton
 import triton.language as tl
 
 from ..heuristics import poisoning
-from .softmax_fwd import _exp, _merge, _safe_max
+from .launch import launch
+from .softmax_fwd import merge_stats, row_exp, safe_max
 
 LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
 def ce_fwd(
-    x_ptr, t_ptr, loss_ptr, lse_ptr, n_rows, v, sx, ignore_index, smoothing,
-    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, SMOOTH: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    t_ptr,
+    loss_ptr,
+    lse_ptr,
+    n_rows,
+    v,
+    sx,
+    ignore_index,
+    smoothing,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SMOOTH: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     row_ok = row < n_rows
     base = x_ptr + row * sx
@@ -42,11 +53,11 @@ def ce_fwd(
         ok = row_ok[:, None] & (cols < v)
         x = tl.load(base[:, None] + cols, mask=ok, other=float("-inf")).to(tl.float32)
         m2 = tl.max(x, axis=1)
-        s2 = tl.sum(_exp(x - _safe_max(m2)[:, None]), axis=1)
-        m, s = _merge(m, s, m2, s2)
+        s2 = tl.sum(row_exp(x - safe_max(m2)[:, None]), axis=1)
+        m, s = merge_stats(m, s, m2, s2)
         if SMOOTH:
             sum_x += tl.sum(tl.where(ok, x, 0.0), axis=1)
-    lse = _safe_max(m) + tl.math.log2(s) * LN2
+    lse = safe_max(m) + tl.math.log2(s) * LN2
     t = tl.load(t_ptr + row, mask=row_ok, other=ignore_index).to(tl.int64)
     keep = row_ok & (t != ignore_index)
     inside = keep & (t >= 0) & (t < v)  # an out-of-range target reads nothing (ce_finish flags it)
@@ -59,8 +70,9 @@ def ce_fwd(
 
 
 @triton.jit
-def ce_finish(loss_ptr, t_ptr, out_ptr, stats_ptr, n_rows, v, ignore_index, REDUCTION: tl.constexpr,
-              BLOCK: tl.constexpr):  # fmt: skip
+def ce_finish(
+    loss_ptr, t_ptr, out_ptr, stats_ptr, n_rows, v, ignore_index, REDUCTION: tl.constexpr, BLOCK: tl.constexpr
+):
     """One program over all rows, in a fixed order (deterministic): REDUCTION 0 writes each row's loss in
     out's dtype, 1 their sum, 2 their mean over rows not ignored (0 / 0 = NaN when all are, as torch);
     stats_ptr[0] = the number of rows not ignored, stats_ptr[1] = 1 if every target not ignored is in
@@ -92,9 +104,23 @@ def ce_finish(loss_ptr, t_ptr, out_ptr, stats_ptr, n_rows, v, ignore_index, REDU
 
 @triton.jit
 def ce_bwd(
-    x_ptr, t_ptr, lse_ptr, g_ptr, dx_ptr, n_rows, v, sx, sdx, g_stride, ignore_index, smoothing,
-    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, SMOOTH: tl.constexpr, MEAN: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    t_ptr,
+    lse_ptr,
+    g_ptr,
+    dx_ptr,
+    n_rows,
+    v,
+    sx,
+    sdx,
+    g_stride,
+    ignore_index,
+    smoothing,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SMOOTH: tl.constexpr,
+    MEAN: tl.constexpr,
+):
     """g_ptr: the upstream gradient, per row (g_stride 1) or one for all rows (g_stride 0); MEAN divides it by
     the number of rows not ignored, which the forward left at lse_ptr[n_rows]."""
     row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
@@ -106,13 +132,13 @@ def ce_bwd(
     if MEAN:
         g = g / tl.load(lse_ptr + n_rows)
     g = tl.where(keep, g, 0.0)
-    lse_safe = _safe_max(lse)  # an all -inf row: exp(-inf - 0) = 0
+    lse_safe = safe_max(lse)  # an all -inf row: exp(-inf - 0) = 0
     c = tl.arange(0, BLOCK_N)[None, :]
     for j in range(0, tl.cdiv(v, BLOCK_N)):
         cols = j * BLOCK_N + c
         ok = row_ok[:, None] & (cols < v)
         x = tl.load(x_ptr + row[:, None] * sx + cols, mask=ok, other=float("-inf")).to(tl.float32)
-        p = _exp(x - lse_safe[:, None])
+        p = row_exp(x - lse_safe[:, None])
         hot = (cols == t[:, None]).to(tl.float32)
         if SMOOTH:
             d = p - (1.0 - smoothing) * hot - smoothing / v
@@ -120,18 +146,6 @@ def ce_bwd(
             d = p - hot
         d = tl.where(keep[:, None], d * g[:, None], 0.0)
         tl.store(dx_ptr + row[:, None] * sdx + cols, d.to(dx_ptr.dtype.element_ty), mask=ok)
-
-
-def _shape(v: int, elsize: int, backward: bool) -> tuple[int, int, int]:
-    """(ROWS, BLOCK_N, num_warps): whole short rows per program, 4096-wide chunks for long ones (the backward
-    of fp32 rows: 16384). Measured on the H200, 2026-11-29 (dev/sweep_launch.py ce, V = 32000..256000):
-    the forward at 4 warps (bf16 50257: 2,878 GB/s vs 2,575 at 8), the backward at 16 (fp32 50257:
-    16384/16 3,467 vs 4096/8 2,281; others within 1-4%)."""
-    block = min(1 << (v - 1).bit_length(), 16384 if backward and elsize == 4 else 4096)  # next power of two
-    rows = max(1, min(16, 4096 // block))
-    if block >= 4096:
-        return rows, block, 16 if backward else 4
-    return rows, block, 4 if block * rows <= 2048 else 8
 
 
 FINISH_BLOCK = 1024
@@ -153,10 +167,18 @@ def forward(x, t, ignore_index: int, smoothing: float, reduction: str, out_dtype
         for o in (rows_loss, stats, out):
             o.fill_(float("nan"))
     rows, block, warps = shape
-    ce_fwd[(-(-m // rows),)](x, t, rows_loss, stats, m, v, x.stride(0), ignore_index, float(smoothing),
-                             ROWS=rows, BLOCK_N=block, SMOOTH=smoothing != 0.0, num_warps=warps)  # fmt: skip
-    ce_finish[(1,)](rows_loss, t, out, stats[m:], m, v, ignore_index, REDUCTION=REDUCTIONS[reduction],
-                    BLOCK=FINISH_BLOCK, num_warps=4)  # fmt: skip
+    launch(
+        ce_fwd,
+        (-(-m // rows),),
+        (x, t, rows_loss, stats, m, v, x.stride(0), ignore_index, float(smoothing)),
+        dict(ROWS=rows, BLOCK_N=block, SMOOTH=smoothing != 0.0, num_warps=warps),
+    )
+    launch(
+        ce_finish,
+        (1,),
+        (rows_loss, t, out, stats[m:], m, v, ignore_index),
+        dict(REDUCTION=REDUCTIONS[reduction], BLOCK=FINISH_BLOCK, num_warps=4),
+    )
     return out, stats
 
 
@@ -167,7 +189,24 @@ def backward(x, t, stats, g, ignore_index: int, smoothing: float, mean: bool, dx
     if poisoning():
         dx.fill_(float("nan"))
     rows, block, warps = shape
-    ce_bwd[(-(-m // rows),)](x, t, stats, g, dx, m, v, x.stride(0), dx.stride(0), g.stride(0) if g.dim() else 0,
-                             ignore_index, float(smoothing), ROWS=rows, BLOCK_N=block, SMOOTH=smoothing != 0.0,
-                             MEAN=mean, num_warps=warps)  # fmt: skip
+    args = (
+        x,
+        t,
+        stats,
+        g,
+        dx,
+        m,
+        v,
+        x.stride(0),
+        dx.stride(0),
+        g.stride(0) if g.dim() else 0,
+        ignore_index,
+        float(smoothing),
+    )
+    launch(
+        ce_bwd,
+        (-(-m // rows),),
+        args,
+        dict(ROWS=rows, BLOCK_N=block, SMOOTH=smoothing != 0.0, MEAN=mean, num_warps=warps),
+    )
     return dx

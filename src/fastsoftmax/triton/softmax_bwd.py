@@ -11,7 +11,7 @@ Traffic budget per element (s = element size of y, dy, dx):
   online    2 reads of y and dy + 1 write of dx (5·s bytes); any row length.
   split     as online, segments of a row on different programs, plus 8 bytes of (s, t) per segment.
 
-Same row geometry as the forward (softmax_fwd._rows/_body/_edges): y is the anchor; dy shares y's strides
+Same row geometry as the forward (softmax_fwd._rows/_body/row_edges): y is the anchor; dy shares y's strides
 and 16-byte misalignment (the launcher copies dy into y's layout when it does not); dy keeps its dtype.
 """
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .softmax_fwd import _edges, _exp, _head, _mask_rows, _prologue
+from .softmax_fwd import mask_rows, prologue, row_edges, row_exp, row_head
 
 
 @triton.jit
@@ -29,7 +29,7 @@ def _load_terms(y_ptr, dy_ptr, offs, mask, LOG: tl.constexpr):
     if LOG:
         y = tl.load(y_ptr + offs, mask=mask, other=float("-inf")).to(tl.float32)
         a = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        f = _exp(y)
+        f = row_exp(y)
     else:
         y = tl.load(y_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         a = y * tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -44,8 +44,9 @@ def _grad(a, f, s, t):
 
 
 @triton.jit
-def _finish(g, ok, col, mrow, q, m_ptr, msn, scale, c_off, MASK: tl.constexpr, CAUSAL: tl.constexpr,
-            SCALED: tl.constexpr):  # fmt: skip
+def _finish(
+    g, ok, col, mrow, q, m_ptr, msn, scale, c_off, MASK: tl.constexpr, CAUSAL: tl.constexpr, SCALED: tl.constexpr
+):
     """dx from the plain gradient g when the forward had a scale, a mask or the causal rule: times scale, and
     0 at masked positions (False in a bool mask, -inf in an additive one, above the causal diagonal)."""
     if SCALED:
@@ -60,14 +61,15 @@ def _finish(g, ok, col, mrow, q, m_ptr, msn, scale, c_off, MASK: tl.constexpr, C
 
 
 @triton.jit
-def _sums_range(y_ptr, dy_ptr, xs, c, ok, length, sxn, j0, j1, s, t, LOG: tl.constexpr, ROWS: tl.constexpr,
-                BLOCK_N: tl.constexpr):  # fmt: skip
+def _sums_range(
+    y_ptr, dy_ptr, xs, c, ok, length, sxn, j0, j1, s, t, LOG: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr
+):
     """Add chunks j0 <= j < j1 of the body to the row sums (s, t). A row sum inside the loop is rewritten by
     Triton 3.6 into thread-local partial sums through a reshape that may reorder elements: harmless for one
     row per program, but on tiles where a thread holds several rows (64 rows at 1 warp) it mixed rows, wrong
-    gradients on the H200 (2026-11-30, dev/logs/2026-11-30-h200-debug_online_bwd.txt; Triton 3.8 does not
-    rewrite it). Several rows: the chunks are summed element-wise and reduced once after the loop (more
-    registers, so one row keeps the in-loop sum that was measured)."""
+    gradients on the H200 (Triton 3.8 does not rewrite it; docs/investigations.md). Several rows: the chunks
+    are summed element-wise and reduced once after the loop (more registers, so one row keeps the in-loop sum
+    that was measured)."""
     sa = tl.zeros([ROWS, BLOCK_N], tl.float32)
     ta = tl.zeros([ROWS, BLOCK_N], tl.float32)
     for j in range(j0, j1):
@@ -86,9 +88,34 @@ def _sums_range(y_ptr, dy_ptr, xs, c, ok, length, sxn, j0, j1, s, t, LOG: tl.con
 
 
 @triton.jit
-def _grad_range(y_ptr, dy_ptr, dx_ptr, xs, ys, c, ok, length, sxn, syn, j0, j1, s, t, hc, mrow, q, m_ptr, msn,
-                scale, c_off, MASK: tl.constexpr, CAUSAL: tl.constexpr, SCALED: tl.constexpr, LOG: tl.constexpr,
-                BLOCK_N: tl.constexpr):  # fmt: skip
+def _grad_range(
+    y_ptr,
+    dy_ptr,
+    dx_ptr,
+    xs,
+    ys,
+    c,
+    ok,
+    length,
+    sxn,
+    syn,
+    j0,
+    j1,
+    s,
+    t,
+    hc,
+    mrow,
+    q,
+    m_ptr,
+    msn,
+    scale,
+    c_off,
+    MASK: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    SCALED: tl.constexpr,
+    LOG: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     """Write dx for chunks j0 <= j < j1, last first (the likeliest still in L2)."""
     for k in range(j0, j1):
         cols = (j1 - 1 - (k - j0)) * BLOCK_N + c
@@ -100,50 +127,110 @@ def _grad_range(y_ptr, dy_ptr, dx_ptr, xs, ys, c, ok, length, sxn, syn, j0, j1, 
 
 @triton.jit
 def softmax_bwd_rowblock(
-    y_ptr, dx_ptr, dy_ptr,
-    n_b, n, n_i, tiles_i,
-    sxb, sxn, sxi, syb, syn, syi, x_mis,
-    m_ptr, scale, md1, md2, md3, mb0, mb1, mb2, mb3, msn, c_off,
-    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, VEC: tl.constexpr, INNER: tl.constexpr,
-    EDGES: tl.constexpr, Y_VEC: tl.constexpr, IDX64: tl.constexpr, LOG: tl.constexpr,
-    MASK: tl.constexpr, CAUSAL: tl.constexpr, SCALED: tl.constexpr,
-):  # fmt: skip
+    y_ptr,
+    dx_ptr,
+    dy_ptr,
+    n_b,
+    n,
+    n_i,
+    tiles_i,
+    sxb,
+    sxn,
+    sxi,
+    syb,
+    syn,
+    syi,
+    x_mis,
+    m_ptr,
+    scale,
+    md1,
+    md2,
+    md3,
+    mb0,
+    mb1,
+    mb2,
+    mb3,
+    msn,
+    c_off,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    VEC: tl.constexpr,
+    INNER: tl.constexpr,
+    EDGES: tl.constexpr,
+    Y_VEC: tl.constexpr,
+    IDX64: tl.constexpr,
+    LOG: tl.constexpr,
+    MASK: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    SCALED: tl.constexpr,
+):
     """ROWS rows per program, y and dy held whole in registers. Strides: sx* of y and dy, sy* of dx.
     Precondition: BLOCK_N >= n."""
-    bx, by, ox, oy, xs, ys, h, length, c, row, row_ok = _prologue(
+    bx, by, ox, oy, xs, ys, h, length, c, row, row_ok = prologue(
         n_b, n, n_i, tiles_i, sxb, sxi, syb, syi, x_mis, ROWS, BLOCK_N, VEC, INNER, EDGES, Y_VEC, IDX64
     )
     y_ptr += bx
     dy_ptr += bx
     dx_ptr += by
-    mrow, q = _mask_rows(row, md1, md2, md3, mb0, mb1, mb2, mb3)
+    mrow, q = mask_rows(row, md1, md2, md3, mb0, mb1, mb2, mb3)
     body = row_ok[:, None] & (c < length)
     a, f = _load_terms(y_ptr, dy_ptr, xs[:, None] + c * sxn, body, LOG)
     s = tl.sum(a, axis=1)
     t = tl.sum(f, axis=1)
     if EDGES:
-        e_idx, e_ok = _edges(h, length, n, row_ok, VEC)
+        e_idx, e_ok = row_edges(h, length, n, row_ok, VEC)
         ae, fe = _load_terms(y_ptr, dy_ptr, ox[:, None] + e_idx, e_ok, LOG)
         s += tl.sum(ae, axis=1)
         t += tl.sum(fe, axis=1)
         ge = _finish(_grad(ae, fe, s, t), e_ok, e_idx, mrow, q, m_ptr, msn, scale, c_off, MASK, CAUSAL, SCALED)
         tl.store(dx_ptr + oy[:, None] + e_idx, ge.to(dx_ptr.dtype.element_ty), mask=e_ok)
-    g = _finish(_grad(a, f, s, t), body, _head(h, EDGES) + c, mrow, q, m_ptr, msn, scale, c_off, MASK, CAUSAL, SCALED)
+    g = _finish(
+        _grad(a, f, s, t), body, row_head(h, EDGES) + c, mrow, q, m_ptr, msn, scale, c_off, MASK, CAUSAL, SCALED
+    )
     tl.store(dx_ptr + ys[:, None] + c * syn, g.to(dx_ptr.dtype.element_ty), mask=body)
 
 
 @triton.jit
 def softmax_bwd_online(
-    y_ptr, dx_ptr, dy_ptr,
-    n_b, n, n_i, tiles_i,
-    sxb, sxn, sxi, syb, syn, syi, x_mis,
-    m_ptr, scale, md1, md2, md3, mb0, mb1, mb2, mb3, msn, c_off,
-    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, VEC: tl.constexpr, INNER: tl.constexpr,
-    EDGES: tl.constexpr, Y_VEC: tl.constexpr, IDX64: tl.constexpr, LOG: tl.constexpr,
-    MASK: tl.constexpr, CAUSAL: tl.constexpr, SCALED: tl.constexpr,
-):  # fmt: skip
+    y_ptr,
+    dx_ptr,
+    dy_ptr,
+    n_b,
+    n,
+    n_i,
+    tiles_i,
+    sxb,
+    sxn,
+    sxi,
+    syb,
+    syn,
+    syi,
+    x_mis,
+    m_ptr,
+    scale,
+    md1,
+    md2,
+    md3,
+    mb0,
+    mb1,
+    mb2,
+    mb3,
+    msn,
+    c_off,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    VEC: tl.constexpr,
+    INNER: tl.constexpr,
+    EDGES: tl.constexpr,
+    Y_VEC: tl.constexpr,
+    IDX64: tl.constexpr,
+    LOG: tl.constexpr,
+    MASK: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    SCALED: tl.constexpr,
+):
     """Rows of any length in BLOCK_N chunks: pass 1 sums (s, t), pass 2 writes dx."""
-    bx, by, ox, oy, xs, ys, h, length, c, row, row_ok = _prologue(
+    bx, by, ox, oy, xs, ys, h, length, c, row, row_ok = prologue(
         n_b, n, n_i, tiles_i, sxb, sxi, syb, syi, x_mis, ROWS, BLOCK_N, VEC, INNER, EDGES, Y_VEC, IDX64
     )
     y_ptr += bx
@@ -152,33 +239,73 @@ def softmax_bwd_online(
     s = tl.zeros([ROWS], tl.float32)
     t = tl.zeros([ROWS], tl.float32)
     if EDGES:
-        e_idx, e_ok = _edges(h, length, n, row_ok, VEC)
+        e_idx, e_ok = row_edges(h, length, n, row_ok, VEC)
         ae, fe = _load_terms(y_ptr, dy_ptr, ox[:, None] + e_idx, e_ok, LOG)
         s += tl.sum(ae, axis=1)
         t += tl.sum(fe, axis=1)
     n_chunks = tl.cdiv(n, BLOCK_N)
     s, t = _sums_range(y_ptr, dy_ptr, xs, c, row_ok, length, sxn, 0, n_chunks, s, t, LOG, ROWS, BLOCK_N)
-    mrow, q = _mask_rows(row, md1, md2, md3, mb0, mb1, mb2, mb3)
+    mrow, q = mask_rows(row, md1, md2, md3, mb0, mb1, mb2, mb3)
     if EDGES:
         ge = _finish(_grad(ae, fe, s, t), e_ok, e_idx, mrow, q, m_ptr, msn, scale, c_off, MASK, CAUSAL, SCALED)
         tl.store(dx_ptr + oy[:, None] + e_idx, ge.to(dx_ptr.dtype.element_ty), mask=e_ok)
     _grad_range(
-        y_ptr, dy_ptr, dx_ptr, xs, ys, c, row_ok, length, sxn, syn, 0, n_chunks, s, t, _head(h, EDGES), mrow, q,
-        m_ptr, msn, scale, c_off, MASK, CAUSAL, SCALED, LOG, BLOCK_N)  # fmt: skip
+        y_ptr,
+        dy_ptr,
+        dx_ptr,
+        xs,
+        ys,
+        c,
+        row_ok,
+        length,
+        sxn,
+        syn,
+        0,
+        n_chunks,
+        s,
+        t,
+        row_head(h, EDGES),
+        mrow,
+        q,
+        m_ptr,
+        msn,
+        scale,
+        c_off,
+        MASK,
+        CAUSAL,
+        SCALED,
+        LOG,
+        BLOCK_N,
+    )
 
 
 @triton.jit
 def softmax_bwd_split_sums(
-    y_ptr, dy_ptr, ws_ptr,
-    n_b, n, n_i, tiles_i,
-    sxb, sxn, sxi, x_mis, chunks_per_split, n_splits,
-    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, VEC: tl.constexpr, INNER: tl.constexpr,
-    EDGES: tl.constexpr, IDX64: tl.constexpr, LOG: tl.constexpr,
-):  # fmt: skip
+    y_ptr,
+    dy_ptr,
+    ws_ptr,
+    n_b,
+    n,
+    n_i,
+    tiles_i,
+    sxb,
+    sxn,
+    sxi,
+    x_mis,
+    chunks_per_split,
+    n_splits,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    VEC: tl.constexpr,
+    INNER: tl.constexpr,
+    EDGES: tl.constexpr,
+    IDX64: tl.constexpr,
+    LOG: tl.constexpr,
+):
     """Split path, step 1 of 2: program (rows, split) writes (s, t) of its segment to ws[row, split, 0:2].
     Split 0 also takes the edges."""
     split = tl.program_id(1)
-    bx, by, ox, oy, xs, ys, h, length, c, row, row_ok = _prologue(
+    bx, by, ox, oy, xs, ys, h, length, c, row, row_ok = prologue(
         n_b, n, n_i, tiles_i, sxb, sxi, 0, 0, x_mis, ROWS, BLOCK_N, VEC, INNER, EDGES, False, IDX64
     )
     y_ptr += bx
@@ -186,7 +313,7 @@ def softmax_bwd_split_sums(
     s = tl.zeros([ROWS], tl.float32)
     t = tl.zeros([ROWS], tl.float32)
     if EDGES:
-        e_idx, e_ok = _edges(h, length, n, row_ok, VEC)
+        e_idx, e_ok = row_edges(h, length, n, row_ok, VEC)
         ae, fe = _load_terms(y_ptr, dy_ptr, ox[:, None] + e_idx, tl.where(split == 0, e_ok, False), LOG)
         s += tl.sum(ae, axis=1)
         t += tl.sum(fe, axis=1)
@@ -200,19 +327,51 @@ def softmax_bwd_split_sums(
 
 @triton.jit
 def softmax_bwd_split_write(
-    y_ptr, dx_ptr, dy_ptr, ws_ptr,
-    n_b, n, n_i, tiles_i,
-    sxb, sxn, sxi, syb, syn, syi, x_mis, chunks_per_split, n_splits,
-    m_ptr, scale, md1, md2, md3, mb0, mb1, mb2, mb3, msn, c_off,
-    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, VEC: tl.constexpr, INNER: tl.constexpr,
-    EDGES: tl.constexpr, Y_VEC: tl.constexpr, IDX64: tl.constexpr, LOG: tl.constexpr,
+    y_ptr,
+    dx_ptr,
+    dy_ptr,
+    ws_ptr,
+    n_b,
+    n,
+    n_i,
+    tiles_i,
+    sxb,
+    sxn,
+    sxi,
+    syb,
+    syn,
+    syi,
+    x_mis,
+    chunks_per_split,
+    n_splits,
+    m_ptr,
+    scale,
+    md1,
+    md2,
+    md3,
+    mb0,
+    mb1,
+    mb2,
+    mb3,
+    msn,
+    c_off,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    VEC: tl.constexpr,
+    INNER: tl.constexpr,
+    EDGES: tl.constexpr,
+    Y_VEC: tl.constexpr,
+    IDX64: tl.constexpr,
+    LOG: tl.constexpr,
     SPLITS: tl.constexpr,
-    MASK: tl.constexpr, CAUSAL: tl.constexpr, SCALED: tl.constexpr,
-):  # fmt: skip
+    MASK: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    SCALED: tl.constexpr,
+):
     """Split path, step 2 of 2: program (rows, split) adds the row's per-split (s, t) and writes dx for
     its segment."""
     split = tl.program_id(1)
-    bx, by, ox, oy, xs, ys, h, length, c, row, row_ok = _prologue(
+    bx, by, ox, oy, xs, ys, h, length, c, row, row_ok = prologue(
         n_b, n, n_i, tiles_i, sxb, sxi, syb, syi, x_mis, ROWS, BLOCK_N, VEC, INNER, EDGES, Y_VEC, IDX64
     )
     y_ptr += bx
@@ -223,9 +382,9 @@ def softmax_bwd_split_write(
     ws = ws_ptr + (row[:, None] * n_splits + k) * 2
     s = tl.sum(tl.load(ws, mask=ws_ok, other=0.0), axis=1)
     t = tl.sum(tl.load(ws + 1, mask=ws_ok, other=0.0), axis=1)
-    mrow, q = _mask_rows(row, md1, md2, md3, mb0, mb1, mb2, mb3)
+    mrow, q = mask_rows(row, md1, md2, md3, mb0, mb1, mb2, mb3)
     if EDGES:
-        e_idx, e_ok = _edges(h, length, n, row_ok, VEC)
+        e_idx, e_ok = row_edges(h, length, n, row_ok, VEC)
         e_ok = tl.where(split == 0, e_ok, False)
         ae, fe = _load_terms(y_ptr, dy_ptr, ox[:, None] + e_idx, e_ok, LOG)
         ge = _finish(_grad(ae, fe, s, t), e_ok, e_idx, mrow, q, m_ptr, msn, scale, c_off, MASK, CAUSAL, SCALED)
@@ -233,8 +392,33 @@ def softmax_bwd_split_write(
     j0 = split * chunks_per_split
     j1 = tl.minimum(j0 + chunks_per_split, tl.cdiv(n, BLOCK_N))
     _grad_range(
-        y_ptr, dy_ptr, dx_ptr, xs, ys, c, row_ok, length, sxn, syn, j0, j1, s, t, _head(h, EDGES), mrow, q, m_ptr,
-        msn, scale, c_off, MASK, CAUSAL, SCALED, LOG, BLOCK_N)  # fmt: skip
+        y_ptr,
+        dy_ptr,
+        dx_ptr,
+        xs,
+        ys,
+        c,
+        row_ok,
+        length,
+        sxn,
+        syn,
+        j0,
+        j1,
+        s,
+        t,
+        row_head(h, EDGES),
+        mrow,
+        q,
+        m_ptr,
+        msn,
+        scale,
+        c_off,
+        MASK,
+        CAUSAL,
+        SCALED,
+        LOG,
+        BLOCK_N,
+    )
 
 
 KERNELS = {
@@ -249,23 +433,30 @@ from dataclasses import replace  # noqa: E402
 
 import torch  # noqa: E402
 
-from .. import fastpath, heuristics, masking  # noqa: E402
+from .. import masking  # noqa: E402
+from ..heuristics import softmax_triton  # noqa: E402
+from ..launch import scratch  # noqa: E402
 from ..layout import plan_layout  # noqa: E402
 from .launch import aligned_view, launch, prepare  # noqa: E402
-from .softmax_fwd import _mask_args  # noqa: E402
+from .softmax_fwd import mask_args  # noqa: E402
 
 
 def backward(
-    dy: torch.Tensor, y: torch.Tensor, dx: torch.Tensor, dim: int, log: bool, path: str | None = None,
+    dy: torch.Tensor,
+    y: torch.Tensor,
+    dx: torch.Tensor,
+    dim: int,
+    log: bool,
+    path: str | None = None,
     spec=masking.NONE,
-):  # fmt: skip
+):
     """Write the gradient of softmax (or log_softmax) along ``dim`` into dx, from the forward output y and
     the output gradient dy (all the same shape). Returns the plan that ran. ``spec``: the forward's mask,
     scale or causal rule (dx scaled, 0 at masked positions); then dim is the last dim, rows in logical order."""
     y, lay = plan_layout(y, dx, dim)
     if spec.active and (lay.I != 1 or lay.copied):
         raise AssertionError("masked rows must be y's rows in logical order (dispatch ensures it)")
-    margs, mflags = _mask_args(spec, y)
+    margs, mflags = mask_args(spec, y)
     # dy is addressed with y's element offsets (in its own dtype): it needs y's strides and the same
     # 16-byte misalignment, which for another element size means both aligned.
     aligned_alike = (dy.data_ptr() - y.data_ptr()) % 16 == 0 and (dy.dtype == y.dtype or y.data_ptr() % 16 == 0)
@@ -283,13 +474,13 @@ def backward(
     tail = dict(**L.flags, **mflags, Y_VEC=L.y_vec, LOG=log, num_warps=L.plan.num_warps)
     if L.plan.path == "split":
         sums, write = KERNELS["split"]
-        ws = fastpath.scratch(torch.empty(L.n_rows * L.plan.splits * 2, dtype=torch.float32, device=y.device))
+        ws = scratch(torch.empty(L.n_rows * L.plan.splits * 2, dtype=torch.float32, device=y.device))
         args = (L.x_arg, dy_arg, ws, *L.rows_args, *sx, L.x_mis, L.chunks_per_split, L.plan.splits)
         launch(sums, L.grid, args, dict(**L.flags, LOG=log, num_warps=L.plan.num_warps))
         args = (L.x_arg, dx, dy_arg, ws, *L.rows_args, *sx, *sy, L.x_mis, L.chunks_per_split, L.plan.splits, *margs)
         launch(write, L.grid, args, dict(**tail, SPLITS=triton.next_power_of_2(L.plan.splits)))
     else:
-        cap = heuristics.max_registers(lay.N, L.plan.num_warps, 2) if L.plan.path == "rowblock" else None
+        cap = softmax_triton.max_registers(lay.N, L.plan.num_warps, 2) if L.plan.path == "rowblock" else None
         if cap is not None:
             tail["maxnreg"] = cap
         launch(KERNELS[L.plan.path], L.grid, (L.x_arg, dx, dy_arg, *L.rows_args, *sx, *sy, L.x_mis, *margs), tail)

@@ -29,10 +29,22 @@ LN2 = tl.constexpr(0.6931471805599453)
 
 @triton.jit
 def _rows(
-    pid, n_b, n_i, tiles_i, sxb, sxi, syb, syi, x_mis,
-    ROWS: tl.constexpr, INNER: tl.constexpr, VEC: tl.constexpr, EDGES: tl.constexpr, Y_VEC: tl.constexpr,
+    pid,
+    n_b,
+    n_i,
+    tiles_i,
+    sxb,
+    sxi,
+    syb,
+    syi,
+    x_mis,
+    ROWS: tl.constexpr,
+    INNER: tl.constexpr,
+    VEC: tl.constexpr,
+    EDGES: tl.constexpr,
+    Y_VEC: tl.constexpr,
     IDX64: tl.constexpr,
-):  # fmt: skip
+):
     """This program's rows: a 64-bit base offset per tensor (one scalar, on a 16-byte boundary when rows
     are vectorised) and each row's offset from it (32-bit unless IDX64), plus flat row index and validity.
 
@@ -94,11 +106,24 @@ def _body(ox, oy, n, VEC: tl.constexpr, EDGES: tl.constexpr, Y_VEC: tl.constexpr
 
 
 @triton.jit
-def _prologue(
-    n_b, n, n_i, tiles_i, sxb, sxi, syb, syi, x_mis,
-    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, VEC: tl.constexpr, INNER: tl.constexpr, EDGES: tl.constexpr,
-    Y_VEC: tl.constexpr, IDX64: tl.constexpr,
-):  # fmt: skip
+def prologue(
+    n_b,
+    n,
+    n_i,
+    tiles_i,
+    sxb,
+    sxi,
+    syb,
+    syi,
+    x_mis,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    VEC: tl.constexpr,
+    INNER: tl.constexpr,
+    EDGES: tl.constexpr,
+    Y_VEC: tl.constexpr,
+    IDX64: tl.constexpr,
+):
     """Every kernel's start: this program's rows (_rows), their aligned bodies (_body) and the column
     offsets of a chunk. Returns (bx, by, ox, oy, xs, ys, h, length, c, row, row_ok)."""
     bx, by, ox, oy, row, row_ok = _rows(
@@ -112,7 +137,7 @@ def _prologue(
 
 
 @triton.jit
-def _edges(h, length, n, row_ok, VEC: tl.constexpr):
+def row_edges(h, length, n, row_ok, VEC: tl.constexpr):
     """Row-relative indices of the edge elements (lanes [0, VEC) the head, [VEC, 2·VEC) the tail) and
     which exist, rows outside the tensor excluded."""
     j = tl.arange(0, 2 * VEC)[None, :]
@@ -123,7 +148,7 @@ def _edges(h, length, n, row_ok, VEC: tl.constexpr):
 
 
 @triton.jit
-def _mask_rows(row, md1, md2, md3, mb0, mb1, mb2, mb3):
+def mask_rows(row, md1, md2, md3, mb0, mb1, mb2, mb3):
     """Each row's mask offset (elements) and query index (its index along the last row dim), from the
     row's flat index over x's row dims (md1..md3: sizes of the last three; mb0..mb3: mask strides)."""
     r3 = row % md3
@@ -136,8 +161,9 @@ def _mask_rows(row, md1, md2, md3, mb0, mb1, mb2, mb3):
 
 
 @triton.jit
-def _load_logits(ptrs, ok, col, mrow, q, m_ptr, msn, scale, c_off, MASK: tl.constexpr, CAUSAL: tl.constexpr,
-                 SCALED: tl.constexpr):  # fmt: skip
+def _load_logits(
+    ptrs, ok, col, mrow, q, m_ptr, msn, scale, c_off, MASK: tl.constexpr, CAUSAL: tl.constexpr, SCALED: tl.constexpr
+):
     """The one place logits enter a kernel, as fp32: z = scale * x, a bool mask (MASK 1) or an additive
     one (MASK 2) read at the same row and column (``col``: row-relative column, ``mrow``: the row's mask
     offset, ``q``: its query index), and the causal rule col <= q + c_off. Lanes outside the row and removed
@@ -158,7 +184,7 @@ def _load_logits(ptrs, ok, col, mrow, q, m_ptr, msn, scale, c_off, MASK: tl.cons
 
 
 @triton.jit
-def _head(h, EDGES: tl.constexpr):
+def row_head(h, EDGES: tl.constexpr):
     """The body's first column within the row, per row (a [ROWS, 1] tile) or 0."""
     if EDGES:
         return h[:, None]
@@ -167,13 +193,13 @@ def _head(h, EDGES: tl.constexpr):
 
 
 @triton.jit
-def _safe_max(m):
+def safe_max(m):
     # A fully masked row has max -inf; subtracting it would give -inf - -inf = NaN, so subtract 0 instead.
     return tl.where(m == float("-inf"), 0.0, m)
 
 
 @triton.jit
-def _exp(z):
+def row_exp(z):
     return tl.math.exp2(z * LOG2E)
 
 
@@ -202,35 +228,80 @@ def _normalise(z, e, f, LOG: tl.constexpr):
 
 @triton.jit
 def softmax_fwd_rowblock(
-    x_ptr, y_ptr, lse_ptr, n_b, n, n_i, tiles_i, sxb, sxn, sxi, syb, syn, syi, x_mis, m_ptr, scale, md1, md2, md3,
-    mb0, mb1, mb2, mb3, msn, c_off, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, VEC: tl.constexpr, INNER: tl.constexpr,
-    EDGES: tl.constexpr, Y_VEC: tl.constexpr, IDX64: tl.constexpr, LOG: tl.constexpr, MASK: tl.constexpr, CAUSAL:
-    tl.constexpr, SCALED: tl.constexpr, WRITE_LSE: tl.constexpr):  # fmt: skip  # fmt: skip
+    x_ptr,
+    y_ptr,
+    lse_ptr,
+    n_b,
+    n,
+    n_i,
+    tiles_i,
+    sxb,
+    sxn,
+    sxi,
+    syb,
+    syn,
+    syi,
+    x_mis,
+    m_ptr,
+    scale,
+    md1,
+    md2,
+    md3,
+    mb0,
+    mb1,
+    mb2,
+    mb3,
+    msn,
+    c_off,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    VEC: tl.constexpr,
+    INNER: tl.constexpr,
+    EDGES: tl.constexpr,
+    Y_VEC: tl.constexpr,
+    IDX64: tl.constexpr,
+    LOG: tl.constexpr,
+    MASK: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    SCALED: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
+):
     """ROWS rows per program, each held whole in registers. Precondition: BLOCK_N >= n."""
-    bx, by, ox, oy, xs, ys, h, length, c, row, row_ok = _prologue(
+    bx, by, ox, oy, xs, ys, h, length, c, row, row_ok = prologue(
         n_b, n, n_i, tiles_i, sxb, sxi, syb, syi, x_mis, ROWS, BLOCK_N, VEC, INNER, EDGES, Y_VEC, IDX64
     )
     x_ptr += bx
     y_ptr += by
-    mrow, q = _mask_rows(row, md1, md2, md3, mb0, mb1, mb2, mb3)
+    mrow, q = mask_rows(row, md1, md2, md3, mb0, mb1, mb2, mb3)
     body = row_ok[:, None] & (c < length)
     x = _load_logits(
-        x_ptr + xs[:, None] + c * sxn, body, _head(h, EDGES) + c, mrow, q, m_ptr, msn, scale, c_off, MASK, CAUSAL,
-        SCALED)  # fmt: skip
+        x_ptr + xs[:, None] + c * sxn,
+        body,
+        row_head(h, EDGES) + c,
+        mrow,
+        q,
+        m_ptr,
+        msn,
+        scale,
+        c_off,
+        MASK,
+        CAUSAL,
+        SCALED,
+    )
     m = tl.max(x, axis=1)
     if EDGES:
-        e_idx, e_ok = _edges(h, length, n, row_ok, VEC)
+        e_idx, e_ok = row_edges(h, length, n, row_ok, VEC)
         xe = _load_logits(
             x_ptr + ox[:, None] + e_idx, e_ok, e_idx, mrow, q, m_ptr, msn, scale, c_off, MASK, CAUSAL, SCALED
         )
         m = tl.maximum(m, tl.max(xe, axis=1))
-    m_safe = _safe_max(m)
+    m_safe = safe_max(m)
     z = x - m_safe[:, None]
-    e = _exp(z)
+    e = row_exp(z)
     s = tl.sum(e, axis=1)
     if EDGES:
         ze = xe - m_safe[:, None]
-        ee = _exp(ze)
+        ee = row_exp(ze)
         s += tl.sum(ee, axis=1)
     f = _row_factor(s, LOG)
     out_ty = y_ptr.dtype.element_ty
@@ -245,116 +316,308 @@ def softmax_fwd_rowblock(
 def _chunk_stats(x):
     """(max, sum of exp(x - max)) per row of a tile; an all -inf row gives (-inf, 0)."""
     m = tl.max(x, axis=1)
-    return m, tl.sum(_exp(x - _safe_max(m)[:, None]), axis=1)
+    return m, tl.sum(row_exp(x - safe_max(m)[:, None]), axis=1)
 
 
 @triton.jit
-def _merge(m, s, m2, s2):
+def merge_stats(m, s, m2, s2):
     """Merge two (max, rescaled sum) pairs (Milakov & Gimelshein 2018). -inf maxima merge to sum 0; a NaN
     sum, or +inf meeting +inf (inf - inf), poisons the result, as it must."""
     m_new = tl.maximum(m, m2)
-    ms = _safe_max(m_new)
-    return m_new, s * _exp(m - ms) + s2 * _exp(m2 - ms)
+    ms = safe_max(m_new)
+    return m_new, s * row_exp(m - ms) + s2 * row_exp(m2 - ms)
 
 
 @triton.jit
-def _stats_range(x_ptr, xs, c, ok, length, sxn, j0, j1, m, s, hc, mrow, q, m_ptr, msn, scale, c_off,
-                 MASK: tl.constexpr, CAUSAL: tl.constexpr, SCALED: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+def _stats_range(
+    x_ptr,
+    xs,
+    c,
+    ok,
+    length,
+    sxn,
+    j0,
+    j1,
+    m,
+    s,
+    hc,
+    mrow,
+    q,
+    m_ptr,
+    msn,
+    scale,
+    c_off,
+    MASK: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    SCALED: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     """Fold chunks j0 <= j < j1 of the body into the running (max, sum). One exp per element."""
     for j in range(j0, j1):
         cols = j * BLOCK_N + c
-        x = _load_logits(x_ptr + xs[:, None] + cols * sxn, ok[:, None] & (cols < length), hc + cols, mrow, q,
-                         m_ptr, msn, scale, c_off, MASK, CAUSAL, SCALED)  # fmt: skip
+        x = _load_logits(
+            x_ptr + xs[:, None] + cols * sxn,
+            ok[:, None] & (cols < length),
+            hc + cols,
+            mrow,
+            q,
+            m_ptr,
+            msn,
+            scale,
+            c_off,
+            MASK,
+            CAUSAL,
+            SCALED,
+        )
         m2, s2 = _chunk_stats(x)
-        m, s = _merge(m, s, m2, s2)
+        m, s = merge_stats(m, s, m2, s2)
     return m, s
 
 
 @triton.jit
-def _write_range(x_ptr, y_ptr, xs, ys, c, ok, length, sxn, syn, j0, j1, m_safe, f, hc, mrow, q, m_ptr, msn,
-                 scale, c_off, MASK: tl.constexpr, CAUSAL: tl.constexpr, SCALED: tl.constexpr,
-                 LOG: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+def _write_range(
+    x_ptr,
+    y_ptr,
+    xs,
+    ys,
+    c,
+    ok,
+    length,
+    sxn,
+    syn,
+    j0,
+    j1,
+    m_safe,
+    f,
+    hc,
+    mrow,
+    q,
+    m_ptr,
+    msn,
+    scale,
+    c_off,
+    MASK: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    SCALED: tl.constexpr,
+    LOG: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     """Normalise chunks j0 <= j < j1, last first: the chunks the statistics pass read last are the
     likeliest still in L2."""
     for k in range(j0, j1):
         cols = (j1 - 1 - (k - j0)) * BLOCK_N + c
         body = ok[:, None] & (cols < length)
-        x = _load_logits(x_ptr + xs[:, None] + cols * sxn, body, hc + cols, mrow, q, m_ptr, msn, scale, c_off, MASK,
-                         CAUSAL, SCALED)  # fmt: skip
+        x = _load_logits(
+            x_ptr + xs[:, None] + cols * sxn, body, hc + cols, mrow, q, m_ptr, msn, scale, c_off, MASK, CAUSAL, SCALED
+        )
         z = x - m_safe[:, None]
-        y = _normalise(z, _exp(z), f, LOG)
+        y = _normalise(z, row_exp(z), f, LOG)
         tl.store(y_ptr + ys[:, None] + cols * syn, y.to(y_ptr.dtype.element_ty), mask=body)
 
 
 @triton.jit
 def softmax_fwd_online(
-    x_ptr, y_ptr, lse_ptr, n_b, n, n_i, tiles_i, sxb, sxn, sxi, syb, syn, syi, x_mis, m_ptr, scale, md1, md2, md3,
-    mb0, mb1, mb2, mb3, msn, c_off, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, VEC: tl.constexpr, INNER: tl.constexpr,
-    EDGES: tl.constexpr, Y_VEC: tl.constexpr, IDX64: tl.constexpr, LOG: tl.constexpr, MASK: tl.constexpr, CAUSAL:
-    tl.constexpr, SCALED: tl.constexpr, WRITE_LSE: tl.constexpr):  # fmt: skip  # fmt: skip
+    x_ptr,
+    y_ptr,
+    lse_ptr,
+    n_b,
+    n,
+    n_i,
+    tiles_i,
+    sxb,
+    sxn,
+    sxi,
+    syb,
+    syn,
+    syi,
+    x_mis,
+    m_ptr,
+    scale,
+    md1,
+    md2,
+    md3,
+    mb0,
+    mb1,
+    mb2,
+    mb3,
+    msn,
+    c_off,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    VEC: tl.constexpr,
+    INNER: tl.constexpr,
+    EDGES: tl.constexpr,
+    Y_VEC: tl.constexpr,
+    IDX64: tl.constexpr,
+    LOG: tl.constexpr,
+    MASK: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    SCALED: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
+):
     """Rows of any length in BLOCK_N chunks: pass 1 carries (max, rescaled sum), pass 2 normalises."""
-    bx, by, ox, oy, xs, ys, h, length, c, row, row_ok = _prologue(
+    bx, by, ox, oy, xs, ys, h, length, c, row, row_ok = prologue(
         n_b, n, n_i, tiles_i, sxb, sxi, syb, syi, x_mis, ROWS, BLOCK_N, VEC, INNER, EDGES, Y_VEC, IDX64
     )
     x_ptr += bx
     y_ptr += by
-    mrow, q = _mask_rows(row, md1, md2, md3, mb0, mb1, mb2, mb3)
-    hc = _head(h, EDGES)
+    mrow, q = mask_rows(row, md1, md2, md3, mb0, mb1, mb2, mb3)
+    hc = row_head(h, EDGES)
     m = tl.full([ROWS], float("-inf"), tl.float32)
     s = tl.zeros([ROWS], tl.float32)
     if EDGES:
-        e_idx, e_ok = _edges(h, length, n, row_ok, VEC)
+        e_idx, e_ok = row_edges(h, length, n, row_ok, VEC)
         xe = _load_logits(
             x_ptr + ox[:, None] + e_idx, e_ok, e_idx, mrow, q, m_ptr, msn, scale, c_off, MASK, CAUSAL, SCALED
         )
         m, s = _chunk_stats(xe)
     n_chunks = tl.cdiv(n, BLOCK_N)
     m, s = _stats_range(
-        x_ptr, xs, c, row_ok, length, sxn, 0, n_chunks, m, s, hc, mrow, q, m_ptr, msn, scale, c_off, MASK, CAUSAL,
-        SCALED, BLOCK_N)  # fmt: skip
-    m_safe = _safe_max(m)
+        x_ptr,
+        xs,
+        c,
+        row_ok,
+        length,
+        sxn,
+        0,
+        n_chunks,
+        m,
+        s,
+        hc,
+        mrow,
+        q,
+        m_ptr,
+        msn,
+        scale,
+        c_off,
+        MASK,
+        CAUSAL,
+        SCALED,
+        BLOCK_N,
+    )
+    m_safe = safe_max(m)
     f = _row_factor(s, LOG)
     if EDGES:
         ze = xe - m_safe[:, None]
-        tl.store(y_ptr + oy[:, None] + e_idx, _normalise(ze, _exp(ze), f, LOG).to(y_ptr.dtype.element_ty), mask=e_ok)
+        tl.store(y_ptr + oy[:, None] + e_idx, _normalise(ze, row_exp(ze), f, LOG).to(y_ptr.dtype.element_ty), mask=e_ok)
     _write_range(
-        x_ptr, y_ptr, xs, ys, c, row_ok, length, sxn, syn, 0, n_chunks, m_safe, f, hc, mrow, q, m_ptr, msn, scale,
-        c_off, MASK, CAUSAL, SCALED, LOG, BLOCK_N)  # fmt: skip
+        x_ptr,
+        y_ptr,
+        xs,
+        ys,
+        c,
+        row_ok,
+        length,
+        sxn,
+        syn,
+        0,
+        n_chunks,
+        m_safe,
+        f,
+        hc,
+        mrow,
+        q,
+        m_ptr,
+        msn,
+        scale,
+        c_off,
+        MASK,
+        CAUSAL,
+        SCALED,
+        LOG,
+        BLOCK_N,
+    )
     if WRITE_LSE:
         tl.store(lse_ptr + row, m_safe + tl.math.log2(s) * LN2, mask=row_ok)
 
 
 @triton.jit
 def softmax_fwd_split_stats(
-    x_ptr, ws_ptr,
-    n_b, n, n_i, tiles_i,
-    sxb, sxn, sxi, x_mis, chunks_per_split, n_splits,
-    m_ptr, scale, md1, md2, md3, mb0, mb1, mb2, mb3, msn, c_off,
-    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, VEC: tl.constexpr, INNER: tl.constexpr,
-    MASK: tl.constexpr, CAUSAL: tl.constexpr, SCALED: tl.constexpr,
-    EDGES: tl.constexpr, IDX64: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    ws_ptr,
+    n_b,
+    n,
+    n_i,
+    tiles_i,
+    sxb,
+    sxn,
+    sxi,
+    x_mis,
+    chunks_per_split,
+    n_splits,
+    m_ptr,
+    scale,
+    md1,
+    md2,
+    md3,
+    mb0,
+    mb1,
+    mb2,
+    mb3,
+    msn,
+    c_off,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    VEC: tl.constexpr,
+    INNER: tl.constexpr,
+    MASK: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    SCALED: tl.constexpr,
+    EDGES: tl.constexpr,
+    IDX64: tl.constexpr,
+):
     """Split path, step 1 of 2: program (rows, split) writes (max, sum) of its segment of the row to the
     fp32 workspace ws[row, split, 0:2]. Split 0 also takes the edges."""
     split = tl.program_id(1)
-    bx, by, ox, oy, xs, ys, h, length, c, row, row_ok = _prologue(
+    bx, by, ox, oy, xs, ys, h, length, c, row, row_ok = prologue(
         n_b, n, n_i, tiles_i, sxb, sxi, 0, 0, x_mis, ROWS, BLOCK_N, VEC, INNER, EDGES, False, IDX64
     )
     x_ptr += bx
-    mrow, q = _mask_rows(row, md1, md2, md3, mb0, mb1, mb2, mb3)
+    mrow, q = mask_rows(row, md1, md2, md3, mb0, mb1, mb2, mb3)
     m = tl.full([ROWS], float("-inf"), tl.float32)
     s = tl.zeros([ROWS], tl.float32)
     if EDGES:
-        e_idx, e_ok = _edges(h, length, n, row_ok, VEC)
+        e_idx, e_ok = row_edges(h, length, n, row_ok, VEC)
         xe = _load_logits(
-            x_ptr + ox[:, None] + e_idx, tl.where(split == 0, e_ok, False), e_idx, mrow, q, m_ptr, msn, scale, c_off,
-            MASK, CAUSAL, SCALED)  # fmt: skip
+            x_ptr + ox[:, None] + e_idx,
+            tl.where(split == 0, e_ok, False),
+            e_idx,
+            mrow,
+            q,
+            m_ptr,
+            msn,
+            scale,
+            c_off,
+            MASK,
+            CAUSAL,
+            SCALED,
+        )
         m, s = _chunk_stats(xe)
     j0 = split * chunks_per_split
     j1 = tl.minimum(j0 + chunks_per_split, tl.cdiv(n, BLOCK_N))
     m, s = _stats_range(
-        x_ptr, xs, c, row_ok, length, sxn, j0, j1, m, s, _head(h, EDGES), mrow, q, m_ptr, msn, scale, c_off, MASK,
-        CAUSAL, SCALED, BLOCK_N)  # fmt: skip
+        x_ptr,
+        xs,
+        c,
+        row_ok,
+        length,
+        sxn,
+        j0,
+        j1,
+        m,
+        s,
+        row_head(h, EDGES),
+        mrow,
+        q,
+        m_ptr,
+        msn,
+        scale,
+        c_off,
+        MASK,
+        CAUSAL,
+        SCALED,
+        BLOCK_N,
+    )
     ws = ws_ptr + (row * n_splits + split) * 2
     tl.store(ws, m, mask=row_ok)
     tl.store(ws + 1, s, mask=row_ok)
@@ -362,15 +625,52 @@ def softmax_fwd_split_stats(
 
 @triton.jit
 def softmax_fwd_split_write(
-    x_ptr, y_ptr, lse_ptr, ws_ptr, n_b, n, n_i, tiles_i, sxb, sxn, sxi, syb, syn, syi, x_mis, chunks_per_split,
-    n_splits, m_ptr, scale, md1, md2, md3, mb0, mb1, mb2, mb3, msn, c_off, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-    VEC: tl.constexpr, INNER: tl.constexpr, EDGES: tl.constexpr, Y_VEC: tl.constexpr, IDX64: tl.constexpr, LOG:
-    tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr, SCALED: tl.constexpr, WRITE_LSE: tl.constexpr, SPLITS:
-    tl.constexpr):  # fmt: skip  # fmt: skip
+    x_ptr,
+    y_ptr,
+    lse_ptr,
+    ws_ptr,
+    n_b,
+    n,
+    n_i,
+    tiles_i,
+    sxb,
+    sxn,
+    sxi,
+    syb,
+    syn,
+    syi,
+    x_mis,
+    chunks_per_split,
+    n_splits,
+    m_ptr,
+    scale,
+    md1,
+    md2,
+    md3,
+    mb0,
+    mb1,
+    mb2,
+    mb3,
+    msn,
+    c_off,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    VEC: tl.constexpr,
+    INNER: tl.constexpr,
+    EDGES: tl.constexpr,
+    Y_VEC: tl.constexpr,
+    IDX64: tl.constexpr,
+    LOG: tl.constexpr,
+    MASK: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    SCALED: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
+    SPLITS: tl.constexpr,
+):
     """Split path, step 2 of 2: program (rows, split) merges the row's per-split statistics (the same
     merge crosses GPUs for a vocabulary split across ranks) and normalises its segment."""
     split = tl.program_id(1)
-    bx, by, ox, oy, xs, ys, h, length, c, row, row_ok = _prologue(
+    bx, by, ox, oy, xs, ys, h, length, c, row, row_ok = prologue(
         n_b, n, n_i, tiles_i, sxb, sxi, syb, syi, x_mis, ROWS, BLOCK_N, VEC, INNER, EDGES, Y_VEC, IDX64
     )
     x_ptr += bx
@@ -381,12 +681,12 @@ def softmax_fwd_split_write(
     m_k = tl.load(ws, mask=ws_ok, other=float("-inf"))
     s_k = tl.load(ws + 1, mask=ws_ok, other=0.0)
     m = tl.max(m_k, axis=1)
-    s = tl.sum(s_k * _exp(m_k - _safe_max(m)[:, None]), axis=1)
-    m_safe = _safe_max(m)
+    s = tl.sum(s_k * row_exp(m_k - safe_max(m)[:, None]), axis=1)
+    m_safe = safe_max(m)
     f = _row_factor(s, LOG)
-    mrow, q = _mask_rows(row, md1, md2, md3, mb0, mb1, mb2, mb3)
+    mrow, q = mask_rows(row, md1, md2, md3, mb0, mb1, mb2, mb3)
     if EDGES:
-        e_idx, e_ok = _edges(h, length, n, row_ok, VEC)
+        e_idx, e_ok = row_edges(h, length, n, row_ok, VEC)
         e_ok = tl.where(split == 0, e_ok, False)
         ze = (
             _load_logits(
@@ -394,12 +694,36 @@ def softmax_fwd_split_write(
             )
             - m_safe[:, None]
         )
-        tl.store(y_ptr + oy[:, None] + e_idx, _normalise(ze, _exp(ze), f, LOG).to(y_ptr.dtype.element_ty), mask=e_ok)
+        tl.store(y_ptr + oy[:, None] + e_idx, _normalise(ze, row_exp(ze), f, LOG).to(y_ptr.dtype.element_ty), mask=e_ok)
     j0 = split * chunks_per_split
     j1 = tl.minimum(j0 + chunks_per_split, tl.cdiv(n, BLOCK_N))
     _write_range(
-        x_ptr, y_ptr, xs, ys, c, row_ok, length, sxn, syn, j0, j1, m_safe, f, _head(h, EDGES), mrow, q, m_ptr, msn,
-        scale, c_off, MASK, CAUSAL, SCALED, LOG, BLOCK_N)  # fmt: skip
+        x_ptr,
+        y_ptr,
+        xs,
+        ys,
+        c,
+        row_ok,
+        length,
+        sxn,
+        syn,
+        j0,
+        j1,
+        m_safe,
+        f,
+        row_head(h, EDGES),
+        mrow,
+        q,
+        m_ptr,
+        msn,
+        scale,
+        c_off,
+        MASK,
+        CAUSAL,
+        SCALED,
+        LOG,
+        BLOCK_N,
+    )
     if WRITE_LSE:
         tl.store(lse_ptr + row, m_safe + tl.math.log2(s) * LN2, mask=tl.where(split == 0, row_ok, False))
 
@@ -415,34 +739,51 @@ KERNELS = {
 # (imports here keep the kernels above readable on their own)
 import torch  # noqa: E402
 
-from .. import fastpath, masking  # noqa: E402
+from .. import masking  # noqa: E402
+from ..launch import scratch  # noqa: E402
 from ..layout import alloc, plan_layout  # noqa: E402
 from .launch import launch, prepare  # noqa: E402
 
 
-def _mask_args(spec, x: torch.Tensor) -> tuple[tuple, dict]:
+def mask_args(spec, x: torch.Tensor) -> tuple[tuple, dict]:
     """The mask, scale and causal arguments every forward kernel takes (placeholders when inactive)."""
     m = spec.mask if spec.mask is not None else x
     if m.dtype == torch.bool:
         m = m.view(torch.uint8)
     d1, d2, d3 = spec.dims
     b0, b1, b2, b3 = spec.strides
-    args = (m, 1.0 if spec.scale is None else spec.scale, d1, d2, d3, b0, b1, b2, b3, spec.col_stride,
-            spec.causal_offset)  # fmt: skip
+    args = (
+        m,
+        1.0 if spec.scale is None else spec.scale,
+        d1,
+        d2,
+        d3,
+        b0,
+        b1,
+        b2,
+        b3,
+        spec.col_stride,
+        spec.causal_offset,
+    )
     return args, dict(MASK=spec.kind, CAUSAL=spec.causal, SCALED=spec.scale is not None)
 
 
 def forward(
-    x: torch.Tensor, y: torch.Tensor, dim: int, log: bool, want_lse: bool, path: str | None = None,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    dim: int,
+    log: bool,
+    want_lse: bool,
+    path: str | None = None,
     spec=masking.NONE,
-):  # fmt: skip
+):
     """Write softmax (or log_softmax) of x along ``dim`` into y (same shape). Returns (the plan that ran,
     logsumexp per row as fp32 shaped like x without dim, or None). ``spec``: a mask, scale or causal rule
     (masking.Spec) applied as the logits load; then dim is the last dim and rows are in logical order."""
     x, lay = plan_layout(x, y, dim)
     if spec.active and (lay.I != 1 or lay.copied):
         raise AssertionError("masked rows must be x's rows in logical order (dispatch ensures it)")
-    margs, mflags = _mask_args(spec, x)
+    margs, mflags = mask_args(spec, x)
     lse = None
     if want_lse:
         lse = alloc(x, torch.float32, x.shape[:dim] + x.shape[dim + 1 :], lay.stat_strides)
@@ -452,7 +793,7 @@ def forward(
     tail = dict(**L.flags, **mflags, Y_VEC=L.y_vec, LOG=log, WRITE_LSE=lse is not None, num_warps=L.plan.num_warps)
     if L.plan.path == "split":
         stats, write = KERNELS["split"]
-        ws = fastpath.scratch(torch.empty(L.n_rows * L.plan.splits * 2, dtype=torch.float32, device=x.device))
+        ws = scratch(torch.empty(L.n_rows * L.plan.splits * 2, dtype=torch.float32, device=x.device))
         args = (L.x_arg, ws, *L.rows_args, *sx, L.x_mis, L.chunks_per_split, L.plan.splits, *margs)
         launch(stats, L.grid, args, dict(**L.flags, **mflags, num_warps=L.plan.num_warps))
         args = (L.x_arg, y, lse_arg, ws, *L.rows_args, *sx, *sy, L.x_mis, L.chunks_per_split, L.plan.splits, *margs)

@@ -1,8 +1,8 @@
 """The tables `backend="auto"` reads on a GPU: for each (pass, dtype, row-length bucket, rows class), the
 backend and path that were fastest on that GPU model, measured by `fastsoftmax bench --tune` and committed
-as src/fastsoftmax/tuning/<device>.json (dated, with the GB/s of every candidate). No autotuning at call
-time: a GPU with no table, or a problem outside the table's buckets, gets the Triton backend with
-heuristics.py's rules.
+as src/fastsoftmax/heuristics/tables/<device>.json (dated, with the GB/s of every candidate). No autotuning
+at call time: a GPU with no table, or a problem outside the table's buckets, gets the Triton backend with
+heuristics/softmax_triton.py's rules.
 
 Buckets: an entry measured at row length n_max covers (previous n_max, n_max]; lengths past the largest
 measured one have no entry. A path other than the default must win over the bucket: at n_max and at odd
@@ -10,6 +10,8 @@ lengths a quarter and half way in (bench.tune's probes, recorded in the entry; t
 the table and entry_path applies it). Rows class: "few" when
 there are fewer than FEW_ROWS_PER_SM rows per SM (the GPU is filled only by spreading a row over several
 SMs), else "many".
+
+Measurements behind the rule: bench/results/sweeps/tuning_rule.json.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ def slug(device_name: str) -> str:
 @functools.cache
 def table(device_name: str) -> dict | None:
     """The committed table for this GPU model, or None."""
-    f = resources.files(__package__).joinpath("tuning", f"{slug(device_name)}.json")
+    f = resources.files(__package__).joinpath("tables", f"{slug(device_name)}.json")
     if not f.is_file():
         return None
     return validate(json.loads(f.read_text()))
@@ -52,8 +54,8 @@ def validate(doc: dict) -> dict:
 
 
 def pick(candidates: dict[str, float], default: str | None) -> str:
-    """The 'backend/path' an entry names: the fastest candidate, unless the default path (what heuristics.py
-    picks without a table) is within MARGIN of it. A table entry covers a bucket of lengths but is measured
+    """The 'backend/path' an entry names: the fastest candidate, unless the default path (what the heuristics
+    pick without a table) is within MARGIN of it. A table entry covers a bucket of lengths but is measured
     at one: a near-tie there (0.3% at N = 1024) must not send N = 513 down a path that is 2x slower for it."""
     best = max(candidates, key=candidates.get)
     if default in candidates and candidates[best] < (1 + MARGIN) * candidates[default]:
@@ -68,10 +70,8 @@ BAND = 0.9  # rule "band": candidates within this fraction of the fastest at the
 def bucket_pick(points: list[tuple[float, float]], challenger: str, default: str) -> str:
     """An entry's path from (challenger GB/s, default GB/s) pairs measured at the bucket's top length and at
     its probes inside: the challenger when its geometric-mean speed-up over them is at least 1 + MARGIN and
-    it is nowhere slower by more than MARGIN, else the default. (An earlier rule measured the challenger's
-    win at the top length alone: on the H200, 2026-11-30, the CUDA staged forward tied Triton at bf16
-    1024x65536, 2,682 vs 2,620 GB/s, so the bucket stayed with Triton, which ran 16384x37984 at 3,043 GB/s
-    where the staged kernel gave 3,597.)"""
+    it is nowhere slower by more than MARGIN, else the default. (A win at the top length alone missed
+    buckets a path wins inside.)"""
     ratios = [c / d for c, d in points]
     geo = math.prod(ratios) ** (1 / len(ratios))
     return challenger if geo >= 1 + MARGIN and min(ratios) >= 1 - MARGIN else default
@@ -87,10 +87,8 @@ def band(cands: dict, default: str) -> list[str]:
 def band_challenger(e: dict) -> str | None:
     """Rule "band": of the candidates timed at the top length and at every probe (without error), the one
     other than the default with the best geometric mean of GB/s over those lengths; with no probe, the
-    fastest at the top length when that is not the default; else none. A path that ties or loses at the
-    bucket's top length can win at the lengths inside it: on the H200, 2026-11-30, the staged forward ran
-    bf16 1024x65536 at 2,610 GB/s (the CUDA online kernel 2,785) but 37984 and 50257 at about 4,000 (online
-    3,282 and 3,212)."""
+    fastest at the top length when that is not the default; else none. A path that ties or loses at the top
+    length can win inside (the staged forward at 37984-50257)."""
     default, cands, probes = e["default"], e["candidates"], e.get("probes", [])
     if not probes:
         others = {k: v for k, v in cands.items() if k != default}
@@ -122,8 +120,9 @@ def entry_path(e: dict, rule: str | None) -> str:
         raise ValueError(f"entry names challenger {e.get('challenger')}, its measurements {challenger}: {e}")
     if any(default not in p["candidates"] for p in probes):
         return default
-    points = [(cands[challenger], cands[default])] + [(p["candidates"][challenger], p["candidates"][default])
-                                                      for p in probes]  # fmt: skip
+    points = [(cands[challenger], cands[default])] + [
+        (p["candidates"][challenger], p["candidates"][default]) for p in probes
+    ]
     return bucket_pick(points, challenger, default)
 
 

@@ -1,0 +1,134 @@
+"""The Triton kernels (triton/): CUDA tensors, and CPU tensors under Triton's interpreter."""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+
+import torch
+
+from .. import dtypes, heuristics, masking
+from ..heuristics import cross_entropy as ce_rules
+from ..heuristics.device import selected
+from ..layout import alloc
+
+
+def dtype_problem(family: str, x, out_dtype, dy) -> str | None:
+    """Why the kernels of ``family`` cannot take these dtypes, or None."""
+    got = (x.dtype, out_dtype) + ((dy.dtype,) if dy is not None else ())
+    if any(d not in dtypes.KERNEL for d in got):
+        return (
+            f"the {family} kernels take {dtypes.KERNEL_NAMES} (got {', '.join(map(str, got))}); "
+            "float64 runs on backend='torch', which 'auto' picks"
+        )
+    return None
+
+
+@functools.cache
+def kernels(name: str):
+    """A Triton kernel module, imported on first use: that first import decides, from TRITON_INTERPRET,
+    whether its kernels are compiled or interpreted."""
+    return importlib.import_module(f"..triton.{name}", __package__)
+
+
+@functools.cache
+def import_error() -> str | None:
+    """Why triton cannot be imported here (None: it can). Under TRITON_INTERPRET=1 importing triton also
+    imports numpy, for the interpreter."""
+    try:
+        import triton  # noqa: F401
+    except ImportError as e:
+        return f"triton cannot be imported ({e})"
+    return None
+
+
+@functools.cache
+def interpreter_problem() -> str | None:
+    """Why Triton's interpreter cannot run the kernels here (None: it can): Triton before 3.8 calls int()
+    on 1-element arrays for loop bounds, which numpy 2.4 refuses."""
+    import re
+
+    import numpy
+    import triton
+
+    def version(v):
+        return tuple(int(p) for p in re.findall(r"\d+", v)[:2])
+
+    if version(triton.__version__) < (3, 8) and version(numpy.__version__) >= (2, 4):
+        return (
+            f"Triton {triton.__version__}'s interpreter cannot run loops with numpy {numpy.__version__}: "
+            "pip install 'numpy<2.4' (or triton>=3.8)"
+        )
+    return None
+
+
+_interpreted: list[bool] = []  # filled once the kernels are imported, when the answer can no longer change
+
+
+def interpreted() -> bool:
+    """Whether the Triton kernels run in Triton's interpreter: fixed when the kernel module is first
+    imported, from TRITON_INTERPRET at that moment."""
+    if _interpreted:
+        return _interpreted[0]
+    if kernels.cache_info().currsize:
+        from triton.runtime.interpreter import InterpretedFunction
+
+        _interpreted.append(isinstance(kernels("softmax_fwd").softmax_fwd_rowblock, InterpretedFunction))
+        return _interpreted[0]
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+class TritonBackend:
+    name = "triton"
+
+    def unavailable(self, x, out_dtype, dy=None, dim=-1):
+        if why := dtype_problem("Triton", x, out_dtype, dy):
+            return why
+        if import_error():
+            return import_error()
+        if x.device.type == "cpu" and not interpreted():
+            return (
+                "CPU tensors run the Triton kernels only in Triton's interpreter: set TRITON_INTERPRET=1 "
+                "before fastsoftmax's first call"
+            )
+        if x.device.type == "cpu" and interpreter_problem():
+            return interpreter_problem()
+        if x.device.type == "cuda" and interpreted():
+            return "the Triton kernels were loaded for the interpreter (TRITON_INTERPRET=1); CUDA needs them compiled"
+        return None
+
+    def forward(self, x, dim, out_dtype, log, want_lse, path=None, spec=masking.NONE):
+        y = alloc(x, out_dtype)
+        with selected(x):
+            return y, kernels("softmax_fwd").forward(x, y, dim, log, want_lse, path, spec)[1]
+
+    def backward(self, dy, y, dim, out_dtype, log, path=None, spec=masking.NONE):
+        dx = alloc(y, out_dtype)
+        with selected(y):
+            kernels("softmax_bwd").backward(dy, y, dx, dim, log, path, spec)
+        return dx
+
+    def cross_entropy(self, x, t, ignore_index, smoothing, reduction, out_dtype):
+        shape = _ce_shape(x, backward=False)
+        with selected(x):
+            return kernels("cross_entropy").forward(x, t, ignore_index, smoothing, reduction, out_dtype, shape)
+
+    def cross_entropy_backward(self, x, t, stats, grad, ignore_index, smoothing, reduction, out_dtype):
+        shape = _ce_shape(x, backward=True)
+        g = grad.reshape(x.shape[0]) if reduction == "none" else grad.reshape(())
+        dx = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+        with selected(x):
+            kernels("cross_entropy").backward(x, t, stats, g, ignore_index, smoothing, reduction == "mean", dx, shape)
+        return dx
+
+
+def _ce_shape(x, backward: bool) -> tuple[int, int, int]:
+    """(ROWS, BLOCK_N, num_warps) of the cross-entropy kernels: the rule, or what heuristics.force() sets
+    (rows=, block_n=, num_warps=); recorded."""
+    rows, block, warps = ce_rules.launch_shape(x.shape[-1], x.element_size(), backward)
+    f = heuristics.forced()
+    if f:
+        rows, block, warps = f.get("rows", rows), f.get("block_n", block), f.get("num_warps", warps)
+    heuristics.record(heuristics.Plan("triton", "cross_entropy", block_n=block, rows=rows, num_warps=warps))
+    return rows, block, warps

@@ -1,0 +1,108 @@
+"""fs.info(): versions, which backends can run here, how each kernel family computes, the replay's launch
+mechanism and the disk cache. Queries the device when called, never at import."""
+
+from __future__ import annotations
+
+import platform
+
+import torch
+
+from . import cache, fastpath
+from .backends import cuda as cuda_backend
+from .backends import triton as triton_backend
+from .heuristics import CUDA_PATHS, PATHS
+
+# How each kernel family computes (what a user comparing numerics needs).
+KERNEL_FAMILIES = {
+    "triton.softmax_fwd": {
+        "paths": list(PATHS),
+        "exp": "exp2((x - max) * log2(e)): ex2.approx.f32 on NVIDIA GPUs, fp32",
+        "log": "log2(s) * ln(2): lg2.approx.f32, once per row",
+        "division": "one IEEE reciprocal per row (div.rn.f32), then a multiply per element",
+        "accumulation": "fp32",
+        "build_flags": "Triton defaults (no fast-math flag; exp/log are the approximate units above)",
+    },
+    "triton.softmax_bwd": {
+        "paths": list(PATHS),
+        "exp": "log_softmax only: exp2(y * log2(e)), ex2.approx.f32",
+        "division": "none",
+        "accumulation": "fp32 (sum(y*dy) or sum(dy) per row)",
+        "build_flags": "Triton defaults (no fast-math flag)",
+    },
+    "cuda.softmax": {
+        "paths": list(CUDA_PATHS),
+        "exp": "__expf (ex2.approx.f32 of x*log2(e)), fp32; the online and staged forwards: ex2.approx.ftz.f32 "
+        "(results below 2^-126 flushed to 0), outputs exp2(fma(x - max, log2(e), -log2(sum)))",
+        "log": "logf and log2f (IEEE), once per row",
+        "division": "warp, block, cluster: one IEEE division 1/sum per row, then a multiply per element; online "
+        "and staged: none (log2(sum) in the exponent)",
+        "accumulation": "fp32",
+        "build_flags": "NVRTC --std=c++17, no -use_fast_math (fast_math: False); compiled to a cubin for the GPU",
+        "fast_math": False,
+        "fast_exp": True,
+    },
+    "torch": {
+        "exp": "torch.exp in fp32 (fp64 for fp64)",
+        "division": "true division per element",
+        "accumulation": "fp32 (fp64 for fp64)",
+        "build_flags": "PyTorch's own build",
+    },
+}
+
+
+def _nvrtc_version() -> str | None:
+    if cuda_backend.import_error():
+        return None
+    from .cuda.build import nvrtc_version
+
+    try:
+        return ".".join(map(str, nvrtc_version()))
+    except Exception:  # the bindings import but libnvrtc is missing
+        return None
+
+
+def info() -> dict:
+    """Versions, which backends can run here, and how each kernel family computes. Queries the device
+    when called, never at import."""
+    from .version import __version__
+
+    triton_version = None
+    if not triton_backend.import_error():
+        import triton
+
+        triton_version = triton.__version__
+    cuda = torch.cuda.is_available()
+    interp = triton_backend.interpreted()
+    return {
+        "fastsoftmax": __version__,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "cuda_devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if cuda else [],
+        "triton_interpreter": interp,
+        "backends": {
+            "triton": {
+                "cuda": bool(cuda and triton_version and not interp),
+                "cpu": bool(triton_version and interp),
+            },
+            "cuda": {
+                "cuda": bool(cuda and not cuda_backend.import_error() and not cuda_backend.failure()),
+                "cpu": False,
+                "off": cuda_backend.import_error() or cuda_backend.failure(),
+            },
+            "torch": {"cuda": cuda, "cpu": True},
+        },
+        "nvrtc": _nvrtc_version(),
+        "kernels": KERNEL_FAMILIES,
+        "replay": replay(),
+        "cache": {"directory": str(cache.root()) if cache.root() else None, "refused": cache.problems()},
+    }
+
+
+def replay() -> str:
+    """How the eager fast path (fastpath.py) launches a replayed call."""
+    if not fastpath.ENABLED:
+        return "off (FASTSOFTMAX_FAST_LAUNCH=0)"
+    from .launch import describe
+
+    return describe()
