@@ -94,6 +94,18 @@ def test_requires_grad_goes_through_the_eager_function(device):
         assert fs.softmax(x).grad_fn is None
 
 
+def test_eager_functions_skip_argument_binding():
+    """The eager-autograd Functions are ctx-first: a Function with setup_context binds its arguments through
+    inspect.signature on every apply (host time on every training step); the transform Function, which
+    torch.func needs in the setup_context style, is used only under torch.func."""
+    from fastsoftmax import ops
+
+    base = torch.autograd.Function.setup_context
+    for op in (ops.softmax, ops.softmax_masked, ops.cross_entropy):
+        assert op.eager is not None and op.eager.setup_context is base
+    assert ops.softmax.transform.setup_context is not base and ops.softmax.transform.vmap is not None
+
+
 @pytest.mark.parametrize("backend", ["triton", "cuda", "torch"])
 def test_zero_dim(device, backend):
     if backend == "cuda" and device == "cpu":

@@ -26,10 +26,14 @@ from .reference import grad_torch, logsumexp_torch, softmax_torch
 
 
 class Op:
-    """One implementation as a custom op, its eager Function and its routed call. ``tensors``: the positions
+    """One implementation as a custom op, its eager Functions and its routed call. ``tensors``: the positions
     of the arguments the route looks at. ``plain``: the call for the plain route (default: ``impl``).
-    ``func``: what torch.func transforms run when the eager Function cannot (default: the Function, with its
-    ``jvp`` and ``vmap`` rules); also the eager-autograd call of an op without a backward formula."""
+    ``func``: what torch.func transforms run (default: the transform Function, which carries the ``jvp`` and
+    ``vmap`` rules); also the eager-autograd call of an op without a backward formula.
+
+    Two eager Functions share the forward, context and backward: ``eager`` in the ctx-first style for eager
+    autograd (a Function with setup_context binds its arguments through inspect.signature on every apply),
+    and, where there are jvp or vmap rules, ``transform`` in the setup_context style torch.func requires."""
 
     def __init__(
         self,
@@ -47,9 +51,19 @@ class Op:
     ):
         self.custom = torch.library.custom_op(f"fastsoftmax::{name}", impl, mutates_args=())
         self.custom.register_fake(fake)
-        self.eager = None
+        self.eager = self.transform = None
+        title = "".join(w.title() for w in name.split("_"))
         if backward is not None:
             self.custom.register_autograd(backward, setup_context=setup_context)
+
+            def forward(ctx, *args):
+                out = impl(*args)
+                setup_context(ctx, args, out)
+                return out
+
+            body = {"forward": staticmethod(forward), "backward": staticmethod(backward)}
+            self.eager = type(f"{title}Function", (torch.autograd.Function,), body)
+        if jvp is not None or vmap is not None:
             body = {
                 "forward": staticmethod(impl),
                 "setup_context": staticmethod(setup_context),
@@ -59,19 +73,27 @@ class Op:
                 body["jvp"] = staticmethod(jvp)
             if vmap is not None:
                 body["vmap"] = staticmethod(vmap)
-            title = "".join(w.title() for w in name.split("_"))
-            self.eager = type(f"{title}Function", (torch.autograd.Function,), body)
-        self.impl, self.plain, self.func, self.tensors = impl, plain or impl, func, tensors
+            self.transform = type(f"{title}TransformFunction", (torch.autograd.Function,), body)
+        self.impl, self.plain, self.func = impl, plain or impl, func
+        self._tensors = tensors
 
     def __call__(self, *args):
-        route = compose.route(*(args[i] for i in self.tensors))
+        t = self._tensors  # unrolled: no per-call generator (and torch.compile traces this)
+        if len(t) == 1:
+            route = compose.route(args[t[0]])
+        elif len(t) == 2:
+            route = compose.route(args[t[0]], args[t[1]])
+        else:
+            route = compose.route(*[args[i] for i in t])
         if route == "plain":
             return self.plain(*args)
         if route == "op":
             return self.custom(*args)
-        if self.eager is not None and (route == "function" or self.func is None):
+        if route == "function" and self.eager is not None:
             return self.eager.apply(*args)
-        return self.func(*args)
+        if self.func is not None:
+            return self.func(*args)
+        return (self.transform or self.eager).apply(*args)
 
 
 def differentiable() -> bool:
@@ -105,7 +127,7 @@ def _softmax_fake(x, dim, log, dtype, backend):
 def _softmax_setup(ctx, inputs, output):
     x, dim, log, dtype, backend = inputs
     ctx.save_for_backward(output)  # only the output: the gradient needs y, never x
-    ctx.save_for_forward(output)  # the jvp's (eager Function under torch.func)
+    ctx.save_for_forward(output)  # the jvp's (the transform Function under torch.func)
     ctx.dim, ctx.log, ctx.x_dtype, ctx.backend = dim, log, x.dtype, backend
 
 
@@ -133,7 +155,7 @@ def _softmax_jvp(ctx, x_t, *_):
 
 def _softmax_vmap(info, in_dims, x, dim, log, dtype, backend):
     """The batch is more rows: one launch of the kernels."""
-    apply = softmax.eager.apply
+    apply = softmax.transform.apply
     if in_dims[0] is None:
         return apply(x, dim, log, dtype, backend), None
     x = x.movedim(in_dims[0], 0)
