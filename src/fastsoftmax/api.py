@@ -20,7 +20,16 @@ def _forward(x, dim, log, fn, mask, scale, causal, dtype, backend):
     return ops.softmax(x, dim, log, dtype, backend)
 
 
-def softmax(x, dim=-1, *, mask=None, scale=None, causal=False, dtype=None, backend="auto") -> torch.Tensor:
+def softmax(
+    x: torch.Tensor,
+    dim: int = -1,
+    *,
+    mask: torch.Tensor | None = None,
+    scale: float | None = None,
+    causal: bool = False,
+    dtype: torch.dtype | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
     """Softmax of x along dim. See the README for the conventions on -inf, NaN and +inf rows.
 
     mask: bool (True = keep) or floating (added), broadcastable to x, read in place; scale: a float
@@ -35,7 +44,16 @@ def softmax(x, dim=-1, *, mask=None, scale=None, causal=False, dtype=None, backe
     return _forward(x, dim, False, "softmax", mask, scale, causal, dtype, backend)
 
 
-def log_softmax(x, dim=-1, *, mask=None, scale=None, causal=False, dtype=None, backend="auto") -> torch.Tensor:
+def log_softmax(
+    x: torch.Tensor,
+    dim: int = -1,
+    *,
+    mask: torch.Tensor | None = None,
+    scale: float | None = None,
+    causal: bool = False,
+    dtype: torch.dtype | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
     """Log-softmax of x along dim; arguments and conventions as softmax()."""
     if mask is None and scale is None and causal is False:  # no mask: perhaps a replay
         if (y := _fast(x, None, dim, dtype, True, backend)) is not None:
@@ -50,7 +68,17 @@ def _backward(dy, y, dim, log, fn, mask, scale, causal, dtype, backend):
     return ops.softmax_backward(dy, y, dim, log, dtype, backend)
 
 
-def softmax_backward(dy, y, dim=-1, *, mask=None, scale=None, causal=False, dtype=None, backend="auto") -> torch.Tensor:
+def softmax_backward(
+    dy: torch.Tensor,
+    y: torch.Tensor,
+    dim: int = -1,
+    *,
+    mask: torch.Tensor | None = None,
+    scale: float | None = None,
+    causal: bool = False,
+    dtype: torch.dtype | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
     """dx = y * (dy - sum(y * dy)) along dim, from softmax's output y; 0 on fully masked rows (y all 0).
     mask, scale, causal: the forward's (dx = scale * dz, 0 at masked positions)."""
     if mask is None and scale is None and causal is False:  # no mask: perhaps a replay
@@ -60,7 +88,15 @@ def softmax_backward(dy, y, dim=-1, *, mask=None, scale=None, causal=False, dtyp
 
 
 def log_softmax_backward(
-    dy, y, dim=-1, *, mask=None, scale=None, causal=False, dtype=None, backend="auto"
+    dy: torch.Tensor,
+    y: torch.Tensor,
+    dim: int = -1,
+    *,
+    mask: torch.Tensor | None = None,
+    scale: float | None = None,
+    causal: bool = False,
+    dtype: torch.dtype | None = None,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """dx = dy - exp(y) * sum(dy) along dim, from log_softmax's output y; 0 on fully masked rows (y all -inf).
     mask, scale, causal: as softmax_backward."""

@@ -132,13 +132,17 @@ def _check_shard(fn, x, group, target=None):
         raise RuntimeError(f"{fn}: torch.distributed is not initialised (init_process_group first)")
 
 
-def softmax(x: torch.Tensor, *, group=None, dtype=None) -> torch.Tensor:
+def softmax(
+    x: torch.Tensor, *, group: dist.ProcessGroup | None = None, dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """Softmax along the last dim of logits whose last dim is split across ``group`` (this rank's slice)."""
     _check_shard("distributed.softmax", x, group)
     return _Softmax.apply(x, False, group, dtype)
 
 
-def log_softmax(x: torch.Tensor, *, group=None, dtype=None) -> torch.Tensor:
+def log_softmax(
+    x: torch.Tensor, *, group: dist.ProcessGroup | None = None, dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """Log-softmax along the last dim of logits whose last dim is split across ``group``."""
     _check_shard("distributed.log_softmax", x, group)
     return _Softmax.apply(x, True, group, dtype)
@@ -183,7 +187,15 @@ class _CrossEntropy(torch.autograd.Function):
         return dx.to(x.dtype).reshape(x.shape), None, None, None, None, None
 
 
-def cross_entropy(logits, target, *, group=None, ignore_index=-100, reduction="mean", label_smoothing=0.0):
+def cross_entropy(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    group: dist.ProcessGroup | None = None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+) -> torch.Tensor:
     """torch.nn.functional.cross_entropy of the full logits (classes along the last dim, split across
     ``group``; ``logits`` is this rank's slice) with global class indices as targets, on every rank."""
     checks.loss_options("distributed.cross_entropy", ignore_index, reduction, label_smoothing)
