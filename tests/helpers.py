@@ -29,10 +29,8 @@ def overflowing_grad_inputs(n: int, seed: int, device="cpu") -> tuple[torch.Tens
 
 
 def forward(x, dim=-1, *, log=False, dtype=None, backend="auto", want_lse=False):
-    """(y, logsumexp per row or None): the dispatch point with the public functions' checks, for tests that
-    read the logsumexp the kernels write beside y."""
-    from fastsoftmax import checks, dispatch
+    """(y, logsumexp per row or None): fastsoftmax.api.forward, for tests that read the logsumexp the
+    kernels write beside y."""
+    from fastsoftmax.api import forward as api_forward
 
-    fn = "log_softmax" if log else "softmax"
-    d, out_dtype = checks.softmax(fn, x, dim, dtype, backend)
-    return dispatch.softmax(x, d, log, out_dtype, backend, want_lse=want_lse, fn=fn)
+    return api_forward(x, dim, log=log, dtype=dtype, backend=backend, want_lse=want_lse)

@@ -94,6 +94,35 @@ def test_requires_grad_goes_through_the_eager_function(device):
         assert fs.softmax(x).grad_fn is None
 
 
+def test_backward_rejects_a_non_tensor_dy():
+    """A list as dy is a TypeError naming dy (the replay's first look must not read .requires_grad on it)."""
+    y = torch.softmax(torch.randn(2, 3), -1)
+    with pytest.raises(TypeError, match="dy to be a torch.Tensor"):
+        fs.softmax_backward([[1.0, 2.0, 3.0]] * 2, y)
+    with pytest.raises(TypeError, match="dy to be a torch.Tensor"):
+        fs.log_softmax_backward(None, y)
+
+
+def test_forward_returns_the_logsumexp(device):
+    """fastsoftmax.api.forward: the output and its fp32 logsumexp per row (x's shape without dim), checked
+    like the public functions (the README's documented way to get the logsumexp)."""
+    from fastsoftmax.api import forward
+    from fastsoftmax.reference import oracle, oracle_lse
+
+    x = torch.randn(3, 7, 5, device=device) * 4
+    for dim in (1, -1):
+        y, lse = forward(x, dim, want_lse=True)
+        assert lse.dtype == torch.float32 and lse.shape == x.shape[: dim % 3] + x.shape[dim % 3 + 1 :]
+        torch.testing.assert_close(lse.double(), oracle_lse(x, dim), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(y.double(), oracle(x, dim), rtol=1e-5, atol=1e-6)
+    y, lse = forward(x, log=True, mask=torch.ones(5, dtype=torch.bool), want_lse=False)
+    assert lse is None and y.shape == x.shape
+    with pytest.raises(TypeError, match="bool .* or floating"):
+        forward(x, mask=torch.ones(5, dtype=torch.int32))
+    with pytest.raises(ValueError, match="unknown backend"):
+        forward(x, backend="nope")
+
+
 def test_eager_functions_skip_argument_binding():
     """The eager-autograd Functions are ctx-first: a Function with setup_context binds its arguments through
     inspect.signature on every apply (host time on every training step); the transform Function, which

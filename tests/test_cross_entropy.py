@@ -118,6 +118,22 @@ def test_errors_before_launch():
         fs.cross_entropy(x, torch.zeros(4, dtype=torch.long), reduction="avg")
     with pytest.raises(ValueError, match="label_smoothing"):
         fs.cross_entropy(x, torch.zeros(4, dtype=torch.long), label_smoothing=1.5)
+    # the custom op called directly checks its options too (it used to take reduction="avg" as the mean)
+    t = torch.zeros(4, dtype=torch.long)
+    with pytest.raises(ValueError, match="reduction"):
+        torch.ops.fastsoftmax.cross_entropy(x, t, -100, "avg", 0.0, "auto", torch.float32)
+    with pytest.raises(ValueError, match="backend must be"):
+        torch.ops.fastsoftmax.cross_entropy(x, t, -100, "mean", 0.0, "cuda", torch.float32)
+
+
+def test_float64_no_rows_keeps_float64_stats():
+    """M == 0 in float64: the stats are float64, as the fake implementation promises (opcheck)."""
+    x = torch.empty(0, 5, dtype=torch.float64, requires_grad=True)
+    t = torch.empty(0, dtype=torch.long)
+    args = (x, t, -100, "sum", 0.0, "auto", torch.float64)  # (the mean of no rows is NaN, which opcheck rejects)
+    torch.library.opcheck(torch.ops.fastsoftmax.cross_entropy.default, args)
+    loss, stats = torch.ops.fastsoftmax.cross_entropy(x, t, -100, "sum", 0.0, "auto", torch.float64)
+    assert stats.dtype == torch.float64 and loss.item() == 0.0
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])

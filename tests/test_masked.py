@@ -240,6 +240,23 @@ def test_errors_before_launch():
         fs.softmax(x, causal=1)
 
 
+def test_custom_ops_check_masks_before_launch():
+    """The custom ops called directly (torch.ops.fastsoftmax.*, as torch.compile or a user may) check the
+    mask, scale and causal as the public functions do: an integer mask is not added as logits, causal on
+    another dim is refused."""
+    ops = torch.ops.fastsoftmax
+    x, y = torch.randn(3, 4), torch.softmax(torch.randn(3, 4), -1)
+    bad = torch.tensor([1, 0, 1, 0], dtype=torch.int32)
+    with pytest.raises(TypeError, match="bool .* or floating"):
+        ops.softmax_masked(x, -1, False, None, "auto", bad, None, False)
+    with pytest.raises(ValueError, match="dim must be -1"):
+        ops.softmax_masked(x, 0, False, None, "auto", None, None, True)
+    with pytest.raises(TypeError, match="bool .* or floating"):
+        ops.softmax_backward_masked(y, y, -1, False, None, "auto", bad, None, False)
+    with pytest.raises(ValueError, match=r"\(2, 7\)"):
+        ops.softmax_backward_masked(y, y, -1, False, None, "auto", torch.ones(2, 7, dtype=torch.bool), None, False)
+
+
 def test_compile_fullgraph_masked():
     pad = torch.rand(2, 1, 1, 8) > 0.3
 
@@ -285,3 +302,9 @@ def test_mask_over_more_than_four_row_dims(device):
     check(y, reference(x, mask, None, False, False), torch.float32)
     with pytest.raises(RuntimeError, match="at most 4 row dims"):
         fs.softmax(x, mask=mask, backend="triton")
+    y_torch = fs.softmax(x, mask=mask, backend="torch")  # torch ops take any mask (the error named them)
+    assert heuristics.last_plan().backend == "torch"
+    torch.testing.assert_close(y_torch, y)
+    dy = torch.randn_like(y)
+    dx = fs.softmax_backward(dy, y, mask=mask, backend="torch")
+    torch.testing.assert_close(dx, fs.softmax_backward(dy, y, mask=mask))

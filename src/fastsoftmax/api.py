@@ -6,9 +6,32 @@ from __future__ import annotations
 
 import torch
 
-from . import checks, compose, fastpath, ops
+from . import checks, compose, dispatch, fastpath, ops
 
 _fast = fastpath.fast
+
+
+def forward(
+    x: torch.Tensor,
+    dim: int = -1,
+    *,
+    log: bool = False,
+    dtype: torch.dtype | None = None,
+    backend: str = "auto",
+    want_lse: bool = False,
+    mask: torch.Tensor | None = None,
+    scale: float | None = None,
+    causal: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(softmax or log_softmax of x, its fp32 logsumexp per row (x's shape without dim) or None): what a
+    backward pass, a loss or another GPU's shard can consume. Checked as softmax(); not differentiable (no
+    autograd, no custom op: a plain call)."""
+    fn = "log_softmax" if log else "softmax"
+    d, out_dtype = checks.softmax(fn, x, dim, dtype, backend)
+    checks.masked(fn, x, d, mask, scale, causal)
+    return dispatch.softmax(
+        x, d, log, out_dtype, backend, want_lse=want_lse, fn=fn, mask=mask, scale=scale, causal=causal
+    )
 
 
 def _forward(x, dim, log, fn, mask, scale, causal, dtype, backend):

@@ -89,7 +89,7 @@ def _masked_problem(impl, tensors, dim, mask, scale, causal, backend, fn):
     mw = mask.expand(tensors[0].shape).movedim(dim, -1) if mask is not None else None
     spec = masking.spec(moved[0], mw, scale, causal)
     if spec is None:
-        if backend != "auto":
+        if backend not in ("auto", "torch"):
             raise RuntimeError(
                 f"{fn}: backend={backend!r} addresses masks over at most 4 row dims; this "
                 f"mask of shape {tuple(mask.shape)} needs more (backend='torch' runs it)"

@@ -15,7 +15,8 @@ with its slots merged by role, called with (x, y, dy, workspace) addresses: one 
 every Triton whose compiled kernels triton/launch.py can launch (where it cannot, the full path raises at
 the first launch).
 
-A call is recorded only when it is plain (compose.py's 'plain' route, and no autocast region): CUDA tensors
+A call is replayed only when it is plain (compose.py's 'plain' route, and no autocast region; a plain call under
+autocast is recorded under its explicit output dtype, which fast() never looks up): CUDA tensors
 that need no autograd, no heuristics.force or test poisoning active, no logsumexp output, inputs used in
 place (not copied into another layout, not addressed from a 16-byte boundary before them), and only
 launches made through launch.submit. Everything else always takes the full path. Launch hooks registered
@@ -70,7 +71,7 @@ def fast(x, d, dim, dtype, log: bool, backend):
         return None
     if _transforms() or _fwad._current_level >= 0 or _modes() or _tracing() is not None or _autocast():
         return None
-    if d is not None and d.requires_grad and torch.is_grad_enabled():
+    if d is not None and (type(d) is not torch.Tensor or (d.requires_grad and torch.is_grad_enabled())):
         return None
     k = key(x, d, dim, dtype, log, backend)
     entry = _cache.get(k) if k is not None else None

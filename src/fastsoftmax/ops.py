@@ -220,6 +220,7 @@ def _masked(
     causal: bool,
 ) -> torch.Tensor:
     d, out_dtype = checks.softmax(_name(log), x, dim, dtype, backend)
+    checks.masked(_name(log), x, d, mask, scale, causal)
     return dispatch.softmax(x, d, log, out_dtype, backend, fn=_name(log), mask=mask, scale=scale, causal=causal)[0]
 
 
@@ -307,6 +308,7 @@ def _masked_backward(
 ) -> torch.Tensor:
     fn = _name(log) + "_backward"
     d, out_dtype = checks.softmax_backward(fn, dy, y, dim, dtype, backend)
+    checks.masked(fn, y, d, mask, scale, causal)
     return dispatch.softmax_backward(dy, y, d, log, out_dtype, backend, fn=fn, mask=mask, scale=scale, causal=causal)
 
 
@@ -331,6 +333,7 @@ def _ce(
     backend: str,
     out_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    checks.cross_entropy(logits, target, ignore_index, reduction, label_smoothing, backend)
     return dispatch.cross_entropy(logits, target, ignore_index, reduction, label_smoothing, backend, out_dtype)
 
 
@@ -381,7 +384,14 @@ def ce_composite(logits, target, ignore_index, reduction, smoothing, backend, ou
 
 
 cross_entropy = Op(
-    "cross_entropy", _ce, _ce_fake, tensors=(0, 1), setup_context=_ce_setup, backward=_ce_grad, func=ce_composite
+    "cross_entropy",
+    _ce,
+    _ce_fake,
+    tensors=(0, 1),
+    setup_context=_ce_setup,
+    backward=_ce_grad,
+    func=ce_composite,
+    plain=dispatch.cross_entropy,  # (the public function checked the arguments)
 )
 
 

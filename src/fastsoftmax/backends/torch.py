@@ -35,7 +35,8 @@ class TorchBackend:
             heuristics.record(heuristics.Plan("torch", "cross_entropy"))
             loss_rows, lse = loss_rows_torch(x, t, ignore_index, smoothing)
         else:
-            loss_rows = lse = torch.zeros(0, dtype=torch.float32, device=x.device)
+            wide = torch.float64 if x.dtype == torch.float64 else torch.float32  # the fake's stats dtype
+            loss_rows = lse = torch.zeros(0, dtype=wide, device=x.device)
         kept = (t.long() != ignore_index).sum().to(lse.dtype)
         stats = torch.cat([lse, kept[None], torch.ones(1, dtype=lse.dtype, device=x.device)])
         return reduce_loss(loss_rows, kept, reduction, out_dtype), stats
