@@ -121,6 +121,16 @@ def test_forward_returns_the_logsumexp(device):
         forward(x, mask=torch.ones(5, dtype=torch.int32))
     with pytest.raises(ValueError, match="unknown backend"):
         forward(x, backend="nope")
+    xg = x.clone().requires_grad_()
+    for backend in ("auto", "torch"):  # no autograd on any backend (torch ops would otherwise record a graph)
+        y, lse = forward(xg, want_lse=True, backend=backend)
+        assert not y.requires_grad and not lse.requires_grad
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(), pytest.raises(RuntimeError, match="use fs.softmax"):
+        forward(torch.empty(3, 5), want_lse=True)
+    with pytest.raises(RuntimeError, match="use fs.log_softmax"):
+        torch.func.vmap(lambda r: forward(r, log=True)[0])(x)
 
 
 def test_eager_functions_skip_argument_binding():

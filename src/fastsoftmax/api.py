@@ -24,14 +24,21 @@ def forward(
     causal: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(softmax or log_softmax of x, its fp32 logsumexp per row (x's shape without dim) or None): what a
-    backward pass, a loss or another GPU's shard can consume. Checked as softmax(); not differentiable (no
-    autograd, no custom op: a plain call)."""
+    backward pass, a loss or another GPU's shard can consume. Checked as softmax(). An eager call with no
+    autograd (outputs never require grad, on every backend); refused under torch.compile, fake tensors,
+    dispatch modes and torch.func, where fs.softmax composes."""
     fn = "log_softmax" if log else "softmax"
     d, out_dtype = checks.softmax(fn, x, dim, dtype, backend)
     checks.masked(fn, x, d, mask, scale, causal)
-    return dispatch.softmax(
-        x, d, log, out_dtype, backend, want_lse=want_lse, fn=fn, mask=mask, scale=scale, causal=causal
-    )
+    if compose.route(x, mask) in ("op", "func"):
+        raise RuntimeError(
+            f"fastsoftmax.api.forward is an eager call with no autograd and no custom op: under torch.compile, "
+            f"fake tensors, dispatch modes and torch.func use fs.{fn}"
+        )
+    with torch.no_grad():
+        return dispatch.softmax(
+            x, d, log, out_dtype, backend, want_lse=want_lse, fn=fn, mask=mask, scale=scale, causal=causal
+        )
 
 
 def _forward(x, dim, log, fn, mask, scale, causal, dtype, backend):

@@ -40,7 +40,7 @@ def select(name: str, x: torch.Tensor, out_dtype: torch.dtype, dy=None, dim: int
         if x.device.type != "cuda":
             return BACKENDS["torch"], None
         if x.dim() and x.numel() and not masked:
-            facts = device.of(device.index_of(x))
+            facts = device.of_tensor(x)
             n = x.shape[dim]
             pass_ = "bwd" if dy is not None else "fwd"
             pick = tables.choose(
@@ -138,16 +138,8 @@ def softmax(
         y, lse = _run(impl, backend, "forward", (xw, x.dim() - 1, out_dtype, log, want_lse, path), spec, xw, out_dtype)
         return _like_empty_like(y.movedim(-1, dim), x), lse
     args = (x, dim, out_dtype, log, want_lse, path)
-    rec = fastpath.start(key) if key is not None and not want_lse else None
-    if rec is None:
-        return _run(impl, backend, "forward", args, None, x, out_dtype)
-    try:
-        y, lse = _run(impl, backend, "forward", args, None, x, out_dtype)
-    except BaseException:
-        fastpath.abort()
-        raise
-    fastpath.finish(rec, key, x, None, y, out_dtype)
-    return y, lse
+    key = None if want_lse else key  # (the replay writes no logsumexp)
+    return _recorded(key, lambda: _run(impl, backend, "forward", args, None, x, out_dtype), x, None, out_dtype)
 
 
 def softmax_backward(
@@ -173,16 +165,22 @@ def softmax_backward(
         dx = _run(impl, backend, "backward", (dyw, yw, y.dim() - 1, out_dtype, log, path), spec, yw, out_dtype, dyw)
         return _like_empty_like(dx.movedim(-1, dim), y)
     args = (dy, y, dim, out_dtype, log, path)
+    return _recorded(key, lambda: _run(impl, backend, "backward", args, None, y, out_dtype, dy), y, dy, out_dtype)
+
+
+def _recorded(key, run, x, d, out_dtype):
+    """run(), its launches recorded for the eager replay under ``key`` (a plain call's fastpath key; None:
+    nothing to record). ``x``, ``d``: the call's anchor input and dy (None for a forward)."""
     rec = fastpath.start(key) if key is not None else None
     if rec is None:
-        return _run(impl, backend, "backward", args, None, y, out_dtype, dy)
+        return run()
     try:
-        dx = _run(impl, backend, "backward", args, None, y, out_dtype, dy)
+        out = run()
     except BaseException:
         fastpath.abort()
         raise
-    fastpath.finish(rec, key, y, dy, dx, out_dtype)
-    return dx
+    fastpath.finish(rec, key, x, d, out if d is not None else out[0], out_dtype)
+    return out
 
 
 # ---- cross-entropy ------------------------------------------------------------------------------------

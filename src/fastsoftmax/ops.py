@@ -219,12 +219,13 @@ def _masked(
     scale: float | None,
     causal: bool,
 ) -> torch.Tensor:
-    d, out_dtype = checks.softmax(_name(log), x, dim, dtype, backend)
+    d, _ = checks.softmax(_name(log), x, dim, dtype, backend)
     checks.masked(_name(log), x, d, mask, scale, causal)
-    return dispatch.softmax(x, d, log, out_dtype, backend, fn=_name(log), mask=mask, scale=scale, causal=causal)[0]
+    return _masked_plain(x, dim, log, dtype, backend, mask, scale, causal)
 
 
 def _masked_plain(x, dim, log, dtype, backend, mask, scale, causal):
+    """Arguments checked (by the public function, or by _masked)."""
     d = dim % max(x.dim(), 1)
     return dispatch.softmax(x, d, log, dtype or x.dtype, backend, fn=_name(log), mask=mask, scale=scale, causal=causal)[
         0

@@ -225,7 +225,7 @@ def _plan(x: torch.Tensor, lay, inputs: int, hint: str | None = None, dy: torch.
     """(launch shape, device index): heuristics.force's path, else the tuning table's ``hint`` when it holds
     this row, else launch_shape's own choice. ``dy``: the backward's, which the staged variant stages as it
     stages x (y)."""
-    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    index = device.index_of(x)
     facts = device.of(index)
     sms, cc = facts.sm_count, facts.cc
     forced = heuristics.forced() or {}
@@ -330,7 +330,9 @@ def forward(x: torch.Tensor, y: torch.Tensor, dim: int, log: bool, want_lse: boo
     fn = function(cfg, index, log)
     _record(shape, xk, lay, lay.copied)
     smem = rules.stage_bytes(shape, lay.N, xk.element_size())
-    _launch(fn, _grid(shape, lay.B * lay.I), shape.group * shape.rows, shape.cluster, params, _stream(y), smem, index)
+    _launch(
+        fn, _grid(shape, lay.B * lay.I), shape.group * shape.rows, shape.cluster, params, _stream(index), smem, index
+    )
     return lse
 
 
@@ -372,8 +374,11 @@ def backward(dy: torch.Tensor, y: torch.Tensor, dx: torch.Tensor, dim: int, log:
     fn = function(cfg, index, log)
     _record(shape, yk, lay, copied or lay.copied)
     smem = rules.stage_bytes(shape, lay.N, yk.element_size(), 2)
-    _launch(fn, _grid(shape, lay.B * lay.I), shape.group * shape.rows, shape.cluster, params, _stream(dx), smem, index)
+    _launch(
+        fn, _grid(shape, lay.B * lay.I), shape.group * shape.rows, shape.cluster, params, _stream(index), smem, index
+    )
 
 
-def _stream(t: torch.Tensor) -> int:
-    return torch.cuda.current_stream(t.device).cuda_stream
+def _stream(index: int) -> int:
+    """torch's current stream on device ``index``, as the raw handle (no Stream object per launch)."""
+    return torch._C._cuda_getCurrentRawStream(index)
