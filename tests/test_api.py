@@ -115,10 +115,10 @@ def test_forward_returns_the_logsumexp(device):
         assert lse.dtype == torch.float32 and lse.shape == x.shape[: dim % 3] + x.shape[dim % 3 + 1 :]
         torch.testing.assert_close(lse.double(), oracle_lse(x, dim), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(y.double(), oracle(x, dim), rtol=1e-5, atol=1e-6)
-    y, lse = forward(x, log=True, mask=torch.ones(5, dtype=torch.bool), want_lse=False)
+    y, lse = forward(x, log=True, mask=torch.ones(5, dtype=torch.bool, device=device), want_lse=False)
     assert lse is None and y.shape == x.shape
     with pytest.raises(TypeError, match="bool .* or floating"):
-        forward(x, mask=torch.ones(5, dtype=torch.int32))
+        forward(x, mask=torch.ones(5, dtype=torch.int32, device=device))
     with pytest.raises(ValueError, match="unknown backend"):
         forward(x, backend="nope")
     xg = x.clone().requires_grad_()
