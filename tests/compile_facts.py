@@ -111,8 +111,14 @@ def ce_facts():
                     "lse_ptr": "fp32",
                     "g_ptr": "fp32",
                     "dx_ptr": ty[dtype],
+                    "w_ptr": "fp32",
+                    "wsum_ptr": "fp32",
+                    "z_ptr": "fp32",
+                    "cnt_ptr": "fp32",
                 }
+                # fs.cross_entropy with smoothing, no class weights, softcap or z-loss
                 consts = {"ROWS": rows, "BLOCK_N": block, "SMOOTH": True, "MEAN": True}
+                consts |= {"WEIGHT": False, "SOFTCAP": False, "ZLOSS": False}
                 ints = {"v": v, "sx": v, "sdx": v}
                 names = kernel.arg_names
                 sig = {
@@ -121,7 +127,7 @@ def ce_facts():
                     else f"*{ptrs[k]}"
                     if k in ptrs
                     else "fp32"
-                    if k == "smoothing"
+                    if k in ("smoothing", "cap", "zl")
                     else "i32"
                     for k in names
                 }

@@ -389,13 +389,16 @@ def test_opcheck_rows_out_of_logical_order_and_transposed_logits(device):
     for reduction in ("mean", "none"):
         lg = logits_t.detach().requires_grad_()
         torch.library.opcheck(
-            torch.ops.fastsoftmax.cross_entropy.default, (lg, target, -100, reduction, 0.1, "auto", torch.float32)
+            torch.ops.fastsoftmax.cross_entropy.default,
+            (lg, target, None, -100, reduction, 0.1, None, 0.0, "auto", torch.float32),
         )
-        _, stats = torch.ops.fastsoftmax.cross_entropy(logits_t, target, -100, reduction, 0.1, "auto", torch.float32)
+        _, _, stats = torch.ops.fastsoftmax.cross_entropy(
+            logits_t, target, None, -100, reduction, 0.1, None, 0.0, "auto", torch.float32
+        )
         grad = torch.ones(6 if reduction == "none" else (), device=device)
         torch.library.opcheck(
             torch.ops.fastsoftmax.cross_entropy_backward.default,
-            (logits_t, target, stats, grad, -100, reduction, 0.1, "auto"),
+            (logits_t, target, None, stats, grad, -100, reduction, 0.1, None, 0.0, "auto"),
         )
 
     def step(a, lt):

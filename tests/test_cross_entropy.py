@@ -90,11 +90,12 @@ def test_out_of_range_target_raises(device, backend):
         if backend == "torch":
             pytest.skip("torch._assert_async would end this process's CUDA context")
         from fastsoftmax.heuristics import cross_entropy as ce_rules
+        from fastsoftmax.options import Loss
         from fastsoftmax.triton import cross_entropy as k
 
         for bad, flag in ((9, 0.0), (-5, 0.0), (-100, 1.0), (8, 1.0)):
             t[2] = bad
-            loss, stats = k.forward(x, t, -100, 0.0, "mean", x.dtype, ce_rules.launch_shape(9, 4, False))
+            loss, _, stats = k.forward(x, t, None, Loss(), x.dtype, ce_rules.launch_shape(9, 4, False))
             assert stats[4].item() == (t != -100).sum().item() and stats[5].item() == flag
             if flag:
                 torch.testing.assert_close(loss.double(), F.cross_entropy(x.double(), t))
@@ -121,18 +122,29 @@ def test_errors_before_launch():
     # the custom op called directly checks its options too (it used to take reduction="avg" as the mean)
     t = torch.zeros(4, dtype=torch.long)
     with pytest.raises(ValueError, match="reduction"):
-        torch.ops.fastsoftmax.cross_entropy(x, t, -100, "avg", 0.0, "auto", torch.float32)
+        torch.ops.fastsoftmax.cross_entropy(x, t, None, -100, "avg", 0.0, None, 0.0, "auto", torch.float32)
     with pytest.raises(ValueError, match="backend must be"):
-        torch.ops.fastsoftmax.cross_entropy(x, t, -100, "mean", 0.0, "cuda", torch.float32)
+        torch.ops.fastsoftmax.cross_entropy(x, t, None, -100, "mean", 0.0, None, 0.0, "cuda", torch.float32)
 
 
 def test_float64_no_rows_keeps_float64_stats():
     """M == 0 in float64: the stats are float64, as the fake implementation promises (opcheck)."""
     x = torch.empty(0, 5, dtype=torch.float64, requires_grad=True)
     t = torch.empty(0, dtype=torch.long)
-    args = (x, t, -100, "sum", 0.0, "auto", torch.float64)  # (the mean of no rows is NaN, which opcheck rejects)
+    args = (
+        x,
+        t,
+        None,
+        -100,
+        "sum",
+        0.0,
+        None,
+        0.0,
+        "auto",
+        torch.float64,
+    )  # (the mean of no rows is NaN, which opcheck rejects)
     torch.library.opcheck(torch.ops.fastsoftmax.cross_entropy.default, args)
-    loss, stats = torch.ops.fastsoftmax.cross_entropy(x, t, -100, "sum", 0.0, "auto", torch.float64)
+    loss, _, stats = torch.ops.fastsoftmax.cross_entropy(*args)
     assert stats.dtype == torch.float64 and loss.item() == 0.0
 
 
@@ -141,7 +153,7 @@ def test_opcheck_and_compile(device, backend):
     x = torch.randn(6, 10, device=device, requires_grad=True)
     t = torch.randint(0, 10, (6,), device=device)
     for reduction in ("mean", "none"):
-        args = (x, t, -100, reduction, 0.1, backend, x.dtype)
+        args = (x, t, None, -100, reduction, 0.1, None, 0.0, backend, x.dtype)
         torch.library.opcheck(torch.ops.fastsoftmax.cross_entropy.default, args)
     f = torch.compile(lambda a: fs.cross_entropy(a * 2, t, label_smoothing=0.1), fullgraph=True, backend="aot_eager")
     torch.testing.assert_close(f(x), F.cross_entropy(x * 2, t, label_smoothing=0.1))

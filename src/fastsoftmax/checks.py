@@ -3,6 +3,7 @@ naming the function."""
 
 from __future__ import annotations
 
+import math
 import operator
 
 import torch
@@ -84,6 +85,12 @@ def target(fn: str, logits, target) -> None:
         )
 
 
+def cross_entropy_options(fn: str, ignore_index, reduction, label_smoothing, backend) -> None:
+    loss_options(fn, ignore_index, reduction, label_smoothing)
+    if backend not in dispatch.LOSS_BACKENDS:
+        raise ValueError(f"{fn}: backend must be 'auto', 'triton' or 'torch', got {backend!r}")
+
+
 def cross_entropy(logits, tgt, ignore_index, reduction, label_smoothing, backend) -> None:
     if not isinstance(logits, torch.Tensor) or not isinstance(tgt, torch.Tensor):
         raise TypeError("cross_entropy: logits and target must be torch.Tensors")
@@ -94,6 +101,70 @@ def cross_entropy(logits, tgt, ignore_index, reduction, label_smoothing, backend
     target("cross_entropy", logits, tgt)
     if tgt.device != logits.device:
         raise ValueError(f"cross_entropy: target is on {tgt.device} but logits on {logits.device}")
-    loss_options("cross_entropy", ignore_index, reduction, label_smoothing)
-    if backend not in dispatch.LOSS_BACKENDS:
-        raise ValueError(f"cross_entropy: backend must be 'auto', 'triton' or 'torch', got {backend!r}")
+    cross_entropy_options("cross_entropy", ignore_index, reduction, label_smoothing, backend)
+
+
+def _number(fn: str, name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{fn}: {name} must be a float, got {type(value).__name__}")
+    if not math.isfinite(value):
+        raise ValueError(f"{fn}: {name} must be finite, got {value}")
+    return float(value)
+
+
+def loss_extras(fn: str, logits, class_weight, softcap, z_loss, return_z_loss: bool = False) -> None:
+    """class_weight: None or a (V,) floating tensor on the logits' device; softcap: None or a float > 0;
+    z_loss: a float >= 0; return_z_loss: a bool. ``logits``: the logits, or (V, device) of a weight matrix."""
+    v, device = (logits.shape[-1], logits.device) if isinstance(logits, torch.Tensor) else logits
+    if class_weight is not None:
+        if not isinstance(class_weight, torch.Tensor):
+            raise TypeError(f"{fn}: class_weight must be None or a torch.Tensor, got {type(class_weight).__name__}")
+        if not class_weight.dtype.is_floating_point:
+            raise TypeError(f"{fn}: class_weight must be floating point, got {class_weight.dtype}")
+        if tuple(class_weight.shape) != (v,):
+            raise ValueError(
+                f"{fn}: class_weight must have shape ({v},) (one per class), got {tuple(class_weight.shape)}"
+            )
+        if class_weight.device != device:
+            raise ValueError(f"{fn}: class_weight is on {class_weight.device} but the logits on {device}")
+    if softcap is not None and _number(fn, "softcap", softcap) <= 0:
+        raise ValueError(f"{fn}: softcap must be None or > 0, got {softcap}")
+    if _number(fn, "z_loss", z_loss) < 0:
+        raise ValueError(f"{fn}: z_loss must be >= 0, got {z_loss}")
+    if not isinstance(return_z_loss, bool):
+        raise TypeError(f"{fn}: return_z_loss must be a bool, got {type(return_z_loss).__name__}")
+
+
+def linear_cross_entropy(x, weight, tgt, bias, memory) -> None:
+    """x (..., d), weight (V, d), bias (V,) or None: one floating dtype and device; target x's shape without
+    d; memory None or an int > 0."""
+    fn = "linear_cross_entropy"
+    for name, t in (("x", x), ("weight", weight), ("target", tgt)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if bias is not None and not isinstance(bias, torch.Tensor):
+        raise TypeError(f"{fn}: bias must be None or a torch.Tensor, got {type(bias).__name__}")
+    if x.dtype not in dtypes.FLOATS:
+        raise TypeError(f"{fn}: x must be floating point ({dtypes.FLOAT_NAMES}), got {x.dtype}")
+    if x.dim() < 1:
+        raise ValueError(f"{fn}: x must have a feature dim (the last), got shape {tuple(x.shape)}")
+    if weight.dim() != 2 or weight.shape[1] != x.shape[-1] or weight.shape[0] == 0:
+        raise ValueError(
+            f"{fn}: weight must be (V, d) with V >= 1 and d = x.shape[-1] = {x.shape[-1]}, got {tuple(weight.shape)}"
+        )
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(f"{fn}: bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}")
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None and t.dtype != x.dtype:
+            raise TypeError(f"{fn}: {name} is {t.dtype} but x is {x.dtype} (one dtype, as F.linear needs)")
+    for name, t in (("weight", weight), ("target", tgt), ("bias", bias)):
+        if t is not None and t.device != x.device:
+            raise ValueError(f"{fn}: {name} is on {t.device} but x on {x.device}")
+    if x.device.type not in dispatch.DEVICES and x.device.type != "meta":
+        raise RuntimeError(f"{fn}: no path for tensors on device '{x.device}' (cuda and cpu tensors run)")
+    if tgt.dtype not in dtypes.TARGETS:
+        raise TypeError(f"{fn}: target must hold class indices (an integer dtype), got {tgt.dtype}")
+    if tuple(tgt.shape) != tuple(x.shape[:-1]):
+        raise ValueError(f"{fn}: target has shape {tuple(tgt.shape)}, expected x's without d, {tuple(x.shape[:-1])}")
+    if memory is not None and (isinstance(memory, bool) or not isinstance(memory, int) or memory < 1):
+        raise ValueError(f"{fn}: memory must be None or a positive int (bytes of logits a chunk holds), got {memory!r}")

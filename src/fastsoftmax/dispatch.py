@@ -186,7 +186,9 @@ def _recorded(key, run, x, d, out_dtype):
 # ---- cross-entropy ------------------------------------------------------------------------------------
 
 
-def _loss_backend(x: torch.Tensor, backend: str):
+def loss_backend(x: torch.Tensor, backend: str):
+    """The backend the loss kernels of x run on (the Triton kernels, or torch ops for float64 and where
+    Triton cannot run under 'auto')."""
     if backend == "torch" or x.dtype == torch.float64:
         return BACKENDS["torch"]
     why = BACKENDS["triton"].unavailable(x, x.dtype)
@@ -223,7 +225,7 @@ def assert_targets(t: torch.Tensor, v, ignore_index: int) -> None:
         raise IndexError(f"cross_entropy: target {int(t[i])} at row {i} is outside [0, {int(v)}) and not ignore_index")
 
 
-def _raise_bad_targets(ok: torch.Tensor, t: torch.Tensor, v: int, ignore_index: int) -> None:
+def raise_bad_targets(ok: torch.Tensor, t: torch.Tensor, v: int, ignore_index: int) -> None:
     """After the Triton forward: ok (a 0-d tensor) is 1 when every target not ignored was in [0, v)."""
     if t.is_cuda:
         torch._assert_async(ok, f"cross_entropy: a target is outside [0, {v}) and not ignore_index")
@@ -231,31 +233,36 @@ def _raise_bad_targets(ok: torch.Tensor, t: torch.Tensor, v: int, ignore_index: 
         assert_targets(t, v, ignore_index)
 
 
-def cross_entropy(logits, target, ignore_index, reduction, smoothing, backend, out_dtype):
-    """(loss in out_dtype, stats) for checked arguments: stats (M + 2,) holds each row's logsumexp, then the
-    number of rows not ignored (the mean's divisor, for the backward), then 1.0 if every target was in range.
-    On the Triton path the range check is a by-product of the forward's last kernel."""
-    if why := storage_problem(logits, target):
+def cross_entropy(logits, target, class_weight, o, backend, out_dtype):
+    """(loss in out_dtype, z-loss in out_dtype, stats) for checked arguments (``o``: options.Loss): stats
+    (M + 3,) holds each row's logsumexp, then the number of rows not ignored, 1.0 if every target was in
+    range, and the weight of the rows kept (the mean's divisors, for the backward). On the Triton path the
+    range check is a by-product of the forward's last kernel."""
+    if why := storage_problem(logits, target, class_weight):
         raise RuntimeError(f"cross_entropy: {why}")
     x, t = flat(logits, target)
+    w = class_weight.contiguous() if class_weight is not None else None
     m, v = x.shape
-    impl = _loss_backend(x, backend) if m else BACKENDS["torch"]
+    impl = loss_backend(x, backend) if m else BACKENDS["torch"]
     if impl.name == "torch":
-        assert_targets(t, v, ignore_index)
-    loss, stats = impl.cross_entropy(x, t, ignore_index, smoothing, reduction, out_dtype)
+        assert_targets(t, v, o.ignore_index)
+    loss, z, stats = impl.cross_entropy(x, t, w, o, out_dtype)
     if impl.name != "torch":
-        _raise_bad_targets(stats[m + 1], t, v, ignore_index)
-    return (loss.reshape(target.shape) if reduction == "none" else loss), stats
+        raise_bad_targets(stats[m + 1], t, v, o.ignore_index)
+    if o.reduction == "none":
+        loss, z = loss.reshape(target.shape), z.reshape(target.shape)
+    return loss, z, stats
 
 
-def cross_entropy_backward(logits, target, stats, grad, ignore_index, reduction, smoothing, backend):
+def cross_entropy_backward(logits, target, class_weight, stats, grad, o, backend):
     """dlogits (logits' shape and dtype, contiguous) from the forward's stats and the loss's gradient."""
-    if why := storage_problem(logits, target, stats, grad):
+    if why := storage_problem(logits, target, stats, grad, class_weight):
         raise RuntimeError(f"cross_entropy: {why}")
     x, t = flat(logits, target)
+    w = class_weight.contiguous() if class_weight is not None else None
     m = x.shape[0]
-    impl = _loss_backend(x, backend) if m else BACKENDS["torch"]
-    dx = impl.cross_entropy_backward(x, t, stats, grad, ignore_index, smoothing, reduction, logits.dtype)
+    impl = loss_backend(x, backend) if m else BACKENDS["torch"]
+    dx = impl.cross_entropy_backward(x, t, w, stats, grad, o, logits.dtype)
     return dx.reshape(logits.shape)
 
 
@@ -266,6 +273,8 @@ __all__ = [
     "cross_entropy",
     "cross_entropy_backward",
     "flat",
+    "loss_backend",
+    "raise_bad_targets",
     "reduce_loss",
     "row_grad",
     "select",

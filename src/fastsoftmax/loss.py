@@ -24,10 +24,21 @@ def cross_entropy(
     ignore_index: int = -100,
     reduction: str = "mean",
     label_smoothing: float = 0.0,
+    class_weight: torch.Tensor | None = None,
+    softcap: float | None = None,
+    z_loss: float = 0.0,
+    return_z_loss: bool = False,
     backend: str = "auto",
-) -> torch.Tensor:
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """torch.nn.functional.cross_entropy for logits with the classes along the last dim; see the module.
-    Under torch.autocast the loss is float32 (as torch's); target: any integer dtype, any strides."""
+    Under torch.autocast the loss is float32 (as torch's); target: any integer dtype, any strides.
+    class_weight: torch's ``weight=``; softcap, z_loss: see the module. return_z_loss=True returns (loss,
+    the z-loss term alone, reduced the same way; it carries no gradient)."""
     checks.cross_entropy(logits, target, ignore_index, reduction, label_smoothing, backend)
+    checks.loss_extras("cross_entropy", logits, class_weight, softcap, z_loss, return_z_loss)
     eps, out_dtype = float(label_smoothing), compose.loss_dtype(logits)
-    return ops.cross_entropy(logits, target, ignore_index, reduction, eps, backend, out_dtype)[0]
+    cap = None if softcap is None else float(softcap)
+    loss, z, _ = ops.cross_entropy(
+        logits, target, class_weight, ignore_index, reduction, eps, cap, float(z_loss), backend, out_dtype
+    )
+    return (loss, z) if return_z_loss else loss

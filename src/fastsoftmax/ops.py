@@ -20,8 +20,8 @@ from collections.abc import Callable
 
 import torch
 
-from . import checks, compose, dispatch, fastpath, heuristics, masking
-from .backends.torch import dlogits_torch, loss_rows_torch, reduce_loss, row_grad
+from . import checks, compose, dispatch, fastpath, heuristics, masking, options
+from .backends.torch import capped, dlogits_options, kept_rows, loss_rows_torch, reduce_terms, row_grads
 from .reference import grad_torch, logsumexp_torch, softmax_torch
 
 
@@ -323,95 +323,128 @@ softmax_backward_masked = Op(
 
 
 # ---- cross-entropy ----------------------------------------------------------------------------------------
+# The loss options travel as flat arguments (a custom op's schema holds ints, floats, strings and tensors);
+# options.Loss gathers them again below the op.
+
+
+def loss_options(ignore_index, reduction, label_smoothing, softcap, z_loss) -> options.Loss:
+    return options.Loss(ignore_index, reduction, label_smoothing, softcap, z_loss)
 
 
 def _ce(
     logits: torch.Tensor,
     target: torch.Tensor,
+    class_weight: torch.Tensor | None,
     ignore_index: int,
     reduction: str,
     label_smoothing: float,
+    softcap: float | None,
+    z_loss: float,
     backend: str,
     out_dtype: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     checks.cross_entropy(logits, target, ignore_index, reduction, label_smoothing, backend)
-    return dispatch.cross_entropy(logits, target, ignore_index, reduction, label_smoothing, backend, out_dtype)
+    checks.loss_extras("cross_entropy", logits, class_weight, softcap, z_loss)
+    return _ce_plain(
+        logits, target, class_weight, ignore_index, reduction, label_smoothing, softcap, z_loss, backend, out_dtype
+    )
 
 
-def _ce_fake(logits, target, ignore_index, reduction, label_smoothing, backend, out_dtype):
+def _ce_plain(
+    logits, target, class_weight, ignore_index, reduction, label_smoothing, softcap, z_loss, backend, out_dtype
+):
+    o = loss_options(ignore_index, reduction, label_smoothing, softcap, z_loss)
+    return dispatch.cross_entropy(logits, target, class_weight, o, backend, out_dtype)
+
+
+def _ce_fake(
+    logits, target, class_weight, ignore_index, reduction, label_smoothing, softcap, z_loss, backend, out_dtype
+):
     rows = logits.numel() // logits.shape[-1]
     stat = torch.float64 if logits.dtype == torch.float64 else torch.float32
     shape = target.shape if reduction == "none" else ()
-    return logits.new_empty(shape, dtype=out_dtype), logits.new_empty((rows + 2,), dtype=stat)  # dispatch's
+    loss = logits.new_empty(shape, dtype=out_dtype)
+    return loss, torch.empty_like(loss), logits.new_empty((rows + 3,), dtype=stat)  # dispatch's
 
 
 def _ce_setup(ctx, inputs, output):
-    logits, target, ignore_index, reduction, label_smoothing, backend, _ = inputs
-    ctx.save_for_backward(logits, target, output[1])  # the logits; one logsumexp per row, the rows kept
-    ctx.args = (ignore_index, reduction, label_smoothing, backend)
-    ctx.mark_non_differentiable(output[1])
+    logits, target, class_weight, *opts, backend, _ = inputs
+    ctx.save_for_backward(logits, target, class_weight, output[2])  # the logits; per row lse, the counts
+    ctx.opts, ctx.backend = tuple(opts), backend
+    ctx.mark_non_differentiable(output[1], output[2])
+    ctx.set_materialize_grads(False)  # (no zeros made for them in the backward)
 
 
-def _ce_grad(ctx, grad_loss, _grad_stats):
-    logits, target, stats = ctx.saved_tensors
+def _ce_grad(ctx, grad_loss, _grad_z, _grad_stats):
+    logits, target, class_weight, stats = ctx.saved_tensors
+    if grad_loss is None:
+        return (None,) * 10
     if differentiable():  # create_graph=True: torch ops, differentiable in the logits and grad_loss
-        dx = dlogits_differentiable(logits, target, stats, grad_loss, *ctx.args[:3])
+        dx = dlogits_differentiable(logits, target, class_weight, stats, grad_loss, *ctx.opts)
     else:
-        dx = cross_entropy_backward(logits, target, stats, grad_loss, *ctx.args)
-    return dx, None, None, None, None, None, None
+        dx = cross_entropy_backward(logits, target, class_weight, stats, grad_loss, *ctx.opts, ctx.backend)
+    return dx, None, None, None, None, None, None, None, None, None
 
 
-def dlogits_differentiable(logits, target, stats, grad, ignore_index: int, reduction: str, smoothing: float):
+def dlogits_differentiable(logits, target, class_weight, stats, grad, *opts):
     """dlogits in torch ops, differentiable in the logits (the logsumexp recomputed from them, not the saved
     one: the Hessian's -p p^T term) and in grad: create_graph=True and torch.func transforms."""
+    o = loss_options(*opts)
     x, t = dispatch.flat(logits, target)
     m = x.shape[0]
-    g = row_grad(grad, stats[m], reduction, m).to(stats.dtype)
-    dx = dlogits_torch(x, t, logsumexp_torch(x), g, ignore_index, smoothing)
+    g_ce, g_z = row_grads(grad, stats[m], stats[m + 2], o.reduction, m)
+    lse = logsumexp_torch(capped(x.to(stats.dtype), o.softcap))
+    dx = dlogits_options(x, t, lse, g_ce.to(stats.dtype), g_z.to(stats.dtype), o, class_weight)
     return dx.to(logits.dtype).reshape(logits.shape)
 
 
-def ce_composite(logits, target, ignore_index, reduction, smoothing, backend, out_dtype):
-    """The loss in torch ops, differentiable to any order (torch.func transforms), as (loss, None); targets
-    are checked where they are plain tensors (a batched one cannot be read: its gather raises on a bad
-    index)."""
+def ce_composite(logits, target, class_weight, ignore_index, reduction, smoothing, softcap, z_loss, backend, out_dtype):
+    """The loss in torch ops, differentiable to any order (torch.func transforms), as (loss, z-loss, None);
+    targets are checked where they are plain tensors (a batched one cannot be read: its gather raises on a
+    bad index)."""
     heuristics.record(heuristics.Plan("torch", "composite"))
+    o = loss_options(ignore_index, reduction, smoothing, softcap, z_loss)
     x, t = logits.reshape(-1, logits.shape[-1]), target.reshape(-1)
     if not torch._C._functorch.is_functorch_wrapped_tensor(t):
         dispatch.assert_targets(t, x.shape[-1], ignore_index)
-    rows, _ = loss_rows_torch(x, t, ignore_index, smoothing)
-    loss = reduce_loss(rows, (t.long() != ignore_index).sum(), reduction, out_dtype)
-    return (loss.reshape(target.shape) if reduction == "none" else loss), None
+    ce, zr, lse = loss_rows_torch(x, t, o, class_weight)
+    kept, w_kept = kept_rows(t, ignore_index, class_weight, x.shape[-1], lse.dtype)
+    loss, z = reduce_terms(ce, zr, kept, w_kept, reduction, out_dtype)
+    if reduction == "none":
+        loss, z = loss.reshape(target.shape), z.reshape(target.shape)
+    return loss, z.detach(), None
 
 
 cross_entropy = Op(
     "cross_entropy",
     _ce,
     _ce_fake,
-    tensors=(0, 1),
+    tensors=(0, 1, 2),
     setup_context=_ce_setup,
     backward=_ce_grad,
     func=ce_composite,
-    plain=dispatch.cross_entropy,  # (the public function checked the arguments)
+    plain=_ce_plain,  # (the public function checked the arguments)
 )
 
 
 def _ce_backward(
     logits: torch.Tensor,
     target: torch.Tensor,
+    class_weight: torch.Tensor | None,
     stats: torch.Tensor,
     grad: torch.Tensor,
     ignore_index: int,
     reduction: str,
     label_smoothing: float,
+    softcap: float | None,
+    z_loss: float,
     backend: str,
 ) -> torch.Tensor:
-    return dispatch.cross_entropy_backward(
-        logits, target, stats, grad, ignore_index, reduction, label_smoothing, backend
-    )
+    o = loss_options(ignore_index, reduction, label_smoothing, softcap, z_loss)
+    return dispatch.cross_entropy_backward(logits, target, class_weight, stats, grad, o, backend)
 
 
-def _ce_backward_fake(logits, target, stats, grad, ignore_index, reduction, label_smoothing, backend):
+def _ce_backward_fake(logits, target, class_weight, stats, grad, *_):
     return logits.new_empty(logits.shape)  # contiguous, as dispatch writes it
 
 
@@ -419,6 +452,6 @@ cross_entropy_backward = Op(
     "cross_entropy_backward",
     _ce_backward,
     _ce_backward_fake,
-    tensors=(0, 3),
-    func=lambda *a: dlogits_differentiable(*a[:7]),
+    tensors=(0, 4),
+    func=lambda *a: dlogits_differentiable(*a[:10]),
 )

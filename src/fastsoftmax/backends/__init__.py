@@ -9,7 +9,8 @@
     backward(dy, y, dim, out_dtype, log, path=None, spec=masking.NONE) -> dx
         the same preconditions, on y; dy has y's shape
 Cross-entropy (torch and Triton), on (M, V) logits with unit stride along V and (M,) targets:
-    cross_entropy(x, t, ignore_index, smoothing, reduction, out_dtype) -> (loss, stats)
-    cross_entropy_backward(x, t, stats, g, ignore_index, smoothing, reduction) -> dx
+    cross_entropy(x, t, w, o, out_dtype) -> (loss, z-loss, stats)
+    cross_entropy_backward(x, t, w, stats, g, o, out_dtype) -> dx
+        w: the class weights or None; o: options.Loss
 The CUDA backend takes no mask, scale or causal (dispatch keeps such calls off it) and no cross-entropy.
 """

@@ -109,17 +109,17 @@ class TritonBackend:
             kernels("softmax_bwd").backward(dy, y, dx, dim, log, path, spec)
         return dx
 
-    def cross_entropy(self, x, t, ignore_index, smoothing, reduction, out_dtype):
+    def cross_entropy(self, x, t, w, o, out_dtype):
         shape = _ce_shape(x, backward=False)
         with selected(x):
-            return kernels("cross_entropy").forward(x, t, ignore_index, smoothing, reduction, out_dtype, shape)
+            return kernels("cross_entropy").forward(x, t, w, o, out_dtype, shape)
 
-    def cross_entropy_backward(self, x, t, stats, grad, ignore_index, smoothing, reduction, out_dtype):
+    def cross_entropy_backward(self, x, t, w, stats, grad, o, out_dtype):
         shape = _ce_shape(x, backward=True)
-        g = grad.reshape(x.shape[0]) if reduction == "none" else grad.reshape(())
+        g = grad.reshape(x.shape[0]) if o.reduction == "none" else grad.reshape(())
         dx = torch.empty(x.shape, dtype=out_dtype, device=x.device)
         with selected(x):
-            kernels("cross_entropy").backward(x, t, stats, g, ignore_index, smoothing, reduction == "mean", dx, shape)
+            kernels("cross_entropy").backward(x, t, w, stats, g, o, dx, shape)
         return dx
 
 
