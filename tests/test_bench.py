@@ -432,3 +432,31 @@ def test_cpu_ce_smoke_run(tmp_path):
             assert not r["ok"] and "quack" in r["error"]
         else:
             assert r["ok"] and r["err_ratio"] <= 1 and r["gbps"] > 0, r
+
+
+def test_cpu_lce_smoke_run(tmp_path, monkeypatch):
+    """--lce: the LM-head loss, fwd+bwd to dx and dW, through the CLI's main on the CPU: every record has its
+    errors against fp32 torch; the GPU-only peers are skipped with the reason, never fatal; memory= small
+    enough that fastsoftmax_mem runs in several chunks."""
+    from fastsoftmax import cli
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # main sets it for --device cpu; restored after the test
+    out_json = tmp_path / "lce.json"
+    impls = "floor,torch,fs_logits,fastsoftmax,fastsoftmax_mem,liger,cce,quack"
+    argv = ["bench", "--lce", "--device", "cpu", "--impls", impls, "--lce-memory", "32000", "--json", str(out_json)]
+    assert cli.main(argv) == 0
+    doc = json.loads(out_json.read_text())
+    assert {"device", "date", "torch", "triton", "copy_gbps", "records", "method", "peers", "memory"} <= set(doc)
+    recs = {r["impl"]: r for r in doc["records"]}
+    assert list(recs) == impls.split(",") and doc["memory"] == 32000
+    assert all((r["N"], r["d"], r["V"], r["dtype"]) == (64, 32, 1000, "float32") for r in recs.values())
+    assert all({"peak_bytes", "loss_err", "dx_err", "dw_err", "ms", "ok", "error"} <= set(r) for r in recs.values())
+    assert recs["floor"]["ok"] and recs["floor"]["ms"] > 0 and recs["floor"]["loss_err"] is None
+    for name in ("liger", "cce", "quack"):
+        assert not recs[name]["ok"] and recs[name]["error"] == "skipped: needs CUDA", recs[name]
+    for name in ("torch", "fs_logits", "fastsoftmax", "fastsoftmax_mem"):
+        r = recs[name]
+        assert r["ok"] and r["error"] is None and r["ms"] > 0 and r["peak_bytes"] is None, r
+        assert r["vs_floor"] > 0 and max(r["loss_err"], r["dx_err"], r["dw_err"]) < 1e-5, r
+    assert recs["fastsoftmax_mem"]["memory"] == 32000 and recs["fastsoftmax"]["memory"] is None
+    assert recs["fastsoftmax_mem"]["plan"].endswith("splits=8")  # 32000 B / (1000 x 4 B) = 8 rows per chunk

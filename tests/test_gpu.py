@@ -382,3 +382,102 @@ def test_replay_refuses_dy_on_another_gpu():
     fs.softmax_backward(dy, y)  # recorded, then replayed
     with pytest.raises(ValueError, match="dy is on cuda:1"):
         fs.softmax_backward(dy.to("cuda:1"), y)
+
+
+def _lce_inputs(n, d, v, dtype=torch.bfloat16, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(n, d, device="cuda", generator=g)
+    x[::97] *= 20  # outliers
+    w = torch.randn(v, d, device="cuda", generator=g) * d**-0.5
+    t = torch.randint(0, v, (n,), device="cuda", generator=g)
+    t[::7] = -100
+    return x.to(dtype).requires_grad_(), w.to(dtype).requires_grad_(), t
+
+
+@pytest.mark.parametrize("design", heuristics.LCE_DESIGNS)
+def test_lce_large_against_fp32(design):
+    """The LM-head loss on cuBLAS and the compiled kernels, several chunks, an odd vocabulary: loss, dx and dW
+    within 2x torch's own bf16 error (F.linear + F.cross_entropy) against an fp32 reference, plus an atol."""
+    import torch.nn.functional as F
+
+    x, w, t = _lce_inputs(3000, 512, 50257)
+    x32, w32 = x.detach().float().requires_grad_(), w.detach().float().requires_grad_()
+    ref = F.cross_entropy(F.linear(x32, w32), t, label_smoothing=0.1)
+    f_dx, f_dw = torch.autograd.grad(ref, (x32, w32))
+    tl_ = F.cross_entropy(F.linear(x, w), t, label_smoothing=0.1)
+    t_dx, t_dw = torch.autograd.grad(tl_, (x, w))
+    with heuristics.force(path=design, poison=True):
+        loss = fs.linear_cross_entropy(x, w, t, label_smoothing=0.1, memory=700 * 50257 * 2)
+        plan = heuristics.last_plan()
+        dx, dw = torch.autograd.grad(loss * 0.5, (x, w))  # an upstream gradient other than 1
+    assert plan.path == design and plan.backend == "triton" and plan.splits == 5
+    for mine, torchs, fp32 in ((loss.float(), tl_.float(), ref), (dx * 2, t_dx, f_dx), (dw * 2, t_dw, f_dw)):
+        err = (mine.float() - fp32).abs().max().item()
+        assert err <= 2 * (torchs.float() - fp32).abs().max().item() + 1e-3 * fp32.abs().max().item(), err
+
+
+def test_lce_peak_memory():
+    """Peak memory above the inputs of a forward + backward is dW + dx + one chunk of logits (+1 MiB): a
+    regression test (autograd used to make zero gradients shaped like dx and dW for the outputs carrying
+    them, doubling the peak)."""
+    n, d, v = 4096, 1024, 32000
+    x, w, t = _lce_inputs(n, d, v)
+    rows = 512
+
+    def step():
+        loss = fs.linear_cross_entropy(x, w, t, memory=rows * v * 2)
+        return torch.autograd.grad(loss, (x, w))
+
+    step()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = step()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    budget = (v * d + n * d + rows * v) * 2 + (1 << 20)
+    assert heuristics.last_plan().splits == n // rows
+    assert peak <= budget, (peak, budget)
+    del out
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_lce_cuda_graph(reduction):
+    """The LM-head loss (both designs: mean is lce_chunked, none lce_recompute) captured with its backward in
+    a CUDA graph, replayed on new data, equals eager (no host synchronisation inside)."""
+    x, w, t = _lce_inputs(1024, 256, 5003, torch.float32)
+    cw = torch.rand(5003, device="cuda") + 0.5
+    g_out = torch.rand(1024, device="cuda") if reduction == "none" else torch.tensor(0.75, device="cuda")
+
+    def step():
+        loss = fs.linear_cross_entropy(x, w, t, reduction=reduction, class_weight=cw, softcap=15.0, z_loss=1e-3)
+        return (loss, *torch.autograd.grad(loss, (x, w), g_out))
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = step()
+    for seed in range(2):
+        with torch.no_grad():
+            x.copy_(_lce_inputs(1024, 256, 5003, torch.float32, seed + 1)[0])
+        graph.replay()
+        eager = step()
+        for a, b in zip(static, eager, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_lce_scale_kernel_both_branches():
+    """scale_by, the backward's in-place scaling: untouched (not read or written) when g == 1, scaled else."""
+    from fastsoftmax.triton import cross_entropy as k
+
+    a = torch.randn(10007, device="cuda", dtype=torch.bfloat16)
+    b = a.clone()
+    k.scale_(b, torch.tensor(1.0, device="cuda"))
+    assert torch.equal(a, b)
+    k.scale_(b, torch.tensor(-0.5, device="cuda"))
+    torch.testing.assert_close(b.float(), (a.float() * -0.5).bfloat16().float(), rtol=0, atol=0)

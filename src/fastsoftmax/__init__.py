@@ -5,15 +5,18 @@ Nothing runs at import: kernels are imported, compiled and cached on first use.
 
 from .api import LogSoftmax, Softmax, log_softmax, log_softmax_backward, softmax, softmax_backward
 from .info import info
+from .lm_head import LinearCrossEntropy, linear_cross_entropy
 from .loss import cross_entropy
 from .version import __version__
 
 __all__ = [
     "__version__",
+    "LinearCrossEntropy",
     "LogSoftmax",
     "Softmax",
     "cross_entropy",
     "info",
+    "linear_cross_entropy",
     "log_softmax",
     "log_softmax_backward",
     "softmax",

@@ -188,6 +188,18 @@ def bench(args) -> int:
     if device == "cuda" and not torch.cuda.is_available():
         print("fastsoftmax bench: no CUDA device (use --device cpu for a smoke run)", file=sys.stderr)
         return 2
+    if args.lce:
+        from fastsoftmax.bench import lce
+
+        impls = args.impls.split(",") if args.impls else list(lce.LCE_IMPLS)
+        bad = [i for i in impls if i not in lce.LCE_IMPLS]
+        if bad:
+            print(f"fastsoftmax bench --lce: unknown {bad}; valid: {', '.join(lce.LCE_IMPLS)}", file=sys.stderr)
+            return 2
+        path = args.json or ("bench/results/h200_lce.json" if device == "cuda" else None)
+        memory = lce.MEMORY if args.lce_memory is None else args.lce_memory
+        lce.run_lce(lce.parse_lce_shapes(args.shapes, device), impls, device, memory, path)
+        return 0
     if args.ce:
         impls = args.impls.split(",") if args.impls else list(b.CE_IMPLS)
         shapes = b.CE_SUITE if args.shapes == "suite" else b.parse_shapes(args.shapes)
@@ -285,6 +297,21 @@ def main(argv=None) -> int:
         action="store_true",
         help="cross-entropy over vocabularies (shapes: its own suite "
         "unless --shapes MxV,...) against torch, torch.compile, Liger and QuACK",
+    )
+    b.add_argument(
+        "--lce",
+        action="store_true",
+        help="the LM-head loss, linear + cross-entropy fwd+bwd (dx, dW), against the 3 GEMMs alone, torch, "
+        "torch.compile, F.linear + fs.cross_entropy, Liger, CCE and QuACK: ms, peak memory, errors against fp32 "
+        "(shapes: its own suite unless --shapes NxdxV,...; bf16, fp32 on --device cpu; --json default "
+        "bench/results/h200_lce.json on a GPU)",
+    )
+    b.add_argument(
+        "--lce-memory",
+        type=int,
+        default=None,
+        metavar="BYTES",
+        help="--lce: the memory= budget of the fastsoftmax_mem run (default fastsoftmax.bench.lce.MEMORY, 64 MiB)",
     )
     b.add_argument("--attention", default=None, metavar="B,H,S", help="--masked scores shape (default 8,16,2048)")
     b.set_defaults(fn=bench)

@@ -85,3 +85,21 @@ def loss_dtype(logits: torch.Tensor) -> torch.dtype:
         if _autocast_on(logits.device.type):
             return torch.float32
     return logits.dtype
+
+
+def autocast_linear(x, weight, bias):
+    """x, weight and bias cast to the autocast dtype where autocast is on for their device (F.linear's
+    policy: floating tensors other than float64); as given otherwise."""
+    if not (any_autocast() and _autocast_on(x.device.type)):
+        return x, weight, bias
+    dt = (
+        torch.get_autocast_dtype(x.device.type)
+        if hasattr(torch, "get_autocast_dtype")
+        else torch.get_autocast_gpu_dtype()
+    )
+
+    def cast(t):
+        keep = not isinstance(t, torch.Tensor) or not t.dtype.is_floating_point or t.dtype == torch.float64
+        return t if keep else t.to(dt)
+
+    return cast(x), cast(weight), cast(bias)

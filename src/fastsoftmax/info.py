@@ -41,6 +41,18 @@ KERNEL_FAMILIES = {
         "fast_math": False,
         "fast_exp": True,
     },
+    "triton.cross_entropy": {
+        "kernels": ["ce_fwd", "ce_finish", "ce_bwd", "scale_by"],
+        "exp": "exp2((z - max) * log2(e)): ex2.approx.f32; softcap tanh from exp(-2|u|) (a series below 0.125)",
+        "log": "log2(s) * ln(2): lg2.approx.f32, once per row",
+        "accumulation": "fp32; the reduction over rows in one program, in a fixed order (deterministic)",
+        "build_flags": "Triton defaults (no fast-math flag)",
+    },
+    "lm_head": {
+        "designs": ["lce_chunked", "lce_recompute"],
+        "gemms": "cuBLAS (torch.mm / addmm into a reused chunk of logits), logits in x's dtype",
+        "accumulation": "dW in the weight's dtype, cuBLAS beta = 1 (one rounding per chunk); db in fp32",
+    },
     "torch": {
         "exp": "torch.exp in fp32 (fp64 for fp64)",
         "division": "true division per element",

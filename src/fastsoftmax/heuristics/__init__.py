@@ -13,10 +13,22 @@ import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from .lm_head import DESIGNS as LCE_DESIGNS
 from .softmax_cuda import VARIANTS as CUDA_PATHS
 from .softmax_triton import PATHS
 
-__all__ = ["CUDA_PATHS", "PATHS", "Plan", "force", "forced", "last_plan", "overridden", "poisoning", "record"]
+__all__ = [
+    "CUDA_PATHS",
+    "LCE_DESIGNS",
+    "PATHS",
+    "Plan",
+    "force",
+    "forced",
+    "last_plan",
+    "overridden",
+    "poisoning",
+    "record",
+]
 
 
 @dataclass(frozen=True)
@@ -58,8 +70,8 @@ def force(*, poison: bool = False, **overrides):
     for k in ("splits", "min_ctas"):
         if k in overrides and not (isinstance(overrides[k], int) and overrides[k] >= 1):
             raise ValueError(f"{k} must be a positive int, got {overrides[k]!r}")
-    if "path" in overrides and overrides["path"] not in PATHS + CUDA_PATHS:
-        valid = ", ".join(dict.fromkeys(PATHS + CUDA_PATHS))
+    if "path" in overrides and overrides["path"] not in PATHS + CUDA_PATHS + LCE_DESIGNS:
+        valid = ", ".join(dict.fromkeys(PATHS + CUDA_PATHS + LCE_DESIGNS))
         raise ValueError(f"unknown path {overrides['path']!r}; valid: {valid} (Triton: {', '.join(PATHS)})")
     global _force, _poison
     old = _force, _poison

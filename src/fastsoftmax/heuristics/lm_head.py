@@ -1,0 +1,38 @@
+"""The LM-head loss's rules (lm_head.py): which design runs and how many rows of logits a chunk holds.
+
+Measurements: bench/results/h200_lce.json.
+"""
+
+from __future__ import annotations
+
+DESIGNS = ("lce_chunked", "lce_recompute")
+MIN_ROWS = 2048  # fewer rows cost a read and write of dW per chunk more often: 1.12x the GEMMs at 1024 rows,
+# 1.06x at 2048, 1.05x at 4096 (8192 x 4096 x 128256 bf16; bench/results/sweeps/lce_chunk_rows.json)
+
+
+def design(reduction: str, forced: str | None) -> str:
+    """'lce_chunked' (the forward computes the gradients too, from each chunk's logits while they are in
+    memory: 3 GEMMs in all) wherever a scalar loss lets the backward only scale them; 'lce_recompute' (the
+    backward computes each chunk's logits again: 4 GEMMs) for per-row losses, whose upstream gradient is
+    not known in the forward (a forced lce_chunked too)."""
+    if reduction == "none":
+        return "lce_recompute"
+    return forced if forced in DESIGNS else "lce_chunked"
+
+
+def chunk_rows(n: int, d: int, v: int, elsize: int, memory: int | None, free: int | None) -> int:
+    """Rows of logits per chunk: ``memory`` bytes of them when given (at least one row). Else about (n - d) / 2 rows,
+    at least MIN_ROWS: the peak (dW + dx + the chunk) is then half of the materialised loss's (n rows of
+    logits + dW + dx), where the shapes allow it; the chunks evened out (no short last chunk), at most a
+    quarter of the free device memory. Never more than n."""
+    if memory is not None:
+        rows = memory // max(v * elsize, 1)
+    else:
+        rows = max((n * v - v * d - n * d) // (2 * v), MIN_ROWS)  # rows * V = (n * V - dW - dx) / 2
+        if free is not None:
+            rows = min(rows, free // 4 // max(v * elsize, 1))
+        rows = max(rows, 1)
+        chunks = max(-(-n // rows), 1)
+        rows = -(-n // chunks)
+        rows = -(-rows // 64) * 64  # GEMM-friendly (the chunk count stays)
+    return max(1, min(rows, max(n, 1)))

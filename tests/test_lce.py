@@ -1,0 +1,632 @@
+"""fs.linear_cross_entropy and fs.LinearCrossEntropy (linear + cross-entropy without the full logits) against
+a float64 torch reference: F.linear, softcap, F.cross_entropy (weight=, label_smoothing, ignore_index) and the
+z-loss, values and the gradients of x, weight and bias, for every reduction, backend and dtype; the two designs
+(lce_chunked, lce_recompute) forced and checked through the recorded plan, with several chunks, one row a
+chunk and poisoned outputs; requires_grad subsets, no-grad calls, gradcheck, double backward, torch.func,
+torch.compile, autocast; the module; errors before launch.
+
+Tolerance: per element atol + rtol·|ref| (TOL, per dtype) plus twice the worst error torch's own computation in
+that dtype makes (logits from F.linear in the inputs' dtype, the loss in fp32, autograd through both), so the
+GEMM's rounding (it grows with d and with the logits' size) is measured rather than guessed."""
+
+import math
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fastsoftmax as fs
+from fastsoftmax import heuristics
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+TOL = {
+    torch.float32: (1e-5, 1e-6),
+    torch.bfloat16: (2e-2, 1e-3),
+    torch.float16: (4e-3, 1e-4),
+    torch.float64: (1e-10, 1e-12),
+}
+LOSS_ATOL = 10  # the loss's atol is TOL's times this (as tests/test_cross_entropy.py)
+DESIGNS = ["lce_chunked", "lce_recompute"]
+
+
+def problem(device, dtype, shape, d, v, *, bias=True, seed=0):
+    """x (*shape, d) with outliers (a few entries x20: logits far above the rest), weight (V, d) with an
+    outlier class, bias (V,) or None, targets (*shape) with every fourth row ignored (-100)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*shape, d, generator=g)
+    rows = x.view(-1, d)
+    rows[0, :3] *= 20
+    rows[-1, d // 2] *= 20
+    w = torch.randn(v, d, generator=g) * (2 / d**0.5)
+    w[v // 2] *= 4
+    b = torch.randn(v, generator=g) if bias else None
+    t = torch.randint(0, v, shape, generator=g)
+    t.view(-1)[1::4] = -100
+    b = b.to(device, dtype) if b is not None else None
+    return x.to(device, dtype), w.to(device, dtype), t.to(device), b
+
+
+def class_weights(v, device, seed=3):
+    return (torch.rand(v, generator=torch.Generator().manual_seed(seed)) * 1.8 + 0.2).to(device)
+
+
+def torch_lce(
+    x,
+    w,
+    t,
+    b,
+    compute,
+    *,
+    ignore_index=-100,
+    reduction="mean",
+    label_smoothing=0.0,
+    class_weight=None,
+    softcap=None,
+    z_loss=0.0,
+):
+    """(loss, z term) with torch ops: logits = F.linear in the inputs' dtype, everything after in ``compute``
+    (float64 for the reference, float32 for torch's own low-precision error), returned in x's dtype."""
+    z = F.linear(x, w, b).to(compute)
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    v = z.shape[-1]
+    zf, tf = z.reshape(-1, v), t.reshape(-1).long()
+    cw = None if class_weight is None else class_weight.to(compute)
+    ce = F.cross_entropy(
+        zf, tf, weight=cw, ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing
+    )
+    keep = tf != ignore_index
+    zrow = torch.where(keep, z_loss * torch.logsumexp(zf, -1).square(), 0.0)
+    zt = {"mean": zrow.sum() / keep.sum(), "sum": zrow.sum(), "none": zrow}[reduction]
+    loss = ce + zt
+    if reduction == "none":
+        loss, zt = loss.reshape(t.shape), zt.reshape(t.shape)
+    return loss.to(x.dtype), zt.detach().to(x.dtype)
+
+
+def lowp(dtype):
+    """The dtype torch's own computation does the loss math in: float32, float64 for float64 inputs."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def upstream(loss):
+    """The gradient fed to backward: not 1, so a backward that ignores it fails; per row, a ramp."""
+    if loss.dim() == 0:
+        return torch.tensor(0.7, dtype=loss.dtype, device=loss.device)
+    ramp = torch.linspace(0.5, 1.5, loss.numel(), dtype=torch.float64, device=loss.device)
+    return ramp.reshape(loss.shape).to(loss.dtype)
+
+
+def run(fn, x, w, b, wrt):
+    """(loss, z term or None, {name: grad}) of fn(x, w, b) on fresh leaves, grads of the names in wrt."""
+    leaves = {"x": x, "w": w, "b": b}
+    leaves = {k: (v.detach().clone().requires_grad_(k in wrt) if v is not None else None) for k, v in leaves.items()}
+    out = fn(leaves["x"], leaves["w"], leaves["b"])
+    loss, zt = out if isinstance(out, tuple) else (out, None)
+    names = [k for k in wrt if leaves[k] is not None]
+    grads = torch.autograd.grad(loss, [leaves[k] for k in names], upstream(loss)) if names else ()
+    return loss.detach(), zt, dict(zip(names, grads, strict=True))
+
+
+def assert_near(got, ref, base, what, atol_scale=1.0):
+    """got against the float64 ref: |got - ref| <= atol + rtol·|ref| + 2·max|base - ref| per element (base:
+    torch's own computation in got's dtype); NaN exactly where ref has NaN; got's dtype and shape = base's."""
+    assert got.dtype == base.dtype and got.shape == ref.shape, f"{what}: {got.dtype} {got.shape} vs {base.dtype}"
+    rtol, atol = TOL[base.dtype]
+    got, ref, base = got.detach().double(), ref.detach().double(), base.detach().double()
+    nan = ref.isnan()
+    assert torch.equal(got.isnan(), nan), (
+        f"{what}: NaN at {got.isnan().nonzero()[:3].tolist()}, reference's {nan.any()}"
+    )
+    if nan.all():
+        return
+    err = (got - ref).abs()[~nan]
+    slack = 2 * (base - ref).abs()[~nan].max()
+    bound = atol * atol_scale + rtol * ref.abs()[~nan] + slack
+    i = (err - bound).argmax()
+    assert (err <= bound).all(), (
+        f"{what}: error {err[i]:.3g} > bound {bound[i]:.3g} at reference value {ref[~nan][i]:.6g}"
+    )
+
+
+def check(x, w, t, b, *, wrt=("x", "w", "b"), fs_opts=None, **opts):
+    """fs.linear_cross_entropy(x, w, t, b, **opts, **fs_opts) against the float64 reference (loss, z term when
+    return_z_loss, grads of wrt); returns fs's (loss, z, grads)."""
+    fs_opts = fs_opts or {}
+    loss, zt, grads = run(lambda a, c, e: fs.linear_cross_entropy(a, c, t, e, **opts, **fs_opts), x, w, b, wrt)
+    ref = run(lambda a, c, e: torch_lce(a, c, t, e, torch.float64, **opts), x.double(), w.double(), b_double(b), wrt)
+    base = run(lambda a, c, e: torch_lce(a, c, t, e, lowp(x.dtype), **opts), x, w, b, wrt)
+    assert_near(loss, ref[0], base[0], "loss", LOSS_ATOL)
+    if fs_opts.get("return_z_loss"):
+        assert zt is not None and zt.grad_fn is None and not zt.requires_grad, "z term carries no gradient"
+        assert_near(zt, ref[1], base[1], "z term", LOSS_ATOL)
+    assert grads.keys() == ref[2].keys()
+    for k in grads:
+        assert_near(grads[k], ref[2][k], base[2][k], f"d{k}")
+    ignored = t == opts.get("ignore_index", -100)
+    if opts.get("reduction") == "none":
+        assert (loss[ignored] == 0).all(), "ignored rows' loss is 0"
+    if "x" in grads:
+        assert (grads["x"][ignored] == 0).all(), "ignored rows' dx is 0"
+    return loss, zt, grads
+
+
+def b_double(b):
+    return b.double() if b is not None else None
+
+
+def rows_for(memory, v, dtype):
+    return max(1, memory // (v * torch.empty((), dtype=dtype).element_size()))
+
+
+def assert_plan(backend, design, n, rows=None):
+    plan = heuristics.last_plan()
+    assert plan is not None and (plan.backend, plan.path) == (backend, design), plan
+    if rows is not None:
+        assert plan.rows == rows, plan
+    assert plan.rows >= 1 and plan.splits == math.ceil(n / plan.rows), plan  # splits = number of chunks
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("v", [7, 513, 1031])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_matches_reference(device, backend, v, dtype):
+    """(B, T, d) x with bias and ignored rows, every reduction: loss (x's dtype), dx, dW, db; the default
+    design for the reduction (recompute for 'none', chunked otherwise), recorded after the forward."""
+    x, w, t, b = problem(device, dtype, (2, 7), 24, v)
+    for reduction in ("mean", "sum", "none"):
+        design = "lce_recompute" if reduction == "none" else "lce_chunked"
+        loss = fs.linear_cross_entropy(x, w.clone().requires_grad_(), t, b, reduction=reduction, backend=backend)
+        assert_plan(backend, design, 14)
+        assert loss.dtype == dtype and loss.shape == (() if reduction != "none" else t.shape)
+        check(x, w, t, b, reduction=reduction, fs_opts={"backend": backend})
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_designs_with_several_chunks(device, backend, dtype):
+    """Each design forced, memory for 5 rows a chunk (18 rows: 4 chunks, the last ragged), outputs poisoned:
+    the plan (path, rows = memory // (V·element size), splits) after the forward and, for recompute, after the
+    backward; values and grads against the reference and equal between the designs. No bias, int32 targets."""
+    v, n = 513, 18
+    x, w, t, _ = problem(device, dtype, (n,), 16, v, bias=False, seed=1)
+    t = t.to(torch.int32)
+    memory = 5 * v * x.element_size() + v  # 5 rows and a part of a sixth
+    assert rows_for(memory, v, dtype) == 5
+    results = {}
+    for reduction in ("mean", "sum", "none"):
+        for design in DESIGNS if reduction != "none" else ["lce_recompute"]:
+            with heuristics.force(path=design, poison=True):
+                xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+                loss = fs.linear_cross_entropy(xg, wg, t, reduction=reduction, memory=memory, backend=backend)
+                assert_plan(backend, design, n, rows=5)
+                assert heuristics.last_plan().splits == 4
+                torch.autograd.grad(loss, (xg, wg), upstream(loss))
+                if design == "lce_recompute":
+                    assert_plan(backend, design, n, rows=5)
+                fs_opts = {"memory": memory, "backend": backend}
+                results[reduction, design] = check(x, w, t, None, reduction=reduction, fs_opts=fs_opts)
+        if reduction != "none" and dtype == torch.float32:
+            (l1, _, g1), (l2, _, g2) = results[reduction, DESIGNS[0]], results[reduction, DESIGNS[1]]
+            torch.testing.assert_close(l1, l2, rtol=1e-5, atol=1e-5)
+            for k in g1:
+                torch.testing.assert_close(g1[k], g2[k], rtol=1e-4, atol=1e-5, msg=f"d{k}: the designs differ")
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("design", DESIGNS)
+def test_one_row_a_chunk(device, backend, design):
+    """memory=1 (less than a row): one row a chunk, N chunks; still right, with bias and 3-D x."""
+    x, w, t, b = problem(device, torch.float32, (2, 3), 8, 513, seed=2)
+    for reduction in ("mean", "none") if design == "lce_recompute" else ("mean", "sum"):
+        with heuristics.force(path=design, poison=True):
+            loss = fs.linear_cross_entropy(x, w, t, b, reduction=reduction, memory=1, backend=backend)
+            assert_plan(backend, design, 6, rows=1)
+            assert heuristics.last_plan().splits == 6 and loss.dtype == torch.float32
+            check(x, w, t, b, reduction=reduction, fs_opts={"memory": 1, "backend": backend})
+            if design == "lce_recompute":  # the plan of the backward
+                assert_plan(backend, design, 6, rows=1)
+
+
+@pytest.mark.parametrize("design", DESIGNS)
+def test_one_row_a_chunk_bf16(device, design):
+    """memory=1 in bf16 with 32 rows: 32 chunks, each adding into dW and db; still within bf16's tolerance."""
+    x, w, t, b = problem(device, torch.bfloat16, (32,), 32, 513, seed=15)
+    reduction = "none" if design == "lce_recompute" else "sum"
+    with heuristics.force(path=design):
+        check(x, w, t, b, reduction=reduction, fs_opts={"memory": 1, "backend": "triton"})
+        fs.linear_cross_entropy(x.requires_grad_(), w, t, b, reduction=reduction, memory=1, backend="triton")
+    assert_plan("triton", design, 32, rows=1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_large_odd_vocab(device, dtype):
+    """V = 4099 (odd, longer than one block of the loss kernels), 3 chunks, each design, poisoned outputs."""
+    v = 4099
+    x, w, t, b = problem(device, dtype, (9,), 16, v, seed=18)
+    memory = 3 * v * x.element_size()
+    for design, reduction in (("lce_chunked", "mean"), ("lce_recompute", "none")):
+        with heuristics.force(path=design, poison=True):
+            check(x, w, t, b, reduction=reduction, fs_opts={"memory": memory, "backend": "triton"}, label_smoothing=0.1)
+            fs.linear_cross_entropy(x, w, t, b, reduction=reduction, memory=memory, backend="triton")
+        assert_plan("triton", design, 9, rows=3)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("design", DESIGNS)
+def test_non_contiguous_inputs(device, backend, design):
+    """x a slice along d of a wider tensor, weight the transpose of a (d, V) tensor (as a tied, transposed
+    embedding), bias and targets strided: read at their strides, grads in the inputs' shapes."""
+    x0, w0, t0, b0 = problem(device, torch.float32, (3, 4), 12, 513, seed=16)
+    x = torch.cat([x0, torch.randn_like(x0)], -1)[..., :12]
+    w = w0.t().contiguous().t()
+    b = torch.stack([b0, torch.randn_like(b0)], -1)[:, 0]
+    t = torch.stack([t0, torch.zeros_like(t0)], -1)[..., 0]
+    assert not (x.is_contiguous() or w.is_contiguous() or b.is_contiguous() or t.is_contiguous())
+    for reduction in ("mean", "none") if design == "lce_recompute" else ("mean", "sum"):
+        with heuristics.force(path=design):
+            memory = 5 * 513 * 4
+            _, _, grads = check(x, w, t, b, reduction=reduction, fs_opts={"backend": backend, "memory": memory})
+        assert grads["x"].shape == x.shape and grads["w"].shape == w.shape and grads["b"].shape == b.shape
+
+
+@pytest.mark.parametrize("design", DESIGNS)
+def test_gradient_accumulation(device, design):
+    """A retained graph's second backward adds the same grads again; two micro-batches' backwards add theirs
+    (the designs' in-place scaling must not alias a gradient the first backward left in .grad)."""
+    x, w, t, b = problem(device, torch.float32, (12,), 16, 513, seed=17)
+    halves = [(x[:6], t[:6]), (x[6:], t[6:])]
+    wg, bg = w.clone().requires_grad_(), b.clone().requires_grad_()
+    xg = x.clone().requires_grad_()
+    with heuristics.force(path=design):
+        loss = fs.linear_cross_entropy(xg, wg, t, bg, memory=4 * 513 * 4)
+        g = torch.tensor(0.7, device=device)
+        loss.backward(g, retain_graph=True)
+        loss.backward(g)
+        wm, bm = w.clone().requires_grad_(), b.clone().requires_grad_()
+        for xh, th in halves:
+            fs.linear_cross_entropy(xh, wm, th, bm, reduction="sum").backward()
+    x64, w64, b64 = (v.double().requires_grad_() for v in (x, w, b))
+    ref = torch_lce(x64, w64, t, b64, torch.float64)[0]
+    for leaf, r in zip(
+        (xg, wg, bg),
+        torch.autograd.grad(ref, (x64, w64, b64), torch.tensor(1.4, dtype=torch.float64, device=device)),
+        strict=True,
+    ):
+        torch.testing.assert_close(leaf.grad.double(), r, rtol=1e-5, atol=1e-6)
+    w64.grad = b64.grad = None
+    for xh, th in halves:
+        torch_lce(xh.double(), w64, th, b64, torch.float64, reduction="sum")[0].backward()
+    torch.testing.assert_close(wm.grad.double(), w64.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(bm.grad.double(), b64.grad, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_no_rows(device, backend):
+    """x with no rows: 'sum' 0, 'none' empty, 'mean' NaN (as torch); grads zeros of the inputs' shapes."""
+    _, w, _, b = problem(device, torch.float32, (2,), 8, 7)
+    x, t = torch.empty(0, 8, device=device), torch.empty(0, dtype=torch.long, device=device)
+    for reduction in ("mean", "sum", "none"):
+        loss, _, grads = check(x, w, t, b, reduction=reduction, fs_opts={"backend": backend})
+        assert loss.shape == ((0,) if reduction == "none" else ())
+        assert grads["w"].shape == w.shape and (grads["w"] == 0).all() and (grads["b"] == 0).all()
+
+
+def test_out_of_range_target():
+    """A target outside [0, V) that is not ignore_index raises (CPU: at once), as fs.cross_entropy."""
+    x, w, t, b = problem("cpu", torch.float32, (4,), 8, 9)
+    for backend in ("torch", "triton") if os.environ.get("TRITON_INTERPRET") == "1" else ("torch",):
+        for bad in (9, -5):
+            t[2] = bad
+            for design in DESIGNS:
+                with heuristics.force(path=design), pytest.raises(IndexError, match="outside"):
+                    fs.linear_cross_entropy(x.requires_grad_(), w, t, b, backend=backend)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_default_design_and_chunks(device, backend, reduction):
+    """No force, memory=None: recompute for 'none', chunked for 'mean' / 'sum' (grads asked for and not);
+    the chunk rows the default chose cover the rows in splits chunks."""
+    x, w, t, b = problem(device, torch.float32, (3, 5), 12, 1031, seed=4)
+    design = "lce_recompute" if reduction == "none" else "lce_chunked"
+    check(x, w, t, b, reduction=reduction, fs_opts={"backend": backend})
+    loss = fs.linear_cross_entropy(x.requires_grad_(), w, t, b, reduction=reduction, backend=backend)
+    assert_plan(backend, design, 15)
+    torch.autograd.grad(loss, x, upstream(loss))
+    if reduction == "none":
+        assert_plan(backend, design, 15)
+    memory = 4 * 1031 * 4
+    with heuristics.force(poison=True):
+        check(x.detach(), w, t, b, reduction=reduction, fs_opts={"backend": backend, "memory": memory})
+        fs.linear_cross_entropy(x, w, t, b, reduction=reduction, backend=backend, memory=memory)
+    assert_plan(backend, design, 15, rows=4)
+
+
+OPTIONS = {
+    "smoothing": {"label_smoothing": 0.2},
+    "class_weight": {"class_weight": "cw"},
+    "smoothing+weight": {"label_smoothing": 0.1, "class_weight": "cw"},
+    "softcap": {"softcap": 5.0},
+    "z_loss": {"z_loss": 1e-2},
+    "all": {"label_smoothing": 0.1, "class_weight": "cw", "softcap": 8.0, "z_loss": 1e-3, "ignore_index": 5},
+}
+
+
+def options(name, v, device):
+    opts = dict(OPTIONS[name])
+    if "class_weight" in opts:
+        opts["class_weight"] = class_weights(v, device)
+    return opts
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("name", list(OPTIONS))
+def test_options(device, backend, name):
+    """Each option (and all at once, with ignore_index=5 as well as -100 rows: -100 is then a bad target, so
+    those rows get class 5) with ignored rows, every reduction; return_z_loss=True: (loss, z term), the z
+    term equal to its reference and without grad; return_z_loss=False the same loss; a no-grad call too."""
+    v = 513
+    x, w, t, b = problem(device, torch.float32, (2, 9), 16, v, seed=5)
+    opts = options(name, v, device)
+    if "ignore_index" in opts:
+        t = torch.where(t == -100, opts["ignore_index"], t)
+    for reduction in ("mean", "sum", "none"):
+        fs_opts = {"backend": backend, "return_z_loss": True}
+        loss, zt, _ = check(x, w, t, b, reduction=reduction, fs_opts=fs_opts, **opts)
+        if not opts.get("z_loss"):
+            assert (zt == 0).all()
+        plain = fs.linear_cross_entropy(x, w, t, b, reduction=reduction, backend=backend, **opts)
+        assert isinstance(plain, torch.Tensor) and not plain.requires_grad
+        torch.testing.assert_close(plain, loss, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("design", DESIGNS)
+def test_options_low_precision_designs(device, dtype, design):
+    """All options at once in 16-bit, each design forced with several chunks and poisoned outputs (Triton)."""
+    v = 1031
+    x, w, t, b = problem(device, dtype, (20,), 32, v, seed=6)
+    opts = options("all", v, device)
+    t = torch.where(t == -100, 5, t)
+    memory = 6 * v * x.element_size()
+    for reduction in ("mean", "none") if design == "lce_recompute" else ("mean", "sum"):
+        with heuristics.force(path=design, poison=True):
+            fs_opts = {"backend": "triton", "memory": memory, "return_z_loss": True}
+            check(x, w, t, b, reduction=reduction, fs_opts=fs_opts, **opts)
+            fs.linear_cross_entropy(x.requires_grad_(), w, t, b, reduction=reduction, **fs_opts, **opts)
+            assert_plan("triton", design, 20, rows=6)
+            x.requires_grad_(False)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("design", DESIGNS)
+def test_all_ignored(device, backend, design):
+    """Every row ignored: 'mean' is NaN (as torch) with zero grads (as torch's float64), 'sum' 0, 'none' 0s."""
+    x, w, t, b = problem(device, torch.float32, (6,), 8, 7, seed=7)
+    t[:] = -100
+    for reduction in ("mean", "sum") if design == "lce_chunked" else ("mean", "sum", "none"):
+        for opts in ({}, {"label_smoothing": 0.1, "class_weight": class_weights(7, device), "z_loss": 1e-3}):
+            with heuristics.force(path=design):
+                loss, _, grads = check(x, w, t, b, reduction=reduction, fs_opts={"backend": backend}, **opts)
+            assert loss.isnan().all() if reduction == "mean" else (loss == 0).all()
+            assert all((g == 0).all() for g in grads.values())
+
+
+@pytest.mark.parametrize("design", [None, *DESIGNS])
+def test_requires_grad_subsets(device, design):
+    """Only x, only weight, only bias, none of them, and everything under torch.no_grad(): grads exactly for
+    what asks for them (the others' .grad stays None), each right; the loss right in every case."""
+    x, w, t, b = problem(device, torch.float32, (10,), 16, 513, seed=8)
+    forced = {} if design is None else {"path": design}
+    with heuristics.force(**forced):
+        for wrt in (("x",), ("w",), ("b",), ("w", "b"), ()):
+            check(x, w, t, b, wrt=wrt)
+            leaves = [v.clone().requires_grad_(k in wrt) for k, v in (("x", x), ("w", w), ("b", b))]
+            loss = fs.linear_cross_entropy(leaves[0], leaves[1], t, leaves[2])
+            assert loss.requires_grad == bool(wrt)
+            if wrt:
+                loss.backward()
+            for (k, _), leaf in zip((("x", x), ("w", w), ("b", b)), leaves, strict=True):
+                assert (leaf.grad is not None) == (k in wrt), k
+        xg, wg, bg = x.clone().requires_grad_(), w.clone().requires_grad_(), b.clone().requires_grad_()
+        with torch.no_grad():
+            loss = fs.linear_cross_entropy(xg, wg, t, bg)
+        assert not loss.requires_grad and loss.grad_fn is None
+    ref = torch_lce(x.double(), w.double(), t, b.double(), torch.float64)[0]
+    base = torch_lce(x, w, t, b, torch.float32)[0]
+    assert_near(loss, ref, base, "no_grad loss", LOSS_ATOL)
+
+
+@pytest.mark.parametrize(
+    "design,reduction",
+    [("lce_chunked", "mean"), ("lce_chunked", "sum"), ("lce_recompute", "mean"), ("lce_recompute", "none")],
+)
+def test_gradcheck_float64(device, design, reduction):
+    """gradcheck in float64 on the torch path, several chunks, every option, x, weight and bias."""
+    g = torch.Generator().manual_seed(9)
+    x, w, b = (torch.randn(*s, generator=g, dtype=torch.float64).to(device) for s in ((2, 3, 4), (5, 4), (5,)))
+    t = torch.tensor([[0, -100, 4], [2, 2, 1]], device=device)
+    opts = {"label_smoothing": 0.1, "class_weight": class_weights(5, device), "softcap": 3.0, "z_loss": 0.01}
+    memory = 2 * 5 * 8  # 2 rows a chunk
+
+    def f(a, c, e):
+        return fs.linear_cross_entropy(a, c, t, e, reduction=reduction, memory=memory, backend="torch", **opts)
+
+    leaves = [v.clone().requires_grad_() for v in (x, w, b)]
+    with heuristics.force(path=design):
+        assert torch.autograd.gradcheck(f, leaves)
+        f(*leaves)
+        assert_plan("torch", design, 6, rows=2)
+    check(x, w, t, b, reduction=reduction, fs_opts={"memory": memory, "backend": "torch"}, **opts)
+
+
+@pytest.mark.parametrize("backend,dtype", [("torch", torch.float64), ("triton", torch.float32)], ids=str)
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_double_backward(device, backend, dtype, reduction):
+    """create_graph=True, then the gradient of <grads, r> for random r: against the float64 reference."""
+    x, w, t, b = problem(device, dtype, (2, 4), 8, 7, seed=10)
+    opts = {"label_smoothing": 0.1, "softcap": 6.0, "z_loss": 1e-2, "reduction": reduction}
+
+    def second(fn, x, w, b):
+        leaves = [v.detach().clone().requires_grad_() for v in (x, w, b)]
+        loss = fn(*leaves)
+        g1 = torch.autograd.grad(loss, leaves, upstream(loss), create_graph=True)
+        r = [torch.linspace(-1, 1, v.numel(), dtype=v.dtype, device=v.device).reshape(v.shape) for v in g1]
+        s = sum((gi * ri).sum() for gi, ri in zip(g1, r, strict=True))
+        return [v.detach() for v in g1], torch.autograd.grad(s, leaves)
+
+    got = second(lambda a, c, e: fs.linear_cross_entropy(a, c, t, e, backend=backend, **opts), x, w, b)
+    ref = second(lambda a, c, e: torch_lce(a, c, t, e, torch.float64, **opts)[0], x.double(), w.double(), b.double())
+    base = second(lambda a, c, e: torch_lce(a, c, t, e, lowp(dtype), **opts)[0], x, w, b)
+    for order in range(2):
+        for k, gv, rv, bv in zip("xwb", got[order], ref[order], base[order], strict=True):
+            assert_near(gv, rv, bv, f"order {order + 1} d{k}")
+
+
+def test_torch_func_grad(device):
+    """torch.func.grad w.r.t. x, weight and bias equals autograd's and the reference."""
+    x, w, t, b = problem(device, torch.float32, (8,), 12, 513, seed=11)
+    opts = {"label_smoothing": 0.1, "z_loss": 1e-3}
+    check(x, w, t, b, **opts)  # autograd against the reference
+    leaves = [v.clone().requires_grad_() for v in (x, w, b)]
+    ag = torch.autograd.grad(fs.linear_cross_entropy(*leaves[:2], t, leaves[2], **opts), leaves)
+    fg = torch.func.grad(lambda a, c, e: fs.linear_cross_entropy(a, c, t, e, **opts), argnums=(0, 1, 2))(x, w, b)
+    for k, gv, av in zip("xwb", fg, ag, strict=True):
+        torch.testing.assert_close(gv, av, rtol=1e-5, atol=1e-6, msg=f"d{k}")
+
+
+def test_torch_compile_fullgraph(device):
+    """torch.compile(fullgraph=True) around the loss: values and grads against the reference."""
+    x, w, t, b = problem(device, torch.float32, (2, 5), 16, 513, seed=12)
+    opts = {"label_smoothing": 0.1, "softcap": 10.0}
+
+    def f(a, c, e):
+        return fs.linear_cross_entropy(a, c, t, e, **opts)
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    loss, _, grads = run(compiled, x, w, b, "xwb")
+    ref = run(
+        lambda a, c, e: torch_lce(a, c, t, e, torch.float64, **opts)[0], x.double(), w.double(), b.double(), "xwb"
+    )
+    base = run(lambda a, c, e: torch_lce(a, c, t, e, torch.float32, **opts)[0], x, w, b, "xwb")
+    assert_near(loss, ref[0], base[0], "loss", LOSS_ATOL)
+    for k in "xwb":
+        assert_near(grads[k], ref[2][k], base[2][k], f"d{k}")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("inputs", ["16-bit", "float32", "mixed"])
+def test_autocast_loss_is_float32(device, dtype, inputs):
+    """Under autocast the loss is float32 (as F.cross_entropy's), the logits in the autocast dtype (as
+    F.linear's: float32 inputs are cast); loss and grads (in the inputs' dtypes) against the float64
+    reference of the cast inputs, within twice torch's own error under the same autocast. "mixed": 16-bit
+    activations with float32 parameters, as under autocast training (a regression test: the dtype check
+    ran before the cast and refused them)."""
+    x, w, t, b = problem(device, dtype if inputs == "16-bit" else torch.float32, (6,), 8, 513, seed=13)
+    if inputs == "mixed":
+        x = x.to(dtype)
+    dev = torch.device(device).type
+
+    def under_autocast(fn):
+        def f(a, c, e):
+            with torch.autocast(device_type=dev, dtype=dtype):
+                return fn(a, c, e)
+
+        return f
+
+    got = run(under_autocast(lambda a, c, e: fs.linear_cross_entropy(a, c, t, e)), x, w, b, "xwb")
+    base = run(under_autocast(lambda a, c, e: F.cross_entropy(F.linear(a, c, e), t)), x, w, b, "xwb")
+    assert got[0].dtype == base[0].dtype == torch.float32
+    cast = [v.to(dtype).double() for v in (x, w, b)]
+    ref = run(lambda a, c, e: torch_lce(a, c, t, e, torch.float64), *cast, "xwb")
+    rtol, atol = TOL[dtype]
+    for what, g, r, bs, scale in [("loss", got[0], ref[0], base[0], LOSS_ATOL)] + [
+        (f"d{k}", got[2][k], ref[2][k], base[2][k], 1) for k in "xwb"
+    ]:
+        assert g.dtype == bs.dtype, what
+        err, base_err = (g.double() - r).abs(), (bs.double() - r).abs().max()
+        assert (err <= atol * scale + rtol * r.abs() + 2 * base_err).all(), f"{what}: error {err.max():.3g}"
+
+
+def test_module(device):
+    """fs.LinearCrossEntropy: nn.Linear-like parameters (shapes, init bound, bias flag, dtype), forward equals
+    fs.linear_cross_entropy with its parameters and options, which reach the loss (ignore_index, smoothing,
+    z-loss, reduction); backward fills .weight.grad and .bias.grad, right."""
+    d, v = 24, 513
+    opts = {"ignore_index": 3, "label_smoothing": 0.1, "z_loss": 1e-3, "reduction": "sum"}
+    m = fs.LinearCrossEntropy(d, v, bias=True, device=device, dtype=torch.float32, **opts)
+    assert isinstance(m, torch.nn.Module) and [n for n, _ in m.named_parameters()] == ["weight", "bias"]
+    assert isinstance(m.weight, torch.nn.Parameter) and m.weight.shape == (v, d) and m.bias.shape == (v,)
+    assert m.weight.device.type == torch.device(device).type and m.weight.dtype == torch.float32
+    bound = 1 / d**0.5  # nn.Linear's init: U(-1/sqrt(in), 1/sqrt(in)) for weight and bias
+    for p in (m.weight, m.bias):
+        assert p.abs().max() <= bound and p.std() > bound / 3
+    no_bias = fs.LinearCrossEntropy(d, 7, device=device, dtype=torch.bfloat16)
+    assert no_bias.bias is None and no_bias.weight.shape == (7, d) and no_bias.weight.dtype == torch.bfloat16
+    assert fs.LinearCrossEntropy(d, 7).weight.dtype == torch.get_default_dtype()
+
+    x, _, t, _ = problem(device, torch.float32, (2, 6), d, v, seed=14)
+    t = torch.where(t == -100, 3, t)
+    loss = m(x, t)
+    direct = fs.linear_cross_entropy(x, m.weight, t, m.bias, **opts)
+    torch.testing.assert_close(loss, direct)
+    loss.backward(upstream(loss))
+    w, b = m.weight.detach(), m.bias.detach()
+    ref = run(lambda a, c, e: torch_lce(a, c, t, e, torch.float64, **opts)[0], x.double(), w.double(), b.double(), "wb")
+    base = run(lambda a, c, e: torch_lce(a, c, t, e, torch.float32, **opts)[0], x, w, b, "wb")
+    assert_near(loss.detach(), ref[0], base[0], "loss", LOSS_ATOL)
+    assert_near(m.weight.grad, ref[2]["w"], base[2]["w"], "weight.grad")
+    assert_near(m.bias.grad, ref[2]["b"], base[2]["b"], "bias.grad")
+    t7 = t.remainder(7)
+    nb = no_bias.to(torch.float32)(x, t7)
+    torch.testing.assert_close(nb, fs.linear_cross_entropy(x, no_bias.weight, t7))
+    ref7 = torch_lce(x.double(), no_bias.weight.double(), t7, None, torch.float64)[0]
+    torch.testing.assert_close(nb.double(), ref7, rtol=1e-5, atol=1e-5)
+    per_row = fs.LinearCrossEntropy(d, v, bias=True, device=device, reduction="none")
+    assert per_row(x, t).shape == t.shape
+
+
+def test_errors_before_launch(device):
+    """Bad shapes, dtypes and options raise before anything runs (the recorded plan is untouched)."""
+    x, w, t, b = problem(device, torch.float32, (4,), 8, 9)
+    x.requires_grad_()
+    lce = fs.linear_cross_entropy
+    bad = [
+        (ValueError, lambda: lce(x, w[:, :7], t, b)),  # d mismatch
+        (ValueError, lambda: lce(x, w[0], t, b)),  # weight 1-D
+        (ValueError, lambda: lce(x, w[None], t, b)),  # weight 3-D
+        (ValueError, lambda: lce(x, w, t, b[:8])),  # bias (V-1,)
+        (ValueError, lambda: lce(x, w, t, b[None])),  # bias 2-D
+        (ValueError, lambda: lce(x, w, t[:3], b)),  # target shape
+        (ValueError, lambda: lce(x, w, t[None], b)),
+        (TypeError, lambda: lce(x, w, t.float(), b)),  # target not integer
+        ((TypeError, ValueError), lambda: lce(x, w.bfloat16(), t, b)),  # dtype mismatch x / weight
+        ((TypeError, ValueError), lambda: lce(x, w, t, b.double())),  # dtype mismatch bias
+        ((TypeError, ValueError), lambda: lce(x.bfloat16(), w.bfloat16(), t, b)),
+        (TypeError, lambda: lce(x.long(), w.long(), t, b.long())),  # not floating
+        ((TypeError, ValueError), lambda: lce(x, w, t, b, memory=0)),
+        ((TypeError, ValueError), lambda: lce(x, w, t, b, memory=-1)),
+        ((TypeError, ValueError), lambda: lce(x, w, t, b, memory=1.5)),
+        ((TypeError, ValueError), lambda: lce(x, w, t, b, memory=True)),
+        ((TypeError, ValueError), lambda: lce(x, w, t, b, memory="1024")),
+        (ValueError, lambda: lce(x, w, t, b, reduction="avg")),
+        (ValueError, lambda: lce(x, w, t, b, label_smoothing=1.5)),
+        (ValueError, lambda: lce(x, w, t, b, backend="cuda")),
+        ((TypeError, ValueError), lambda: lce(x, w, t, b, class_weight=torch.ones(8, device=device))),
+        ((TypeError, ValueError), lambda: lce(x, w, t, b, class_weight=[1.0] * 9)),
+        ((TypeError, ValueError), lambda: lce(x, w, t, b, class_weight=torch.ones(9, dtype=torch.long, device=device))),
+        ((TypeError, ValueError), lambda: lce(x, w, t, b, softcap=0.0)),
+        ((TypeError, ValueError), lambda: lce(x, w, t, b, softcap=-1.0)),
+        ((TypeError, ValueError), lambda: lce(x, w, t, b, softcap="1")),
+        (ValueError, lambda: lce(x, w, t, b, z_loss=-1e-3)),
+        (TypeError, lambda: lce(x, w, t, b, return_z_loss=1)),
+    ]
+    for i, (exc, call) in enumerate(bad):
+        sentinel = heuristics.record(heuristics.Plan("none", f"sentinel {i}"))
+        with pytest.raises(exc):
+            call()
+        assert heuristics.last_plan() is sentinel, f"case {i} ran something before raising"
+    with pytest.raises((TypeError, ValueError)):
+        fs.LinearCrossEntropy(8, 9, reduction="avg")(x, t)
