@@ -26,6 +26,7 @@ import torch
 from . import checks, compose, dispatch, heuristics, ops
 from .backends.torch import dlogits_options, kept_rows, loss_rows_torch, reduce_terms, row_grads
 from .heuristics import lm_head as rules
+from .heuristics.device import selected
 from .layout import storage_problem
 
 
@@ -199,7 +200,9 @@ def _lce(
     if why := storage_problem(x, weight, target, bias, class_weight):
         raise RuntimeError(f"linear_cross_entropy: {why}")
     wants = (want_x, want_w, want_b and bias is not None)
-    return _sweep(x, weight, bias, target, class_weight, o, backend, memory, design, wants, out_dtype=out_dtype)
+    cw = class_weight.contiguous() if class_weight is not None else None  # (the kernels index it densely)
+    with selected(x):
+        return _sweep(x, weight, bias, target, cw, o, backend, memory, design, wants, out_dtype=out_dtype)
 
 
 def _lce_fake(x, weight, target, bias, class_weight, ii, reduction, eps, cap, zl, memory, backend, design, *rest):
@@ -231,7 +234,7 @@ def _lce_grad(ctx, grad_loss, *_):
     if ops.differentiable():  # create_graph=True: torch ops, differentiable again
         return _composite_grads(ctx, grad_loss, x, weight, target, bias, class_weight)
     if design == "lce_chunked" and not getattr(ctx, "scaled", False):
-        gx, gw, gb = _scaled(ctx, grad_loss, dx, dw, db)
+        gx, gw, gb = _scaled(ctx, grad_loss, backend, dx, dw, db)
         return (gx if need[0] else None), (gw if need[1] else None), None, (gb if need[3] else None), *([None] * 13)
     wants = (need[0], need[1], need[3] and bias is not None)  # lce_recompute, or lce_chunked's second backward
     gx, gw, gb = lce_backward(
@@ -240,19 +243,20 @@ def _lce_grad(ctx, grad_loss, *_):
     return (gx if need[0] else None), (gw if need[1] else None), None, (gb if wants[2] else None), *([None] * 13)
 
 
-def _scaled(ctx, grad_loss, *grads):
+def _scaled(ctx, grad_loss, backend, *grads):
     """lce_chunked's gradients (for a unit upstream gradient) times grad_loss. Eagerly in place, through
     .data (no second dW in memory; the saved tensors' versions stay, so autograd does not refuse a second
     backward through a retained graph, which recomputes: ctx.scaled). Traced (torch.compile), out of place."""
     if compose.compiling() or any(type(g) is not torch.Tensor for g in grads):
         return tuple(g * grad_loss.to(g.dtype) if g.numel() else g for g in grads)
     ctx.scaled = True
-    if grads[0].is_cuda and dispatch.loss_backend(grads[0], "auto").name == "triton":
+    if grads[0].is_cuda and dispatch.loss_backend(grads[0], backend).name == "triton":
         from .backends.triton import kernels  # noqa: PLC0415 (the kernels import Triton)
 
         g = grad_loss.reshape(()).to(torch.float32)
-        for t in grads:
-            kernels("cross_entropy").scale_(t.data, g)  # no pass over dW when grad_loss == 1
+        with selected(grads[0]):
+            for t in grads:
+                kernels("cross_entropy").scale_(t.data, g)  # no pass over dW when grad_loss == 1
         return grads
     return tuple(t.data.mul_(grad_loss) if t.numel() else t for t in grads)
 
@@ -318,9 +322,11 @@ def _lce_backward(
     o = ops.loss_options(ignore_index, reduction, label_smoothing, softcap, z_loss)
     wide = stats.dtype
     g = grad.reshape(-1).to(wide).contiguous() if reduction == "none" else grad.reshape(()).to(wide)
-    return _sweep(
-        x, weight, bias, target, class_weight, o, backend, memory, "lce_recompute", (want_x, want_w, want_b), g, stats
-    )
+    cw = class_weight.contiguous() if class_weight is not None else None
+    with selected(x):
+        return _sweep(
+            x, weight, bias, target, cw, o, backend, memory, "lce_recompute", (want_x, want_w, want_b), g, stats
+        )
 
 
 def _lce_backward_fake(x, weight, target, bias, class_weight, stats, grad, *rest):
@@ -365,7 +371,7 @@ def linear_cross_entropy(
         "linear_cross_entropy", (weight.shape[0], weight.device), class_weight, softcap, z_loss, return_z_loss
     )
     out_dtype = compose.loss_dtype(x)
-    x2, t = x.reshape(-1, x.shape[-1]), target.reshape(-1)
+    x2, t = x.reshape(target.numel(), x.shape[-1]), target.reshape(-1)  # (d may be 0)
     if t.numel() > 1 and t.stride(0) != 1:
         t = t.contiguous()
     grad_on = torch.is_grad_enabled()
@@ -397,20 +403,22 @@ def linear_cross_entropy(
 
 class LinearCrossEntropy(torch.nn.Module):
     """An LM head and its loss in one: ``forward(x, target)`` is fs.linear_cross_entropy(x, self.weight,
-    target, self.bias, **options); weight (out_features, in_features), initialised as nn.Linear's."""
+    target, self.bias, **options); weight (out_features, in_features), initialised as nn.Linear's. A
+    class_weight option is a buffer (moves with .to(), saved in the state_dict), as nn.CrossEntropyLoss's."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, *, device=None, dtype=None, **options):
         super().__init__()
-        lin = torch.nn.Linear(in_features, out_features, bias=bias, device=device, dtype=dtype)
-        self.weight = lin.weight
-        self.bias = lin.bias
-        self.in_features, self.out_features, self.options = in_features, out_features, options
         bad = set(options) - _OPTIONS
         if bad:
             raise TypeError(f"LinearCrossEntropy: unknown options {sorted(bad)}; valid: {sorted(_OPTIONS)}")
+        lin = torch.nn.Linear(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.weight = lin.weight
+        self.bias = lin.bias
+        self.register_buffer("class_weight", options.pop("class_weight", None))
+        self.in_features, self.out_features, self.options = in_features, out_features, options
 
     def forward(self, x: torch.Tensor, target: torch.Tensor):
-        return linear_cross_entropy(x, self.weight, target, self.bias, **self.options)
+        return linear_cross_entropy(x, self.weight, target, self.bias, class_weight=self.class_weight, **self.options)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
