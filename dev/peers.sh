@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Liger-Kernel and QuACK for `fastsoftmax bench` on the device, which has no network (../shared/BENCHING.md).
+# Liger-Kernel, QuACK and Cut Cross-Entropy for `fastsoftmax bench` (--lce too) on the device, which has no network (../shared/BENCHING.md).
 #   bash dev/peers.sh pack      here: download the wheels (Python 3.12, x86_64) into .wheels/ (git-ignored)
 #                               and split the ~92 MB cu13 libs into two xz halves, each carryable in one call
 #   bash dev/peers.sh install   on the device (after carrying .wheels/part-a, then .wheels/part-b, in two
@@ -12,8 +12,8 @@ pack)
     mkdir -p .wheels && cd .wheels
     pip download --no-deps --python-version 3.12 --only-binary=:all: \
         --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux2014_x86_64 \
-        liger-kernel quack-kernels nvidia-cutlass-dsl nvidia-cutlass-dsl-libs-base nvidia-cutlass-dsl-libs-core \
-        nvidia-cutlass-dsl-libs-cu13 apache-tvm-ffi torch-c-dlpack-ext
+        liger-kernel==0.8.5 cut-cross-entropy==25.1.1 quack-kernels nvidia-cutlass-dsl nvidia-cutlass-dsl-libs-base \
+        nvidia-cutlass-dsl-libs-core nvidia-cutlass-dsl-libs-cu13 apache-tvm-ffi torch-c-dlpack-ext
     rm -rf cu13 part-a part-b && mkdir -p cu13 part-a part-b
     python3 -m zipfile -e nvidia_cutlass_dsl_libs_cu13-*.whl cu13
     tar -C cu13 -cf - . | xz -9e -T0 > cu13.tar.xz
