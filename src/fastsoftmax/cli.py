@@ -110,6 +110,9 @@ def check(args) -> int:
                     failed += not ok
                     dt = str(dtype).replace("torch.", "")
                     rows.append((f"{plan.backend}/{plan.path}", dt, f"{shape} dim={dim}", op, err, ok, problem))
+    loss_rows = _loss_rows(device, dtypes, gen)
+    rows += loss_rows
+    failed += sum(not r[5] for r in loss_rows)
     print(f"\n{'path':18} {'dtype':9} {'shape':22} {'op':16} {'err/tol':>9}  result")
     for ran, dt, shp, name, err, ok, problem in rows:
         print(f"{ran:18} {dt:9} {shp:22} {name:16} {err:9.3f}  {'pass' if ok else 'FAIL: ' + str(problem)}")
@@ -120,6 +123,85 @@ def check(args) -> int:
     for dt in sorted({r[1] for r in rows}):
         print(f"  worst err/tol, {dt}: {max(r[4] for r in rows if r[1] == dt):.3f}")
     return 1 if failed else 0
+
+
+# The loss kernels' cases, (N, d, V): cross-entropy with every option on logits, and the LM-head loss in both
+# designs over several chunks (an odd V)
+LOSS_CASE = {"cuda": (4096, 256, 50257), "cpu": (24, 16, 1031)}
+
+
+def _loss_rows(device: str, dtypes, gen) -> list:
+    """Rows for check(): the loss kernels (backend="triton", poisoned outputs) against float64 torch ops. Each
+    value and gradient must be within twice the error of the same loss in torch ops (logits in the dtype,
+    the loss in fp32) plus the dtype's tolerance, per element (err/tol <= 1 passes); the path must be the
+    one forced."""
+    import torch
+    import torch.nn.functional as F
+
+    import fastsoftmax as fs
+    from fastsoftmax import heuristics
+    from fastsoftmax.reference import TOLERANCE
+
+    n, d, v = LOSS_CASE[device]
+    opts = {"label_smoothing": 0.1, "softcap": 30.0, "z_loss": 1e-3}
+
+    def torch_loss(z, t, cw, wide):
+        z = opts["softcap"] * torch.tanh(z.to(wide) / opts["softcap"])
+        ce = F.cross_entropy(z, t, weight=cw.to(wide), label_smoothing=opts["label_smoothing"])
+        keep = t != -100
+        return ce + opts["z_loss"] * torch.logsumexp(z, -1)[keep].square().sum() / keep.sum()
+
+    def score(got, ref, base, dtype):
+        rtol, atol = TOLERANCE[dtype]
+        tol = atol + rtol * ref.abs() + 2 * (base.double() - ref).abs().max()
+        err = ((got.double() - ref).abs() / tol).max().item()
+        return err, None if err <= 1 else f"error {err:.2f}x the tolerance"
+
+    rows = []
+    for dtype in dtypes:
+        x = (torch.randn(n, d, generator=gen) * 2).to(dtype).to(device)
+        w = (torch.randn(v, d, generator=gen) * d**-0.5).to(dtype).to(device)
+        t = torch.randint(0, v, (n,), generator=gen)
+        t[::7] = -100
+        t, cw = t.to(device), (torch.rand(v, generator=gen) + 0.5).to(device)
+        dt, shape = str(dtype).replace("torch.", ""), f"({n}, {d}, {v})"
+        x64, w64 = x.double().requires_grad_(), w.double().requires_grad_()
+        ref = torch_loss(F.linear(x64, w64), t, cw, torch.float64)
+        r_dx, r_dw = torch.autograd.grad(ref, (x64, w64))
+        xb, wb = x.clone().requires_grad_(), w.clone().requires_grad_()
+        base = torch_loss(F.linear(xb, wb), t, cw, torch.float32)
+        b_dx, b_dw = torch.autograd.grad(base, (xb, wb))
+        # cross-entropy on the logits (in the dtype), its gradient to the logits
+        logits = F.linear(x, w).detach()
+        l64 = logits.double().requires_grad_()
+        ref_l = torch_loss(l64, t, cw, torch.float64)
+        (r_dl,) = torch.autograd.grad(ref_l, l64)
+        lb = logits.clone().requires_grad_()
+        base_l = torch_loss(lb, t, cw, torch.float32)
+        (b_dl,) = torch.autograd.grad(base_l, lb)
+        lg = logits.clone().requires_grad_()
+        with heuristics.force(poison=True):
+            loss = fs.cross_entropy(lg, t, class_weight=cw, backend="triton", **opts)
+            plan = heuristics.last_plan()
+            (dl,) = torch.autograd.grad(loss, lg)
+        for op, got, r, b in (("cross_entropy", loss, ref_l, base_l), ("cross_entropy_bwd", dl, r_dl, b_dl)):
+            err, problem = score(got, r.detach(), b.detach(), dtype)
+            ok = problem is None and plan.backend == "triton"
+            rows.append((f"{plan.backend}/{plan.path}", dt, shape, op, err, ok, problem))
+        # the LM-head loss, each design over several chunks
+        for design in heuristics.LCE_DESIGNS:
+            xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+            with heuristics.force(path=design, poison=True):
+                loss = fs.linear_cross_entropy(
+                    xs, ws, t, class_weight=cw, memory=(n // 3) * v * x.element_size(), backend="triton", **opts
+                )
+                plan = heuristics.last_plan()
+                dx, dw = torch.autograd.grad(loss, (xs, ws))
+            for op, got, r, b in (("lce", loss, ref, base), ("lce_dx", dx, r_dx, b_dx), ("lce_dw", dw, r_dw, b_dw)):
+                err, problem = score(got, r.detach(), b.detach(), dtype)
+                ok = problem is None and plan.path == design and plan.splits > 1
+                rows.append((f"{plan.backend}/{plan.path}", dt, shape, op, err, ok, problem))
+    return rows
 
 
 def asm(args) -> int:
