@@ -135,9 +135,10 @@ def loss_extras(fn: str, logits, class_weight, softcap, z_loss, return_z_loss: b
         raise TypeError(f"{fn}: return_z_loss must be a bool, got {type(return_z_loss).__name__}")
 
 
-def linear_cross_entropy(x, weight, tgt, bias, memory) -> None:
-    """x (..., d), weight (V, d), bias (V,) or None: one floating dtype and device; target x's shape without
-    d; memory None or an int > 0."""
+def linear_cross_entropy(x, weight, tgt, bias, memory, same_dtype: bool = True) -> None:
+    """x (..., d), weight (V, d), bias (V,) or None: floating, on one device, of one dtype (``same_dtype``;
+    under autocast linear_dtypes checks it after the cast); target x's shape without d; memory None or an
+    int > 0."""
     fn = "linear_cross_entropy"
     for name, t in (("x", x), ("weight", weight), ("target", tgt)):
         if not isinstance(t, torch.Tensor):
@@ -155,8 +156,10 @@ def linear_cross_entropy(x, weight, tgt, bias, memory) -> None:
     if bias is not None and tuple(bias.shape) != (weight.shape[0],):
         raise ValueError(f"{fn}: bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}")
     for name, t in (("weight", weight), ("bias", bias)):
-        if t is not None and t.dtype != x.dtype:
-            raise TypeError(f"{fn}: {name} is {t.dtype} but x is {x.dtype} (one dtype, as F.linear needs)")
+        if t is not None and not t.dtype.is_floating_point:
+            raise TypeError(f"{fn}: {name} must be floating point, got {t.dtype}")
+    if same_dtype:
+        linear_dtypes(x, weight, bias)
     for name, t in (("weight", weight), ("target", tgt), ("bias", bias)):
         if t is not None and t.device != x.device:
             raise ValueError(f"{fn}: {name} is on {t.device} but x on {x.device}")
@@ -168,3 +171,11 @@ def linear_cross_entropy(x, weight, tgt, bias, memory) -> None:
         raise ValueError(f"{fn}: target has shape {tuple(tgt.shape)}, expected x's without d, {tuple(x.shape[:-1])}")
     if memory is not None and (isinstance(memory, bool) or not isinstance(memory, int) or memory < 1):
         raise ValueError(f"{fn}: memory must be None or a positive int (bytes of logits a chunk holds), got {memory!r}")
+
+
+def linear_dtypes(x, weight, bias) -> None:
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None and t.dtype != x.dtype:
+            raise TypeError(
+                f"linear_cross_entropy: {name} is {t.dtype} but x is {x.dtype} (one dtype, as F.linear needs)"
+            )

@@ -87,10 +87,15 @@ def loss_dtype(logits: torch.Tensor) -> torch.dtype:
     return logits.dtype
 
 
+def autocasting(device_type: str) -> bool:
+    """Whether autocast is on for this device type."""
+    return any_autocast() and _autocast_on(device_type)
+
+
 def autocast_linear(x, weight, bias):
     """x, weight and bias cast to the autocast dtype where autocast is on for their device (F.linear's
     policy: floating tensors other than float64); as given otherwise."""
-    if not (any_autocast() and _autocast_on(x.device.type)):
+    if not autocasting(x.device.type):
         return x, weight, bias
     dt = (
         torch.get_autocast_dtype(x.device.type)

@@ -363,13 +363,15 @@ def linear_cross_entropy(
     x (..., d), weight (V, d), bias (V,) or None, target x's shape without d; the options as
     fs.cross_entropy's. memory: bytes of logits a chunk may hold (None: chosen from the problem and the free
     memory). return_z_loss=True returns (loss, the z-loss term alone)."""
-    if isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor):  # (mixed dtypes are fine under autocast)
-        x, weight, bias = compose.autocast_linear(x, weight, bias)  # as F.linear under autocast
-    checks.linear_cross_entropy(x, weight, target, bias, memory)
+    autocast = isinstance(x, torch.Tensor) and compose.autocasting(x.device.type)  # (mixed dtypes allowed then)
+    checks.linear_cross_entropy(x, weight, target, bias, memory, same_dtype=not autocast)
     checks.cross_entropy_options("linear_cross_entropy", ignore_index, reduction, label_smoothing, backend)
     checks.loss_extras(
         "linear_cross_entropy", (weight.shape[0], weight.device), class_weight, softcap, z_loss, return_z_loss
     )
+    if autocast:  # as F.linear under autocast: x, W and b in the autocast dtype, then one dtype for them
+        x, weight, bias = compose.autocast_linear(x, weight, bias)
+        checks.linear_dtypes(x, weight, bias)
     out_dtype = compose.loss_dtype(x)
     x2, t = x.reshape(target.numel(), x.shape[-1]), target.reshape(-1)  # (d may be 0)
     if t.numel() > 1 and t.stride(0) != 1:
