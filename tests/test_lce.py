@@ -630,3 +630,21 @@ def test_errors_before_launch(device):
         assert heuristics.last_plan() is sentinel, f"case {i} ran something before raising"
     with pytest.raises((TypeError, ValueError)):
         fs.LinearCrossEntropy(8, 9, reduction="avg")(x, t)
+
+
+def test_fake_tensors():
+    """Under FakeTensorMode (no data: the custom op's fake implementation) both designs give the loss's
+    shape and dtype and gradients shaped like x and W, the options included."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x = torch.randn(6, 8, requires_grad=True)
+        w = torch.randn(11, 8, requires_grad=True)
+        t = torch.randint(0, 11, (6,))
+        for reduction, shape in (("mean", ()), ("none", (6,))):
+            loss, z = fs.linear_cross_entropy(
+                x, w, t, reduction=reduction, class_weight=torch.rand(11), softcap=5.0, z_loss=1e-3, return_z_loss=True
+            )
+            assert loss.shape == z.shape == shape and loss.dtype == torch.float32
+            dx, dw = torch.autograd.grad(loss.sum(), (x, w))
+            assert dx.shape == x.shape and dw.shape == w.shape

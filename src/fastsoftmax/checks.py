@@ -165,10 +165,7 @@ def linear_cross_entropy(x, weight, tgt, bias, memory, same_dtype: bool = True) 
             raise ValueError(f"{fn}: {name} is on {t.device} but x on {x.device}")
     if x.device.type not in dispatch.DEVICES and x.device.type != "meta":
         raise RuntimeError(f"{fn}: no path for tensors on device '{x.device}' (cuda and cpu tensors run)")
-    if tgt.dtype not in dtypes.TARGETS:
-        raise TypeError(f"{fn}: target must hold class indices (an integer dtype), got {tgt.dtype}")
-    if tuple(tgt.shape) != tuple(x.shape[:-1]):
-        raise ValueError(f"{fn}: target has shape {tuple(tgt.shape)}, expected x's without d, {tuple(x.shape[:-1])}")
+    target(fn, x, tgt)  # (x's shape without d, as the logits' without the classes)
     if memory is not None and (isinstance(memory, bool) or not isinstance(memory, int) or memory < 1):
         raise ValueError(f"{fn}: memory must be None or a positive int (bytes of logits a chunk holds), got {memory!r}")
 

@@ -14,7 +14,7 @@ import torch
 
 from . import dtypes, fastpath, heuristics, masking
 from .backends.cuda import CudaBackend
-from .backends.torch import TorchBackend, reduce_loss, row_grad
+from .backends.torch import TorchBackend
 from .backends.triton import TritonBackend
 from .errors import BackendFailed
 from .heuristics import device, tables
@@ -206,10 +206,15 @@ def flat(logits, target):
     x = logits.reshape(-1, v)
     if x.stride(-1) != 1:
         x = x.contiguous()
+    return x, flat_target(target)
+
+
+def flat_target(target):
+    """The targets as (M,) in memory order (a strided or expanded target is copied: M integers)."""
     t = target.reshape(-1)
     if t.numel() > 1 and t.stride(0) != 1:
         t = t.contiguous()
-    return x, t
+    return t
 
 
 def assert_targets(t: torch.Tensor, v, ignore_index: int) -> None:
@@ -273,10 +278,9 @@ __all__ = [
     "cross_entropy",
     "cross_entropy_backward",
     "flat",
+    "flat_target",
     "loss_backend",
     "raise_bad_targets",
-    "reduce_loss",
-    "row_grad",
     "select",
     "softmax",
     "softmax_backward",

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from . import checks, dtypes
-from .backends.torch import dlogits_torch, reduce_loss, row_grad
+from .backends.torch import dlogits_torch, reduce_terms, row_grads
 from .dispatch import assert_targets
 from .reference import logsumexp_torch
 
@@ -174,7 +174,8 @@ class _CrossEntropy(torch.autograd.Function):
         loss = torch.where(keep, loss, 0.0)
         ctx.save_for_backward(x, target, lse_g, offset, v_total)
         ctx.args = (ignore_index, reduction, smoothing)
-        out = reduce_loss(loss, keep.sum(), reduction, x.dtype)
+        kept = keep.sum()
+        out = reduce_terms(loss, None, kept, kept, reduction, x.dtype)[0]
         return out.reshape(target.shape) if reduction == "none" else out
 
     @staticmethod
@@ -182,7 +183,8 @@ class _CrossEntropy(torch.autograd.Function):
         x, target, lse, offset, v_total = ctx.saved_tensors
         ignore_index, reduction, smoothing = ctx.args
         t = target.reshape(-1).long()
-        g = row_grad(grad, (t != ignore_index).sum(), reduction, t.shape[0]).to(lse.dtype)
+        kept = (t != ignore_index).sum()
+        g = row_grads(grad, kept, kept, reduction, t.shape[0])[0].to(lse.dtype)
         dx = dlogits_torch(x.reshape(t.shape[0], x.shape[-1]), t, lse, g, ignore_index, smoothing, offset, v_total)
         return dx.to(x.dtype).reshape(x.shape), None, None, None, None, None
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from . import checks, compose, dispatch, heuristics, ops
+from . import checks, compose, dispatch, heuristics, ops, options
 from .backends.torch import dlogits_options, kept_rows, loss_rows_torch, reduce_terms, row_grads
 from .heuristics import lm_head as rules
 from .heuristics.device import selected
@@ -36,11 +36,11 @@ class _TritonLoss:
     name = "triton"
 
     def __init__(self, x, t, w, o, v: int):
-        from .backends.triton import _ce_shape, kernels  # noqa: PLC0415 (the kernels import Triton)
+        from .backends.triton import ce_shape, kernels  # noqa: PLC0415 (the kernels import Triton)
 
         self.k, self.t, self.w, self.o = kernels("cross_entropy"), t, w, o
         probe = x.new_empty((1, v))
-        self.fwd_shape, self.bwd_shape = _ce_shape(probe, False), _ce_shape(probe, True)
+        self.fwd_shape, self.bwd_shape = ce_shape(probe, False), ce_shape(probe, True)
         self.wsum = self.k.weight_sum(o, w, t)  # (t: a placeholder pointer where no sum is read)
 
     def start(self, stats, rows_loss, rows_z, n: int, v: int):
@@ -117,8 +117,8 @@ def _sweep(x, weight, bias, t, cw, o, backend, memory, design, wants, g=None, st
     k = loss_impl(x, t, cw, o, v)
     if forward:
         stats = torch.empty(n + 3, dtype=wide, device=x.device)
-        rows_loss = torch.zeros(n, dtype=wide, device=x.device)
-        rows_z = torch.zeros(n, dtype=wide, device=x.device)  # (stays 0 without a z-loss)
+        rows_loss = torch.empty(n, dtype=wide, device=x.device)
+        rows_z = torch.empty(n, dtype=wide, device=x.device)  # (unread without a z-loss on the Triton path)
         if heuristics.poisoning():
             stats.fill_(float("nan"))
         k.start(stats, rows_loss, rows_z, n, v)
@@ -196,7 +196,7 @@ def _lce(
     """(loss, z-loss, stats, dx, dw, db) of 2-d x and 1-d targets (checked by the public function; memory 0:
     the rule's choice): the gradients for a unit upstream gradient where lce_chunked computed them, else
     empty."""
-    o = ops.loss_options(ignore_index, reduction, label_smoothing, softcap, z_loss)
+    o = options.Loss(ignore_index, reduction, label_smoothing, softcap, z_loss)
     if why := storage_problem(x, weight, target, bias, class_weight):
         raise RuntimeError(f"linear_cross_entropy: {why}")
     wants = (want_x, want_w, want_b and bias is not None)
@@ -319,7 +319,7 @@ def _lce_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """lce_recompute's backward: (dx, dw, db) for ``grad``, the loss's upstream gradient (empty where not
     wanted)."""
-    o = ops.loss_options(ignore_index, reduction, label_smoothing, softcap, z_loss)
+    o = options.Loss(ignore_index, reduction, label_smoothing, softcap, z_loss)
     wide = stats.dtype
     g = grad.reshape(-1).to(wide).contiguous() if reduction == "none" else grad.reshape(()).to(wide)
     cw = class_weight.contiguous() if class_weight is not None else None
@@ -373,9 +373,7 @@ def linear_cross_entropy(
         x, weight, bias = compose.autocast_linear(x, weight, bias)
         checks.linear_dtypes(x, weight, bias)
     out_dtype = compose.loss_dtype(x)
-    x2, t = x.reshape(target.numel(), x.shape[-1]), target.reshape(-1)  # (d may be 0)
-    if t.numel() > 1 and t.stride(0) != 1:
-        t = t.contiguous()
+    x2, t = x.reshape(target.numel(), x.shape[-1]), dispatch.flat_target(target)  # (d may be 0)
     grad_on = torch.is_grad_enabled()
     wants = (grad_on and x.requires_grad, grad_on and weight.requires_grad)
     wants += (grad_on and bias is not None and bias.requires_grad,)

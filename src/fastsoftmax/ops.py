@@ -327,10 +327,6 @@ softmax_backward_masked = Op(
 # options.Loss gathers them again below the op.
 
 
-def loss_options(ignore_index, reduction, label_smoothing, softcap, z_loss) -> options.Loss:
-    return options.Loss(ignore_index, reduction, label_smoothing, softcap, z_loss)
-
-
 def _ce(
     logits: torch.Tensor,
     target: torch.Tensor,
@@ -353,7 +349,7 @@ def _ce(
 def _ce_plain(
     logits, target, class_weight, ignore_index, reduction, label_smoothing, softcap, z_loss, backend, out_dtype
 ):
-    o = loss_options(ignore_index, reduction, label_smoothing, softcap, z_loss)
+    o = options.Loss(ignore_index, reduction, label_smoothing, softcap, z_loss)
     return dispatch.cross_entropy(logits, target, class_weight, o, backend, out_dtype)
 
 
@@ -389,7 +385,7 @@ def _ce_grad(ctx, grad_loss, _grad_z, _grad_stats):
 def dlogits_differentiable(logits, target, class_weight, stats, grad, *opts):
     """dlogits in torch ops, differentiable in the logits (the logsumexp recomputed from them, not the saved
     one: the Hessian's -p p^T term) and in grad: create_graph=True and torch.func transforms."""
-    o = loss_options(*opts)
+    o = options.Loss(*opts)
     x, t = dispatch.flat(logits, target)
     m = x.shape[0]
     g_ce, g_z = row_grads(grad, stats[m], stats[m + 2], o.reduction, m)
@@ -403,7 +399,7 @@ def ce_composite(logits, target, class_weight, ignore_index, reduction, smoothin
     targets are checked where they are plain tensors (a batched one cannot be read: its gather raises on a
     bad index)."""
     heuristics.record(heuristics.Plan("torch", "composite"))
-    o = loss_options(ignore_index, reduction, smoothing, softcap, z_loss)
+    o = options.Loss(ignore_index, reduction, smoothing, softcap, z_loss)
     x, t = logits.reshape(-1, logits.shape[-1]), target.reshape(-1)
     if not torch._C._functorch.is_functorch_wrapped_tensor(t):
         dispatch.assert_targets(t, x.shape[-1], ignore_index)
@@ -440,7 +436,7 @@ def _ce_backward(
     z_loss: float,
     backend: str,
 ) -> torch.Tensor:
-    o = loss_options(ignore_index, reduction, label_smoothing, softcap, z_loss)
+    o = options.Loss(ignore_index, reduction, label_smoothing, softcap, z_loss)
     return dispatch.cross_entropy_backward(logits, target, class_weight, stats, grad, o, backend)
 
 

@@ -89,7 +89,11 @@ def kept_rows(t, ignore_index: int, w, v: int, dtype):
 
 def reduce_terms(ce, zr, kept, w_kept, reduction: str, out_dtype):
     """(loss, z-loss) as the reduction asks: the mean divides ce by the rows' weight and z-loss by their
-    number (as Liger's lse_square_scale; the same without class weights)."""
+    number (as Liger's lse_square_scale; the same without class weights). zr None: no z-loss term (the
+    z-loss returned is then None)."""
+    if zr is None:
+        zr = torch.zeros((), dtype=ce.dtype, device=ce.device)
+        return reduce_terms(ce, zr, kept, w_kept, reduction, out_dtype)[0], None
     if reduction == "none":
         return (ce + zr).to(out_dtype), zr.to(out_dtype)
     c, z = ce.sum(), zr.sum()
@@ -152,23 +156,3 @@ def dlogits_torch(x, t, lse, g, ignore_index: int, smoothing: float, offset: int
     n = x.shape[-1] if v_total is None else v_total  # a 0-d tensor for a vocabulary split across ranks
     d = p - (1 - smoothing) * hot.to(p.dtype) - smoothing / (n.to(p.dtype) if isinstance(n, torch.Tensor) else n)
     return torch.where(keep[:, None], d * g.to(d.dtype)[:, None], 0.0)
-
-
-def reduce_loss(loss_rows, kept, reduction, out_dtype):
-    """``kept``: the number of rows not ignored (a 0-d tensor), the mean's divisor."""
-    if reduction == "none":
-        return loss_rows.to(out_dtype)
-    total = loss_rows.sum()
-    if reduction == "sum":
-        return total.to(out_dtype)
-    return (total / kept).to(out_dtype)
-
-
-def row_grad(grad, kept, reduction, m):
-    """The upstream gradient of each row's loss (``kept``: as reduce_loss's)."""
-    if reduction == "none":
-        return grad.reshape(m)
-    g = grad.reshape(()).expand(m)
-    if reduction == "mean":
-        g = g / kept
-    return g

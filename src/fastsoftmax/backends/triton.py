@@ -110,12 +110,12 @@ class TritonBackend:
         return dx
 
     def cross_entropy(self, x, t, w, o, out_dtype):
-        shape = _ce_shape(x, backward=False)
+        shape = ce_shape(x, backward=False)
         with selected(x):
             return kernels("cross_entropy").forward(x, t, w, o, out_dtype, shape)
 
     def cross_entropy_backward(self, x, t, w, stats, grad, o, out_dtype):
-        shape = _ce_shape(x, backward=True)
+        shape = ce_shape(x, backward=True)
         g = grad.reshape(x.shape[0]) if o.reduction == "none" else grad.reshape(())
         dx = torch.empty(x.shape, dtype=out_dtype, device=x.device)
         with selected(x):
@@ -123,7 +123,7 @@ class TritonBackend:
         return dx
 
 
-def _ce_shape(x, backward: bool) -> tuple[int, int, int]:
+def ce_shape(x, backward: bool) -> tuple[int, int, int]:
     """(ROWS, BLOCK_N, num_warps) of the cross-entropy kernels: the rule, or what heuristics.force() sets
     (rows=, block_n=, num_warps=); recorded."""
     rows, block, warps = ce_rules.launch_shape(x.shape[-1], x.element_size(), backward)
