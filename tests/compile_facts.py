@@ -102,7 +102,7 @@ def ce_facts():
     for dtype in ("bfloat16", "float32"):
         for v in (32000, 50257, 151936):
             for backward in (False, True):
-                rows, block, warps = ce_rules.launch_shape(v, 4 if dtype == "float32" else 2, backward)
+                rows, block, warps, _ = ce_rules.launch_shape(v, 4 if dtype == "float32" else 2, backward)
                 kernel = ce.ce_bwd if backward else ce.ce_fwd
                 ptrs = {
                     "x_ptr": ty[dtype],
@@ -119,7 +119,7 @@ def ce_facts():
                 # fs.cross_entropy with smoothing, no class weights, softcap or z-loss
                 consts = {"ROWS": rows, "BLOCK_N": block, "SMOOTH": True, "MEAN": True}
                 consts |= {"WEIGHT": False, "SOFTCAP": False, "ZLOSS": False}
-                ints = {"v": v, "sx": v, "sdx": v}
+                ints = {"v": v, "sx": v, "sdx": v, "span": block * ce_rules.BWD_SEGMENT_CHUNKS}
                 names = kernel.arg_names
                 sig = {
                     k: "constexpr"

@@ -2,6 +2,8 @@
 label smoothing, odd vocabularies, (B, T, V) logits, every dtype, values and gradients, the Triton kernels
 (interpreter on CPU, compiled with --device cuda) and the torch path; errors before launch."""
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -45,21 +47,48 @@ def test_matches_torch(device, backend, v, dtype):
             torch.testing.assert_close(dx.double(), dref, rtol=rtol, atol=atol)
 
 
-@pytest.mark.parametrize("rows,block_n,num_warps", [(1, 256, 2), (4, 1024, 4), (2, 8192, 8)])
-def test_forced_launch_shapes(device, rows, block_n, num_warps):
+def test_backward_segments_rule(device):
+    """The rule cuts backward rows into segments of at most BWD_SEGMENT_CHUNKS chunks (the forward never), and
+    the plan a call records is the rule's: 1024 x 256000 bf16 rows of 63 chunks of 4096."""
+    from fastsoftmax.heuristics import cross_entropy as ce_rules
+
+    per = ce_rules.BWD_SEGMENT_CHUNKS
+    assert ce_rules.launch_shape(256000, 2, True) == (1, 4096, 16, -(-63 // per))
+    assert ce_rules.launch_shape(256000, 2, False)[3] == 1
+    assert ce_rules.launch_shape(4096 * per, 4, True)[3] == 1  # fp32: 16384-wide chunks
+    assert ce_rules.launch_shape(3001, 2, True)[3] == 1
+    v = 4096 * per + 5  # one chunk past a segment: two segments
+    x, t = data(device, torch.bfloat16, (3,), v)
+    xg = x.clone().requires_grad_()
+    with heuristics.recording() as plans:  # the backward's plan, recorded on autograd's thread on CUDA
+        loss = fs.cross_entropy(xg, t, backend="triton")
+        (dx,) = torch.autograd.grad(loss, xg)
+    assert [p.splits for p in plans] == [1, 2]
+    x64 = x.double().requires_grad_()
+    (dref,) = torch.autograd.grad(F.cross_entropy(x64, t), x64)
+    torch.testing.assert_close(dx.double(), dref, rtol=TOL[torch.bfloat16][0], atol=TOL[torch.bfloat16][1])
+
+
+@pytest.mark.parametrize(
+    "rows,block_n,num_warps,splits,ran",
+    [(1, 256, 2, 5, 4), (4, 1024, 4, 3, 3), (2, 8192, 8, 2, 1), (1, 256, 4, 12, 12)],
+)
+def test_forced_launch_shapes(device, rows, block_n, num_warps, splits, ran):
     """Every launch shape the rule or a tuning sweep can give (several rows a program, chunks shorter and
-    longer than the row) computes the same loss and dlogits; the recorded plan is the forced one."""
+    longer than the row, rows cut into segments: 12 chunks of 256 in 5 asked segments are 4 of 3 chunks)
+    computes the same loss and dlogits; the recorded plan is the forced one, with the segments launched."""
     x, t = data(device, torch.bfloat16, (7,), 3001)
     x64 = x.double().requires_grad_()
     ref = F.cross_entropy(x64, t, label_smoothing=0.1)
     (dref,) = torch.autograd.grad(ref, x64)
     xg = x.clone().requires_grad_()
-    with heuristics.force(rows=rows, block_n=block_n, num_warps=num_warps, poison=True):
+    with heuristics.force(rows=rows, block_n=block_n, num_warps=num_warps, splits=splits, poison=True):
         loss = fs.cross_entropy(xg, t, label_smoothing=0.1, backend="triton")
         want = heuristics.Plan("triton", "cross_entropy", block_n=block_n, rows=rows, num_warps=num_warps)
-        assert heuristics.last_plan() == want
-        (dx,) = torch.autograd.grad(loss, xg)
-        assert heuristics.last_plan() == want
+        assert heuristics.last_plan() == want  # the forward: one segment a row
+        with heuristics.recording() as plans:  # (on CUDA the backward runs on autograd's thread)
+            (dx,) = torch.autograd.grad(loss, xg)
+        assert plans == [dataclasses.replace(want, splits=ran)]
     rtol, atol = TOL[torch.bfloat16]
     torch.testing.assert_close(loss.double(), ref.detach(), rtol=rtol, atol=atol * 10)
     torch.testing.assert_close(dx.double(), dref, rtol=rtol, atol=atol)

@@ -285,7 +285,7 @@ def bench(args) -> int:
     if args.ce:
         impls = args.impls.split(",") if args.impls else list(b.CE_IMPLS)
         shapes = b.CE_SUITE if args.shapes == "suite" else b.parse_shapes(args.shapes)
-        b.write_json(b.run_ce(shapes, args.dtypes.split(","), impls, device), args.json)
+        b.write_json(b.run_ce(shapes, args.dtypes.split(","), impls, device, graph=args.graph == "always"), args.json)
         return 0
     if args.masked:
         impls = args.impls.split(",") if args.impls else list(b.MASKED_IMPLS)
@@ -348,7 +348,7 @@ def main(argv=None) -> int:
         "--graph",
         default="auto",
         choices=["auto", "always", "never"],
-        help="CUDA-graph timing too: auto = shapes under 2^24 elements",
+        help="CUDA-graph timing too: auto = shapes under 2^24 elements (--ce: only always)",
     )
     b.add_argument("--json", default=None, help="write every record to this JSON file")
     b.add_argument("--plot", default=None, help="write GB/s against N to this PNG (needs matplotlib)")

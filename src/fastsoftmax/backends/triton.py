@@ -123,12 +123,16 @@ class TritonBackend:
         return dx
 
 
-def ce_shape(x, backward: bool) -> tuple[int, int, int]:
-    """(ROWS, BLOCK_N, num_warps) of the cross-entropy kernels: the rule, or what heuristics.force() sets
-    (rows=, block_n=, num_warps=); recorded."""
-    rows, block, warps = ce_rules.launch_shape(x.shape[-1], x.element_size(), backward)
+def ce_shape(x, backward: bool) -> tuple[int, int, int, int]:
+    """(ROWS, BLOCK_N, num_warps, splits) of the cross-entropy kernels: the rule, or what heuristics.force()
+    sets (rows=, block_n=, num_warps=, splits=: segments per row, backward only); recorded."""
+    rows, block, warps, splits = ce_rules.launch_shape(x.shape[-1], x.element_size(), backward)
     f = heuristics.forced()
     if f:
         rows, block, warps = f.get("rows", rows), f.get("block_n", block), f.get("num_warps", warps)
-    heuristics.record(heuristics.Plan("triton", "cross_entropy", block_n=block, rows=rows, num_warps=warps))
-    return rows, block, warps
+        splits = f.get("splits", splits) if backward else 1
+    chunks = -(-x.shape[-1] // block)
+    splits = -(-chunks // -(-chunks // splits))  # as many as rows_backward launches: none empty
+    plan = heuristics.Plan("triton", "cross_entropy", block_n=block, rows=rows, num_warps=warps, splits=splits)
+    heuristics.record(plan)
+    return rows, block, warps, splits

@@ -364,10 +364,13 @@ def run_ce(
     impls: Sequence[str],
     device: str = "cuda",
     out: TextIO | None = sys.stdout,
+    graph: bool = False,
 ) -> dict:
     """Forward (loss only) and forward + backward (loss, then dlogits) per implementation. GB/s: the bytes
     the step must move at least (forward: the logits once; forward + backward: logits twice, dlogits once),
-    the same count for every implementation, so ratios are time ratios."""
+    the same count for every implementation, so ratios are time ratios. ``graph``: each step replayed from
+    a CUDA graph too (GPU time without the host's; an implementation that cannot be captured keeps its
+    eager figure and says why in ``error``)."""
     import torch.nn.functional as F
 
     copy = copy_gbps(device)
@@ -400,11 +403,17 @@ def run_ce(
                             fn = lambda f=f, x=x, t=t: f(x, t)  # noqa: E731
                         else:
                             fn = lambda f=f, x=x, t=t: torch.autograd.grad(f(x, t), x)  # noqa: E731
+                        nbytes = (1 if pass_ == "fwd" else 3) * x0.numel() * x0.element_size()
                         with torch.no_grad() if pass_ == "fwd" else contextlib.nullcontext():
                             rec.ms = time_ms(fn, device)
-                        nbytes = (1 if pass_ == "fwd" else 3) * x0.numel() * x0.element_size()
-                        rec.gbps = nbytes / rec.ms / 1e6
-                        rec.ok = True
+                            rec.gbps = nbytes / rec.ms / 1e6
+                            rec.ok = True
+                            if graph:
+                                try:
+                                    rec.graph_ms = time_ms(graphed(fn), device)
+                                    rec.graph_gbps = nbytes / rec.graph_ms / 1e6
+                                except Exception as e:  # eager figure kept
+                                    rec.error = f"graph: {type(e).__name__}: {str(e).strip()[:200]}"
                     except Exception as e:  # recorded with its reason
                         rec.error = f"{type(e).__name__}: {str(e).strip()[:200]}"
                     records.append(rec)

@@ -95,8 +95,25 @@ def overridden() -> bool:
     return _force is not None
 
 
+_plans: list | None = None
+
+
+@contextmanager
+def recording():
+    """Within the block, the plan of every call on any thread (autograd's backward thread too) is appended to
+    the list this yields, in order: a test hook for the backward's plan on CUDA."""
+    global _plans
+    old, _plans = _plans, []
+    try:
+        yield _plans
+    finally:
+        _plans = old
+
+
 def record(plan: Plan) -> Plan:
     _state.last = plan
+    if _plans is not None:
+        _plans.append(plan)
     return plan
 
 

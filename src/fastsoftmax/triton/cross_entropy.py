@@ -195,6 +195,7 @@ def ce_bwd(
     sx,
     sdx,
     g_stride,
+    span,
     ignore_index,
     smoothing,
     cap,
@@ -209,7 +210,9 @@ def ce_bwd(
 ):
     """g_ptr: the upstream gradient, per row (g_stride 1) or one for all rows (g_stride 0); MEAN divides it by
     the weight of the rows kept (ce) and their number (z-loss), which ce_finish left at cnt_ptr[2] and
-    cnt_ptr[0]. dx_ptr may be x_ptr (in place: each element is read, then written, by one program)."""
+    cnt_ptr[0]. dx_ptr may be x_ptr (in place: each element is read, then written, by one program). The second
+    grid axis splits each row into segments of ``span`` columns (a multiple of BLOCK_N), one program each:
+    dlogits need no reduction along the row, so few long rows still fill the GPU."""
     row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     row_ok = row < n_rows
     t = tl.load(t_ptr + row, mask=row_ok, other=ignore_index).to(tl.int64)
@@ -239,26 +242,32 @@ def ce_bwd(
     if ZLOSS:
         a += g_z * 2.0 * zl * lse
     lse_safe = safe_max(lse)  # an all -inf row: exp(-inf - 0) = 0
+    seg0 = tl.program_id(1).to(tl.int64) * span  # this segment's first column (a scalar: columns stay int32)
+    width = tl.minimum(span, v - seg0).to(tl.int32)
+    t_here = tl.where(inside, t - seg0, -1)
+    t_here = tl.where((t_here >= 0) & (t_here < width), t_here, -1).to(tl.int32)
+    xs = x_ptr + row[:, None] * sx + seg0
+    dxs = dx_ptr + row[:, None] * sdx + seg0
     c = tl.arange(0, BLOCK_N)[None, :]
-    for j in range(0, tl.cdiv(v, BLOCK_N)):
+    for j in range(0, tl.cdiv(width, BLOCK_N)):
         cols = j * BLOCK_N + c
-        ok = row_ok[:, None] & (cols < v)
-        z = tl.load(x_ptr + row[:, None] * sx + cols, mask=ok, other=float("-inf")).to(tl.float32)
+        ok = row_ok[:, None] & (cols < width)
+        z = tl.load(xs + cols, mask=ok, other=float("-inf")).to(tl.float32)
         if SOFTCAP:
             z = tl.where(ok, softcapped(z, cap), float("-inf"))
         p = row_exp(z - lse_safe[:, None])
-        hot = (cols == t[:, None]).to(tl.float32)
+        hot = (cols == t_here[:, None]).to(tl.float32)
         d = a[:, None] * p - b[:, None] * hot
         if SMOOTH:
             if WEIGHT:
-                d -= cc[:, None] * tl.load(w_ptr + cols, mask=cols < v, other=0.0).to(tl.float32)
+                d -= cc[:, None] * tl.load(w_ptr + seg0 + cols, mask=cols < width, other=0.0).to(tl.float32)
             else:
                 d -= cc[:, None]
         if SOFTCAP:
             r = z / cap
             d = d * (1.0 - r * r)
         d = tl.where(keep[:, None], d, 0.0)
-        tl.store(dx_ptr + row[:, None] * sdx + cols, d.to(dx_ptr.dtype.element_ty), mask=ok)
+        tl.store(dxs + cols, d.to(dx_ptr.dtype.element_ty), mask=ok)
 
 
 FINISH_BLOCK = 1024
@@ -284,7 +293,7 @@ def weight_sum(o, w, like):
 def rows_forward(x, t, w, wsum, o, rows_loss, rows_z, lse, shape) -> None:
     """ce_fwd over (M, V) logits x into the (M,) buffers: each row's ce, z-loss and logsumexp."""
     m, v = x.shape
-    rows, block, warps = shape
+    rows, block, warps, _ = shape
     eps, cap, zl = _scalars(o)
     launch(
         ce_fwd,
@@ -317,19 +326,21 @@ def rows_backward(x, t, w, wsum, lse, tail, g, o, dx, shape) -> None:
     """ce_bwd: dlogits of (M, V) logits x into dx (may be x) from the rows' logsumexp, the counts (tail, as
     finish writes them) and g: (M,) per row, or a 0-d tensor for every row (divided for the mean)."""
     m, v = x.shape
-    rows, block, warps = shape
+    rows, block, warps, splits = shape
+    chunks = -(-v // block)
+    per = -(-chunks // splits)  # chunks per segment; the last segment may be shorter
     eps, cap, zl = _scalars(o)
     args = (x, t, w if w is not None else x, wsum, lse, tail, g, dx, m, v, x.stride(0), dx.stride(0))
-    args += (g.stride(0) if g.dim() else 0, o.ignore_index, eps, cap, zl)
+    args += (g.stride(0) if g.dim() else 0, per * block, o.ignore_index, eps, cap, zl)
     meta = dict(ROWS=rows, BLOCK_N=block, MEAN=o.reduction == "mean", num_warps=warps, **_flags(o, w))
-    launch(ce_bwd, (-(-m // rows),), args, meta)
+    launch(ce_bwd, (-(-m // rows), -(-chunks // per)), args, meta)
 
 
-def forward(x, t, w, o, out_dtype, shape: tuple[int, int, int]):
+def forward(x, t, w, o, out_dtype, shape: tuple[int, int, int, int]):
     """(loss, z-loss, stats) of (M, V) logits x (unit stride along V) and (M,) targets: loss and z-loss as
     the reduction asks (rows, or scalars) in out_dtype; stats (M + 3,) fp32: each row's logsumexp, then the
     rows not ignored, 1.0 if every target not ignored is in [0, V) (else 0.0), the weight of the rows kept.
-    ``w``: the class weights or None; ``o``: the loss options; ``shape``: (ROWS, BLOCK_N, num_warps)."""
+    ``w``: the class weights or None; ``o``: the loss options; ``shape``: (ROWS, BLOCK_N, num_warps, splits)."""
     import torch
 
     m, v = x.shape
@@ -346,7 +357,7 @@ def forward(x, t, w, o, out_dtype, shape: tuple[int, int, int]):
     return out, zout, stats
 
 
-def backward(x, t, w, stats, g, o, dx, shape: tuple[int, int, int]):
+def backward(x, t, w, stats, g, o, dx, shape: tuple[int, int, int, int]):
     """Write dlogits of (M, V) logits x into dx from the forward's stats and the upstream gradient g."""
     m = x.shape[0]
     if poisoning():

@@ -1,0 +1,95 @@
+"""Host time per eager call (wall time, the GPU kept ahead of the host) of fs.softmax, fs.log_softmax, their
+backward, fs.cross_entropy forward and forward + backward, beside torch's, on 1x4096 and 8x4096 fp32/bf16
+(issue: portability, host time <= torch's) and on the cross-entropy suite's 1024x256000; then cProfile's
+top functions of fs.cross_entropy forward + backward. Usage: python dev/host_calls.py [OUT.json] [profile]"""
+
+import cProfile
+import io
+import json
+import pstats
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+import fastsoftmax as fs
+
+
+def host_us(fn, calls: int = 500) -> float:
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    wall = time.perf_counter() - t
+    torch.cuda.synchronize()
+    return wall / calls * 1e6
+
+
+def cases(m: int, v: int, dtype: torch.dtype) -> dict:
+    x = torch.randn(m, v, device="cuda", dtype=dtype)
+    t = torch.randint(0, v, (m,), device="cuda")
+    xg = x.clone().requires_grad_()
+    y = torch.softmax(x, -1)
+    dy = torch.randn_like(y)
+    return {
+        "softmax": (lambda: fs.softmax(x, -1), lambda: torch.softmax(x, -1)),
+        "log_softmax": (lambda: fs.log_softmax(x, -1), lambda: torch.log_softmax(x, -1)),
+        "softmax_backward": (
+            lambda: fs.softmax_backward(dy, y, -1),
+            lambda: torch._softmax_backward_data(dy, y, -1, dtype),
+        ),
+        "cross_entropy": (lambda: fs.cross_entropy(x, t), lambda: F.cross_entropy(x, t)),
+        "cross_entropy_fwd_bwd": (
+            lambda: torch.autograd.grad(fs.cross_entropy(xg, t), xg),
+            lambda: torch.autograd.grad(F.cross_entropy(xg, t), xg),
+        ),
+    }
+
+
+def main() -> None:
+    out = sys.argv[1] if len(sys.argv) > 1 and sys.argv[1] != "profile" else None
+    records = []
+    for m, v in ((1, 4096), (8, 4096), (1024, 256000)):
+        for dtype in (torch.float32, torch.bfloat16):
+            for name, (ours, theirs) in cases(m, v, dtype).items():
+                if m == 1024 and not name.startswith("cross_entropy"):
+                    continue
+                calls = 50 if m == 1024 else 500
+                rec = dict(case=name, M=m, N=v, dtype=str(dtype).split(".")[-1])
+                rec |= dict(fastsoftmax_us=host_us(ours, calls), torch_us=host_us(theirs, calls))
+                print(json.dumps(rec), flush=True)
+                records.append(rec)
+    if out:
+        doc = dict(what="host us per eager call", torch=torch.__version__, device=torch.cuda.get_device_name())
+        with open(out, "w") as f:
+            json.dump(doc | dict(records=records), f, indent=1)
+    if "profile" in sys.argv:
+        from fastsoftmax import ops
+
+        x = torch.randn(8, 4096, device="cuda", dtype=torch.bfloat16)
+        t = torch.randint(0, 4096, (8,), device="cuda")
+        opts = (-100, "mean", 0.0, None, 0.0)
+        _, _, stats = ops.cross_entropy(x, t, None, *opts, "auto", torch.float32)
+        g = torch.ones((), device="cuda")
+        xg = x.clone().requires_grad_()
+        steps = {  # (the backward on this thread: autograd's CUDA thread is not profiled)
+            "forward": lambda: fs.cross_entropy(xg, t),
+            "backward op": lambda: ops.cross_entropy_backward(x, t, None, stats, g, *opts, "auto"),
+        }
+        for name, fn in steps.items():
+            print(f"{name}: {host_us(fn):.1f} us per call")
+            p = cProfile.Profile()
+            p.enable()
+            for _ in range(200):
+                fn()
+            p.disable()
+            torch.cuda.synchronize()
+            s = io.StringIO()
+            pstats.Stats(p, stream=s).sort_stats("tottime").print_stats(25)
+            print(s.getvalue())
+
+
+main()
