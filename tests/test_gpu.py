@@ -280,6 +280,34 @@ def test_full_path_launches_through_launch_py(monkeypatch):
     assert not triton_launches
 
 
+def test_compiled_kernel_memo_matches_tritons_choice():
+    """triton/launch.compiled() skips Triton's argument binding after the first call of a specialisation: for
+    arguments Triton specialises differently (a pointer 16-byte aligned or not, an int equal to 1, divisible
+    by 16 or neither) it must hand back the very CompiledKernel Triton's own lookup picks, and the launch
+    through it must compute the right thing."""
+    from fastsoftmax.triton import cross_entropy as ce
+    from fastsoftmax.triton import launch as tl_launch
+
+    base = torch.randn(4099, device="cuda")
+    g = torch.full((1,), 3.0, device="cuda")
+    kw = dict(BLOCK=ce.SCALE_BLOCK, num_warps=4)
+    seen = set()
+    for x in (base[:4096], base[1:4097], base[3:4099]):  # aligned, then 4 and 12 bytes off
+        for n in (1, 16, 17, 4096):
+            args = (x, n, g)
+            mine = tl_launch.compiled(ce.scale_by, (1,), args, kw, 0)
+            again = tl_launch.compiled(ce.scale_by, (1,), args, kw, 0)  # the memo's hit
+            theirs = ce.scale_by.run(*args, grid=(1,), warmup=True, **kw)
+            assert mine is theirs and again is theirs, (x.data_ptr() % 16, n)
+            seen.add(id(theirs))
+            ref = x.clone()
+            ref[:n] *= 3.0
+            tl_launch.launch(ce.scale_by, (1,), args, kw)
+            torch.cuda.synchronize()
+            assert torch.equal(x, ref), (x.data_ptr() % 16, n)
+    assert len(seen) >= 4  # Triton itself told these apart: the memo did too
+
+
 def test_launch_hooks_take_tritons_own_launch():
     """With a launch hook registered with Triton (what a profiler does), the Triton kernels launch through
     kernel[grid](...) so the hook sees each launch, nothing is replayed, and results are right; once it is
@@ -481,3 +509,72 @@ def test_lce_scale_kernel_both_branches():
     assert torch.equal(a, b)
     k.scale_(b, torch.tensor(-0.5, device="cuda"))
     torch.testing.assert_close(b.float(), (a.float() * -0.5).bfloat16().float(), rtol=0, atol=0)
+
+
+CE_REPLAY_CASES = [  # (logits shape, dtype, options)
+    ((8, 4096), torch.bfloat16, dict()),
+    ((3, 5, 1000), torch.float32, dict(reduction="none", label_smoothing=0.1)),
+    ((64, 50257), torch.float16, dict(z_loss=1e-3, return_z_loss=True, softcap=30.0, ignore_index=7)),
+    ((1024, 32000), torch.bfloat16, dict(reduction="sum")),
+]
+
+
+@pytest.mark.parametrize("shape,dtype,opts", CE_REPLAY_CASES)
+def test_cross_entropy_replay(monkeypatch, shape, dtype, opts):
+    """fs.cross_entropy seen before is replayed (fastpath.loss_*): no launch through the full path's submit,
+    forward and backward bit-identical to the full path's, and right against float64 torch; the backward
+    with create_graph=True leaves the replay for torch ops and gives torch's second derivatives."""
+    from fastsoftmax import fastpath, launch
+
+    submitted = []
+    real_submit = launch.submit
+    monkeypatch.setattr(launch, "submit", lambda ln, *a: submitted.append(ln) or real_submit(ln, *a))
+    fastpath.clear()
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    v = shape[-1]
+    x = (torch.randn(shape, device="cuda", generator=gen) * 4).to(dtype)
+    t = torch.randint(0, v, shape[:-1], device="cuda", generator=gen)
+    t.view(-1)[::5] = opts.get("ignore_index", -100)
+    want_z = opts.get("return_z_loss", False)
+
+    def step():
+        xg = x.clone().requires_grad_()
+        out = fs.cross_entropy(xg, t, **opts)
+        loss = out[0] if want_z else out
+        g = torch.full_like(loss, 1.5)
+        (dx,) = torch.autograd.grad(loss, xg, g)
+        return out, dx, g
+
+    ref_out, ref_dx, _ = step()  # the full path, recorded
+    assert len(fastpath._loss_cache) == 1 and len(submitted) == 3
+    step()  # the first replayed forward; its backward is the full path's, recorded
+    del submitted[:]
+    for _ in range(2):
+        out, dx, g = step()
+        torch.cuda.synchronize()
+        assert not submitted, "the replay launched through the full path"
+        for a, b in zip(out if want_z else (out,), ref_out if want_z else (ref_out,), strict=True):
+            assert torch.equal(a, b)
+        assert torch.equal(dx, ref_dx)
+        assert heuristics.last_plan().backend == "triton"
+    # against float64 torch (the z-loss and softcap in torch ops: fastsoftmax.reference's definitions)
+    x64 = x.double().requires_grad_()
+    ref = fs.cross_entropy(x64, t, **opts)  # float64: the torch path, never replayed
+    ref = ref[0] if want_z else ref
+    (d64,) = torch.autograd.grad(ref, x64, g.double())
+    loss = out[0] if want_z else out
+    tol = {torch.float32: (1e-5, 1e-6), torch.bfloat16: (2e-2, 1e-3), torch.float16: (4e-3, 1e-4)}[dtype]
+    torch.testing.assert_close(loss.double(), ref.detach(), rtol=tol[0], atol=tol[1] * 10)
+    torch.testing.assert_close(dx.double(), d64, rtol=tol[0], atol=tol[1])
+    # create_graph=True: a replayed forward, its backward in torch ops, differentiable once more
+    if dtype == torch.float32:
+        xg = x.clone().requires_grad_()
+        out = fs.cross_entropy(xg, t, **opts)
+        assert not submitted
+        loss = (out[0] if want_z else out).sum()
+        (dx,) = torch.autograd.grad(loss, xg, create_graph=True)
+        (ddx,) = torch.autograd.grad((dx * dx).sum(), xg)
+        x64 = x.double().requires_grad_()
+        (d64,) = torch.autograd.grad(fs.cross_entropy(x64, t, **opts).sum(), x64, create_graph=True)
+        (dd64,) = torch.autograd.grad((d64 * d64).sum(), x64)
+        torch.testing.assert_close(ddx.double(), dd64, rtol=1e-4, atol=1e-6)

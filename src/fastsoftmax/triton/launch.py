@@ -270,6 +270,46 @@ def kernel_plan(kernel, ck) -> KernelPlan:
     return plan
 
 
+_I32, _I64 = 2**31, 2**63
+
+
+def _spec(v):
+    """What Triton may specialise a kernel on for argument value v, and more: a tensor's dtype and 16-byte
+    alignment; an int's == 1, divisibility by 16 and 32/64-bit range; a float's type (Triton specialises
+    none); anything else (bool, None, a constexpr value) exactly."""
+    t = type(v)
+    if t is int:
+        return (v == 1, v % 16 == 0, -_I32 <= v < _I32, v < _I64)
+    if t is float:
+        return float
+    if isinstance(v, torch.Tensor):
+        return (v.dtype, v.data_ptr() % 16 == 0)
+    return (t, v)
+
+
+_compiled: dict = {}  # (kernel, device, constexprs and options, _spec of each argument) -> CompiledKernel
+MAX_COMPILED = 4096
+
+
+def compiled(kernel, grid: tuple, args: tuple, kwargs: dict, device: int):
+    """The CompiledKernel Triton would launch for these arguments, without Triton's argument binding (about
+    20 us a call on Triton 3.6): looked up under a key at least as fine as Triton's specialisation, and
+    asked of Triton (kernel.run(warmup=True): compiled if need be) the first time."""
+    key = (kernel, device, *[(k, _spec(v) if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items()])
+    key += tuple(_spec(a) for a in args)
+    ck = _compiled.get(key)
+    if ck is None:
+        ck = kernel.run(*args, grid=grid, warmup=True, **kwargs)
+        if ck is not None and hasattr(ck, "result"):  # an asynchronous compile's future
+            ck = ck.result()
+        if ck is None:
+            raise BackendFailed(f"Triton compiled no kernel for {kernel} (a jit_cache_hook skipped it)")
+        if len(_compiled) >= MAX_COMPILED:
+            _compiled.clear()
+        _compiled[key] = ck
+    return ck
+
+
 def launch(kernel, grid: tuple, args: tuple, kwargs: dict):
     """kernel[grid](*args, **kwargs) on the GPU through launch.Launch (recorded for fastpath's replay when a
     recording is on); Triton's own launch under its interpreter and while launch hooks are registered."""
@@ -278,11 +318,8 @@ def launch(kernel, grid: tuple, args: tuple, kwargs: dict):
         kernel[grid](*args, **kwargs)
         fastlaunch.unrecorded()  # (a replay would hide later launches from the hooks)
         return
-    ck = kernel.run(*args, grid=grid, warmup=True, **kwargs)
-    if ck is not None and hasattr(ck, "result"):  # an asynchronous compile's future
-        ck = ck.result()
-    if ck is None:
-        raise BackendFailed(f"Triton compiled no kernel for {kernel} (a jit_cache_hook skipped it)")
+    index = x.get_device()
+    ck = compiled(kernel, grid, args, kwargs, index)
     plan = _plans.get(ck) or kernel_plan(kernel, ck)
     n = len(args)
     values = [args[i] if i < n else kwargs.get(name, d) for i, name, d in plan.runtime]
@@ -290,6 +327,5 @@ def launch(kernel, grid: tuple, args: tuple, kwargs: dict):
     if plan.floats:  # (-0.0 == 0.0: the key tells them apart)
         key += tuple(float(values[k]).hex() for k in plan.floats)
     ln = fastlaunch.cached(key, lambda: plan.launch(grid, values))
-    index = x.get_device()
     stream = torch._C._cuda_getCurrentRawStream(index)
     fastlaunch.submit(ln, stream, [values[k] for k in plan.pointers], index, plan.what)
