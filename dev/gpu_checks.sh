@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks a change to the kernels needs, in one device call (about 5 minutes on an H200):
-# the whole test suite with compiled kernels (six pytest processes at once, by module group, so the
+# the whole test suite with compiled kernels (a pytest process per module group at once, so the
 # compiles overlap), then compute-sanitizer's three tools on every CUDA variant (three processes at once).
 # On a machine with several GPUs the processes are spread over them (CUDA_VISIBLE_DEVICES).
 # Usage (device tool): bash dev/gpu_checks.sh "$OUT" [tests|sanitize]   — logs land in the given folder.
@@ -8,6 +8,7 @@ set -u
 out=${1:-.}
 export PYTHONPATH=$PWD/src
 what=${2:-all}
+# (addopts without -n: the image may lack pytest-xdist, and a GPU run is one process per group anyway)
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$out/gpu.txt"
 ngpu=$(wc -l < "$out/gpu.txt")
 if [ "$what" != sanitize ]; then
@@ -15,10 +16,14 @@ groups=("tests/test_gpu.py" "tests/test_forward.py tests/test_properties.py" "te
         "tests/test_masked.py tests/test_cross_entropy.py tests/test_distributed.py"
         "tests/test_cuda.py tests/test_bench.py" "tests/test_cuda_build.py tests/test_snapshot.py tests/test_cache.py"
         "tests/test_compose.py")
+listed=" ${groups[*]} "
+rest=""
+for f in tests/test_*.py; do [[ $listed == *" $f "* ]] || rest="$rest $f"; done  # every other test file
+[ -n "$rest" ] && groups+=("${rest# }")
 i=0
 for g in "${groups[@]}"; do
     # shellcheck disable=SC2086
-    (CUDA_VISIBLE_DEVICES=$((i % ngpu)) timeout 400 python3 -m pytest --device cuda $g -q -p no:cacheprovider -rfE --durations=5 > "$out/pytest_cuda_$i.txt" 2>&1
+    (CUDA_VISIBLE_DEVICES=$((i % ngpu)) timeout 400 python3 -m pytest --device cuda $g -q -o addopts="--strict-markers" -p no:cacheprovider -rfE --durations=5 > "$out/pytest_cuda_$i.txt" 2>&1
      echo "pytest rc=$?" >> "$out/pytest_cuda_$i.txt") &
     i=$((i + 1))
 done

@@ -1,6 +1,11 @@
 """Tests run on the CPU by default, the Triton kernels in Triton's interpreter; `pytest --device cuda` runs
 the same tests on a GPU with compiled kernels. TRITON_INTERPRET must be set before fastsoftmax first
-imports its kernels, so it is set here, before any test module runs."""
+imports its kernels, so it is set here, before any test module runs.
+
+`--full` adds the longest cases on the CPU (FULL_ONLY: each 1.5-95 s in the interpreter on 2 cores), and
+`--only-full` runs them alone (`.ci/run`'s step after the README's command); without either they are
+deselected, and the default run keeps at least one case of every path, dtype and option they cover. On a
+GPU every case runs."""
 
 import os
 
@@ -9,6 +14,10 @@ import pytest
 
 def pytest_addoption(parser):
     parser.addoption("--device", default="cpu", choices=["cpu", "cuda"], help="device the tests run on")
+    parser.addoption("--full", action="store_true", help="also the longest CPU cases (FULL_ONLY; CI runs them)")
+    parser.addoption(
+        "--only-full", action="store_true", help="only the longest CPU cases (CI's step after the default)"
+    )
 
 
 def pytest_configure(config):
@@ -16,6 +25,61 @@ def pytest_configure(config):
         os.environ["TRITON_INTERPRET"] = "1"
     else:
         os.environ.pop("TRITON_INTERPRET", None)
+
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto` (pyproject's addopts): a worker per core on the CPU, at most 8 (the interpreter is bound by
+    the CPU); on a GPU one process, as kernels compiling and large tensors in many processes would crowd it."""
+    if config.getoption("--device") == "cuda":
+        return 0
+    return max(1, min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+
+
+def _p(item, name, default=None):
+    spec = getattr(item, "callspec", None)
+    return spec.params.get(name, default) if spec else default
+
+
+def _not_fp32(item):
+    return str(_p(item, "dtype", "float32")).removeprefix("torch.") != "float32"
+
+
+# test file, or file::test: which of its cases run only with --full (measured: pytest --durations on CI's CPU)
+FULL_ONLY = {
+    "test_snapshot.py": lambda item: True,  # compiles every kernel variant (~150 s)
+    "test_properties.py::test_gradients_match_oracle": lambda item: True,
+    "test_properties.py::test_matches_oracle": lambda item: _p(item, "backend") == "triton",
+    "test_masked.py::test_every_mask_pattern": lambda item: (
+        _p(item, "path") != "rowblock"
+        and (_p(item, "log") or (_p(item, "path") == "split" and _p(item, "combo") != "mask"))
+    ),
+    "test_masked.py::test_backward_paths_fused": lambda item: (
+        _p(item, "path") != "rowblock" and (_p(item, "log") or _p(item, "path") == "split")
+    ),
+    "test_masked.py::test_gradcheck_float64": lambda item: True,
+    "test_distributed.py::test_vocabulary_parallel_gloo": lambda item: "3-" in item.name,
+    "test_distributed.py::test_disagreeing_ranks_all_raise_the_same_error": lambda item: _p(item, "case") != "rows",
+    "test_forward.py::test_paths_random_and_special": lambda item: _p(item, "path") != "rowblock" and _not_fp32(item),
+    "test_backward.py::test_paths_against_oracle": lambda item: _p(item, "path") != "rowblock" and _not_fp32(item),
+    "test_backward.py::test_layouts": lambda item: _p(item, "path") == "split",
+    "test_forward.py::test_non_contiguous": lambda item: _p(item, "path") == "split" and _not_fp32(item),
+    "test_bench.py::test_cpu_masked_smoke_run": lambda item: True,
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--full") or config.getoption("--device") == "cuda":
+        return
+    only = config.getoption("--only-full")
+    keep, drop = [], []
+    for item in items:
+        path = item.nodeid.split("::")[0].removeprefix("tests/")
+        rule = FULL_ONLY.get(f"{path}::{item.originalname}") or FULL_ONLY.get(path)
+        longest = rule is not None and rule(item)
+        (keep if longest == only else drop).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
 
 
 @pytest.fixture(scope="session")

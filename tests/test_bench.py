@@ -14,6 +14,7 @@ import torch
 from fastsoftmax import bench, heuristics
 from fastsoftmax.backends import triton as triton_backend
 from fastsoftmax.bench import tuning as sweep
+from fastsoftmax.heuristics import device as gpu
 from fastsoftmax.heuristics import tables
 
 KEYS = {"impl", "backend", "dtype", "M", "N", "pass", "ms", "gbps", "ok", "error", "graph_ms", "graph_gbps"}
@@ -274,7 +275,7 @@ def test_tuning_buckets():
             ("few", 65536, "triton", "split"),
         ]
     ]
-    doc = tables.validate({"device": "x", "date": "d", "entries": entries})
+    doc = tables.validate({"device": "x", "date": "d", "arch": tables.arch(gpu.INTERPRETER), "entries": entries})
     assert tables.choose(doc, "fwd", "bfloat16", 513, 4096, 132) == ("triton", "rowblock")
     assert tables.choose(doc, "fwd", "bfloat16", 1024, 4096, 132) == ("triton", "rowblock")
     assert tables.choose(doc, "fwd", "bfloat16", 1025, 4096, 132) == ("cuda", "cluster")
@@ -283,7 +284,7 @@ def test_tuning_buckets():
     assert tables.choose(doc, "bwd", "bfloat16", 513, 4096, 132) is None
     assert tables.choose(None, "fwd", "bfloat16", 513, 4096, 132) is None
     assert tables.rows_class(263, 132) == "few" and tables.rows_class(264, 132) == "many"
-    bad = {"device": "x", "date": "d", "entries": [{**entries[0], "rows": "some"}]}
+    bad = {"device": "x", "date": "d", "arch": doc["arch"], "entries": [{**entries[0], "rows": "some"}]}
     try:
         tables.validate(bad)
     except ValueError as e:
@@ -321,7 +322,9 @@ def test_committed_tables_are_valid():
     for f in files:
         doc = tables.validate(json.loads(f.read_text()))
         assert tables.slug(doc["device"]) == f.name[:-5]
-        assert tables.table(doc["device"]) == doc  # what backend='auto' reads on that GPU
+        facts = gpu.Facts(doc["device"], **doc["arch"])
+        assert tables.lookup(facts) == (f.name[:-5], doc, "exact")  # what backend='auto' reads on that GPU
+        assert doc["arch"]["sm_count"] == doc["sm_count"]
         for e in doc["entries"]:
             assert e["backend"] in dispatch.BACKENDS
             assert e["path"] in (heuristics.PATHS if e["backend"] == "triton" else heuristics.CUDA_PATHS)

@@ -9,6 +9,7 @@ from helpers import DTYPES, assert_close, forward, overflowing_grad_inputs, rand
 import fastsoftmax as fs
 from fastsoftmax import heuristics
 from fastsoftmax.backends import cuda as cuda_backend
+from fastsoftmax.heuristics import device as gpu
 from fastsoftmax.heuristics import softmax_cuda, tables
 from fastsoftmax.reference import compare_grad, oracle, oracle_lse
 
@@ -217,7 +218,7 @@ def test_staged_large(shape, dtype):
         torch.testing.assert_close(lse.double(), oracle_lse(x), rtol=2e-6, atol=2e-6, equal_nan=True)
     assert (
         heuristics.last_plan().splits
-        == softmax_cuda.launch_shape(shape[1], shape[0], x.element_size(), 132, 90, "staged").cluster
+        == softmax_cuda.launch_shape(shape[1], shape[0], x.element_size(), gpu.INTERPRETER, "staged").cluster
     )
     if shape[1] == 786432:
         assert heuristics.last_plan().splits == softmax_cuda.STAGE_CLUSTER_MAX == 16

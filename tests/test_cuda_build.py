@@ -17,10 +17,14 @@ from fastsoftmax import cache as disk_cache
 from fastsoftmax import heuristics
 from fastsoftmax.cuda import build, kernels
 from fastsoftmax.cuda.kernels import config_for, function_attributes
+from fastsoftmax.heuristics import device as gpu
 from fastsoftmax.heuristics import softmax_cuda
 from fastsoftmax.heuristics.softmax_cuda import VARIANTS, launch_shape
 
 pytest.importorskip("cuda.bindings.nvrtc", reason="the CUDA backend's NVRTC bindings are a default dependency")
+
+H200 = gpu.INTERPRETER
+A100 = gpu.Facts("NVIDIA A100-SXM4-80GB", 108, 80, 166912, 167936)
 
 CASES = [  # (variant, dtype, n, rows): what each variant runs on an H200
     ("three_pass", "float32", 513, 4096),
@@ -60,7 +64,8 @@ def registers(cfg) -> int:
 
 
 def compiled(variant, dtype, n, rows, backward, arch="sm_90a"):
-    shape, cfg = config_for(variant, dtype, n, backward=backward, n_rows=rows, cc=int(arch[3:5]))
+    facts = gpu.with_cc(int(arch[3:5]))
+    shape, cfg = config_for(variant, dtype, n, backward=backward, n_rows=rows, facts=facts)
     ptx = build.compile_kernel(cfg, arch, "ptx").binary.decode()
     facts = build.ptxas_facts(build.compile_kernel(cfg, arch).log)
     return shape, cfg, ptx, facts
@@ -117,12 +122,12 @@ def test_sm80_variants_compile(cache, variant, backward):
 
 def test_cluster_needs_sm90():
     with pytest.raises(ValueError, match="sm_90"):
-        launch_shape(65536, 8, 2, 108, 80, "cluster")
-    assert launch_shape(65536, 8, 2, 108, 80).variant == "online"  # auto on an A100
+        launch_shape(65536, 8, 2, A100, "cluster")
+    assert launch_shape(65536, 8, 2, A100).variant == "online"  # auto on an A100
 
 
 def test_auto_variants():
-    h200 = dict(sm_count=132, cc=90)
+    h200 = dict(facts=H200)
     assert launch_shape(513, 1 << 16, 2, **h200).variant == "warp"
     assert launch_shape(2048, 1 << 16, 2, **h200).variant == "warp"
     assert launch_shape(4096, 1 << 16, 2, **h200).variant == "block"
@@ -138,7 +143,7 @@ def test_auto_variants():
     assert few.variant == "cluster" and few.cluster == 16  # 8 rows x 16 CTAs: the whole GPU works
     assert launch_shape(1 << 20, 4, 4, **h200).cluster == 16  # online spreads too
     with pytest.raises(ValueError, match="at most"):
-        launch_shape(4096, 64, 4, 132, 90, "warp")
+        launch_shape(4096, 64, 4, H200, "warp")
 
 
 def test_memory_and_disk_cache(tmp_path, monkeypatch):
@@ -245,14 +250,14 @@ def test_staged_compiles_with_its_facts(cache, dtype, n, rows, clusters, backwar
         <= softmax_cuda.STAGE_MAX
     )
     with pytest.raises(ValueError, match="sm_90"):
-        launch_shape(n, rows, 4, 108, 80, "staged")
+        launch_shape(n, rows, 4, A100, "staged")
 
 
 def test_staged_spread_rule():
     """The staged variant's cluster: the smallest holding the row in the pass's budget, then, for few rows,
     grown while rows x CTAs < SMs (a vector at least per thread after the doubling) or < SPREAD_CTAS_PER_SM x
     SMs with slices of at least STAGE_SPREAD_MIN bytes; 16 CTAs at most. (H200: 132 SMs.)"""
-    ls = functools.partial(launch_shape, sm_count=132, cc=90, variant="staged")
+    ls = functools.partial(launch_shape, facts=H200, variant="staged")
     assert ls(131072, 4096, 2).cluster == 4  # 256 KiB in 64 KiB slices; many rows: no spread
     assert ls(131072, 64, 2).cluster == 8  # 64 x 4 < 4 x 132, slices of 32 KiB at 8, 16 KiB at 16: 8
     assert ls(131072, 64, 4).cluster == 16 and ls(131072, 64, 2, inputs=2).cluster == 16  # 32 KiB slices at 16
@@ -305,11 +310,11 @@ def test_launch_shapes_hold_the_row(elsize, inputs, caps):
         }
     ):
         for rows in (1, 8, 64, 4096):
-            shape = launch_shape(n, rows, elsize, 132, 90, inputs=inputs, **caps)
+            shape = launch_shape(n, rows, elsize, H200, inputs=inputs, **caps)
             assert shape.variant in VARIANTS
             for variant in VARIANTS:
                 try:
-                    s = launch_shape(n, rows, elsize, 132, 90, variant, inputs, **caps)
+                    s = launch_shape(n, rows, elsize, H200, variant, inputs, **caps)
                 except ValueError:
                     assert variant in ("warp", "block", "cluster", "staged"), (variant, n)
                     staged_cap = softmax_cuda.STAGE_CLUSTER_MAX * softmax_cuda.STAGE_MAX
@@ -330,7 +335,7 @@ def test_launch_shapes_hold_the_row(elsize, inputs, caps):
 def test_min_ctas_override_caps_registers():
     """heuristics.force(min_ctas=...) reaches the compile (the occupancy experiments of dev/bench_cuda.py)."""
 
-    shape = launch_shape(4096, 4096, 2, 132, 90, "block")
+    shape = launch_shape(4096, 4096, 2, H200, "block")
     x = torch.empty(1, dtype=torch.bfloat16)
     default = kernels._config("fwd", shape, x, x)
     with heuristics.force(min_ctas=16):

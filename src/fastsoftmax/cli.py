@@ -85,7 +85,7 @@ def check(args) -> int:
         print(f"  CUDA backend: NVRTC {info['nvrtc']}; exp: {cuda['exp']}; flags: {cuda['build_flags']}")
         cases += [(*c, "cuda") for c in CUDA_CASES]
     elif gpu:
-        print("  CUDA backend: not available here (cuda-python's bindings or NVRTC missing): not checked")
+        print(f"  CUDA backend: off, not checked ({info['backends']['cuda']['off']})")
     dtypes = list(reversed(KERNEL))
     rows, failed = [], 0
     gen = torch.Generator().manual_seed(0)
@@ -231,6 +231,7 @@ def asm(args) -> int:
 def _asm_cuda(args) -> int:
     from fastsoftmax.cuda import build
     from fastsoftmax.cuda.kernels import config_for
+    from fastsoftmax.heuristics import device
     from fastsoftmax.heuristics.softmax_cuda import VARIANTS
     from fastsoftmax.info import KERNEL_FAMILIES
 
@@ -242,7 +243,8 @@ def _asm_cuda(args) -> int:
         return 2
     cc = int(args.arch.removeprefix("sm_").rstrip("a"))
     try:
-        shape, cfg = config_for(args.variant, args.dtype, args.n, backward=args.backward, n_rows=args.rows, cc=cc)
+        facts = device.with_cc(cc)
+        shape, cfg = config_for(args.variant, args.dtype, args.n, backward=args.backward, n_rows=args.rows, facts=facts)
     except ValueError as e:
         print(f"fastsoftmax asm: {e}", file=sys.stderr)
         return 2
@@ -299,7 +301,9 @@ def bench(args) -> int:
         return 2
     jobs = b.default_jobs(device) if args.jobs is None else args.jobs
     if args.tune:
-        sms = torch.cuda.get_device_properties(0).multi_processor_count if device == "cuda" else 132
+        from fastsoftmax.heuristics import device as gpu
+
+        sms = (gpu.of(torch.cuda.current_device()) if device == "cuda" else gpu.INTERPRETER).sm_count
         shapes = b.tune_shapes(sms) if args.shapes == "suite" else b.parse_shapes(args.shapes)
         doc = b.tune(shapes, args.dtypes.split(","), args.passes.split(","), device, jobs=jobs)
         if not doc["entries"]:

@@ -44,7 +44,7 @@ def select(name: str, x: torch.Tensor, out_dtype: torch.dtype, dy=None, dim: int
             n = x.shape[dim]
             pass_ = "bwd" if dy is not None else "fwd"
             pick = tables.choose(
-                tables.table(facts.name), pass_, dtypes.NAME[x.dtype], n, x.numel() // n, facts.sm_count
+                tables.for_device(facts), pass_, dtypes.NAME[x.dtype], n, x.numel() // n, facts.sm_count
             )
             if pick and pick[0] in BACKENDS and BACKENDS[pick[0]].unavailable(x, out_dtype, dy, dim) is None:
                 return BACKENDS[pick[0]], pick[1]

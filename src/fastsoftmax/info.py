@@ -73,6 +73,36 @@ def _nvrtc_version() -> str | None:
         return None
 
 
+def _driver_version() -> str | None:
+    v = torch._C._cuda_getDriverVersion() if hasattr(torch._C, "_cuda_getDriverVersion") else 0
+    return f"{v // 1000}.{v % 1000 // 10}" if v else None
+
+
+def _auto(cuda: bool) -> dict:
+    """What backend='auto' runs on each GPU here: the tuning table it reads (and how it matched the GPU's
+    architecture), and whether its CUDA entries can run."""
+    from .heuristics import device, tables
+
+    if not cuda:
+        return {"cpu": "torch ops"}
+    out = {}
+    for i in range(torch.cuda.device_count()):
+        facts = device.of(i)
+        stem, _, match = tables.lookup(facts)
+        off = cuda_backend.off()
+        out[f"cuda:{i}"] = {
+            "arch": tables.arch(facts),
+            "table": stem,
+            "match": match,
+            "runs": (
+                "the Triton kernels with their rules (no table for this architecture)"
+                if stem is None
+                else f"the table's choices{'' if not off else '; its CUDA entries run the Triton kernels: ' + off}"
+            ),
+        }
+    return out
+
+
 def info() -> dict:
     """Versions, which backends can run here, and how each kernel family computes. Queries the device
     when called, never at import."""
@@ -98,13 +128,15 @@ def info() -> dict:
                 "cpu": bool(triton_version and interp),
             },
             "cuda": {
-                "cuda": bool(cuda and not cuda_backend.import_error() and not cuda_backend.failure()),
+                "cuda": bool(cuda and not cuda_backend.off()),
                 "cpu": False,
-                "off": cuda_backend.import_error() or cuda_backend.failure(),
+                "off": (cuda_backend.off() if cuda else "no CUDA device") or None,
             },
             "torch": {"cuda": cuda, "cpu": True},
         },
         "nvrtc": _nvrtc_version(),
+        "cuda_driver": _driver_version() if cuda else None,
+        "auto": _auto(cuda),
         "kernels": KERNEL_FAMILIES,
         "replay": replay(),
         "cache": {"directory": str(cache.root()) if cache.root() else None, "refused": cache.problems()},

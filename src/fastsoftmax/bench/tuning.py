@@ -29,16 +29,17 @@ def tune_shapes(sm_count: int) -> list[Shape]:
 def candidates(n: int, n_rows: int, elsize: int, pass_: str, device: str) -> list[tuple[str, str]]:
     """(backend, path) pairs that can run this problem here."""
     from ..backends import cuda as cuda_backend
-    from ..heuristics import device, softmax_cuda, softmax_triton
+    from ..heuristics import device as gpu
+    from ..heuristics import softmax_cuda, softmax_triton
 
     inputs = 1 if pass_ == "fwd" else 2
     rowblock_max = softmax_triton.ROWBLOCK_MAX_N
     out = [("triton", p) for p in softmax_triton.PATHS if p != "rowblock" or n <= rowblock_max]
-    if device == "cuda" and not cuda_backend.import_error():
-        facts = device.of(torch.cuda.current_device())
+    if device == "cuda" and not cuda_backend.off():
+        facts = gpu.of(torch.cuda.current_device())
         for v in ("warp", "block", "cluster", "online", "staged"):
             try:
-                softmax_cuda.launch_shape(n, n_rows, elsize, facts.sm_count, facts.cc, v, inputs)
+                softmax_cuda.launch_shape(n, n_rows, elsize, facts, v, inputs)
                 out.append(("cuda", v))
             except ValueError:
                 pass
@@ -63,11 +64,13 @@ def tune(
     import fastsoftmax as fs
 
     from .. import heuristics
+    from ..heuristics import device as gpu
     from ..heuristics import softmax_triton
     from ..heuristics import tables as tuning
     from ..info import info
 
-    sms = torch.cuda.get_device_properties(0).multi_processor_count if device == "cuda" else 132
+    facts = gpu.of(torch.cuda.current_device()) if device == "cuda" else gpu.INTERPRETER
+    sms = facts.sm_count
 
     def names(m, n, dt, pass_):
         elsize = torch.empty((), dtype=getattr(torch, dt)).element_size()
@@ -172,6 +175,7 @@ def tune(
             "rule": tuning.RULE,
             "nvrtc": info()["nvrtc"],
             "sm_count": sms,
+            "arch": tuning.arch(facts),
             "few_rows_per_sm": tuning.FEW_ROWS_PER_SM,
             "entries": entries,
         }

@@ -51,15 +51,14 @@ def config_for(
     *,
     backward: bool = False,
     n_rows: int = 4096,
-    cc: int = 90,
-    sm_count: int = 132,
+    facts: device.Facts = device.INTERPRETER,
     out_dtype: str | None = None,
 ) -> tuple[rules.CudaShape, build.Config]:
     """The launch shape and compile configuration the launcher would use for a contiguous (n_rows, n)
-    tensor of ``dtype`` (a torch dtype name) on a GPU like this (default: an H200): for ``fastsoftmax asm``
-    and the compile snapshot tests, which need no GPU."""
+    tensor of ``dtype`` (a torch dtype name) on the GPU ``facts`` describes (default: an H200's): for
+    ``fastsoftmax asm`` and the compile snapshot tests, which need no GPU."""
     elsize = 4 if dtype == "float32" else 2
-    shape = rules.launch_shape(n, n_rows, elsize, sm_count, cc, variant, 2 if backward else 1)
+    shape = rules.launch_shape(n, n_rows, elsize, facts, variant, 2 if backward else 1)
     kind = ("bwd" if backward else "fwd") + ("3" if shape.variant == "three_pass" else "")
     cfg = build.Config(
         kind=kind,
@@ -162,7 +161,8 @@ def _load_function(cfg: build.Config, index: int, log: bool):
         _ok(cu.cuFuncSetAttribute(fn, attr, 1), "cuFuncSetAttribute(non-portable cluster size)")
     if cfg.staged:
         attr = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-        _ok(cu.cuFuncSetAttribute(fn, attr, rules.STAGE_MAX), "cuFuncSetAttribute(dynamic shared memory)")
+        limit = rules.stage_max(device.of(index))
+        _ok(cu.cuFuncSetAttribute(fn, attr, limit), "cuFuncSetAttribute(dynamic shared memory)")
     return fn
 
 
@@ -227,7 +227,6 @@ def _plan(x: torch.Tensor, lay, inputs: int, hint: str | None = None, dy: torch.
     stages x (y)."""
     index = device.index_of(x)
     facts = device.of(index)
-    sms, cc = facts.sm_count, facts.cc
     forced = heuristics.forced() or {}
     variant = forced.get("path")
     if variant is not None and variant not in rules.VARIANTS:
@@ -241,10 +240,10 @@ def _plan(x: torch.Tensor, lay, inputs: int, hint: str | None = None, dy: torch.
         hint = None
     if variant is None and hint in rules.VARIANTS:
         try:
-            return rules.launch_shape(lay.N, n_rows, x.element_size(), sms, cc, hint, inputs, **caps), index
+            return rules.launch_shape(lay.N, n_rows, x.element_size(), facts, hint, inputs, **caps), index
         except ValueError:
             pass  # the hinted variant does not hold this row: the default choice
-    return rules.launch_shape(lay.N, n_rows, x.element_size(), sms, cc, variant, inputs, **caps), index
+    return rules.launch_shape(lay.N, n_rows, x.element_size(), facts, variant, inputs, **caps), index
 
 
 def _unstageable(x: torch.Tensor, lay, dy: torch.Tensor | None) -> str | None:

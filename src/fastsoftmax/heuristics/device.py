@@ -1,7 +1,8 @@
-"""The GPU facts the launch rules are derived from, read from the device once per device (never at import).
+"""The GPU facts the launch rules and table lookups are derived from, read from the device once per device
+(never at import). No launch rule holds a GPU model's numbers: each takes them from here.
 
-CPU tensors (Triton's interpreter) plan as for INTERPRETER's facts, those of an H200, so that interpreted
-tests exercise the same shapes the GPU runs.
+CPU tensors (Triton's interpreter) plan as for INTERPRETER's facts, an H200's (the GPU the tables were
+measured on), so that interpreted tests exercise the shapes that GPU runs.
 """
 
 from __future__ import annotations
@@ -13,13 +14,35 @@ from dataclasses import dataclass
 import torch
 
 
+def cluster_limit(cc: int) -> int:
+    """CTAs a thread-block cluster may hold on compute capability cc: none before sm_90; 16 (a non-portable
+    size, opted in per kernel) on the data-centre parts of sm_9x and sm_10x; the portable 8 elsewhere
+    (sm_11x, sm_12x)."""
+    if cc < 90:
+        return 1
+    return 16 if cc // 10 in (9, 10) else 8
+
+
 @dataclass(frozen=True)
 class Facts:
     name: str
     sm_count: int
     cc: int  # compute capability, major * 10 + minor
-    smem_per_block: int  # bytes of shared memory a block may opt in to
-    cluster: bool  # thread-block clusters (sm_90 and newer)
+    smem_per_block: int  # bytes of shared memory a block may opt in to (static + dynamic)
+    smem_per_sm: int = 0  # bytes of shared memory an SM has for its resident blocks; 0: smem_per_block
+    regs_per_sm: int = 65536  # 32-bit registers of an SM (every sm_80+ part: 64 Ki, also a block's cap)
+    cluster_max: int = 0  # CTAs per thread-block cluster at most (1: no clusters); 0: cluster_limit(cc)
+
+    def __post_init__(self):
+        if not self.cluster_max:
+            object.__setattr__(self, "cluster_max", cluster_limit(self.cc))
+        if not self.smem_per_sm:
+            object.__setattr__(self, "smem_per_sm", self.smem_per_block)
+
+    @property
+    def cluster(self) -> bool:
+        """Thread-block clusters (sm_90 and newer)."""
+        return self.cluster_max > 1
 
     @property
     def arch(self) -> str:
@@ -27,7 +50,13 @@ class Facts:
         return f"sm_{self.cc}a" if self.cc >= 90 else f"sm_{self.cc}"
 
 
-INTERPRETER = Facts("NVIDIA H200", 132, 90, 232448, True)
+INTERPRETER = Facts("NVIDIA H200", 132, 90, 232448, 233472)
+
+
+def with_cc(cc: int) -> Facts:
+    """INTERPRETER's facts for compute capability cc (its cluster limit too): what `fastsoftmax asm --arch`
+    compiles for without that GPU."""
+    return Facts(INTERPRETER.name, INTERPRETER.sm_count, cc, INTERPRETER.smem_per_block, INTERPRETER.smem_per_sm)
 
 
 @functools.cache
@@ -35,8 +64,11 @@ def of(index: int) -> Facts:
     """The facts of CUDA device ``index``."""
     p = torch.cuda.get_device_properties(index)
     cc = p.major * 10 + p.minor
+    # (torch before 2.5 has neither shared-memory property: the 48 KiB every GPU gives a block without opt-in)
     smem = getattr(p, "shared_memory_per_block_optin", 0) or 49152
-    return Facts(p.name, p.multi_processor_count, cc, smem, cc >= 90)
+    per_sm = getattr(p, "shared_memory_per_multiprocessor", 0) or smem
+    regs = getattr(p, "regs_per_multiprocessor", 0) or 65536
+    return Facts(p.name, p.multi_processor_count, cc, smem, per_sm, regs)
 
 
 def index_of(t: torch.Tensor) -> int:

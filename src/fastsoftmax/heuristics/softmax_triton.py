@@ -47,6 +47,8 @@ SPLIT_PROGRAMS_PER_SM = 4
 # path.
 SPLIT_BELOW_ROWS_PER_SM = 2
 MAX_SPLITS = 1024
+# 32-bit registers one block may hold: CUDA's limit on every GPU Triton supports (sm_80 to sm_12x)
+REGS_PER_BLOCK = 65536
 STRIDED_ROWS = 64  # rows per program when rows, not the softmax dim, are contiguous
 STRIDED_TILE = 4096  # elements per program then (not yet measured)
 
@@ -113,7 +115,7 @@ def max_registers(n: int, num_warps: int, inputs: int) -> int | None:
     (tests/test_snapshot.py): without it the odd rows ran 3-5x slower. 8 warps, faster for fp32 softmax,
     would spill 572 bytes in fp32 log_softmax, so these rows keep 16 until a tune times log_softmax too."""
     if inputs > 1 and n > BWD_LONG_N:
-        return min(255, 65536 // (32 * num_warps))
+        return min(255, REGS_PER_BLOCK // (32 * num_warps))
     return None
 
 

@@ -1,8 +1,13 @@
 """The tables `backend="auto"` reads on a GPU: for each (pass, dtype, row-length bucket, rows class), the
-backend and path that were fastest on that GPU model, measured by `fastsoftmax bench --tune` and committed
-as src/fastsoftmax/heuristics/tables/<device>.json (dated, with the GB/s of every candidate). No autotuning
-at call time: a GPU with no table, or a problem outside the table's buckets, gets the Triton backend with
-heuristics/softmax_triton.py's rules.
+backend and path that were fastest on the GPU a table was measured on, measured by `fastsoftmax bench
+--tune` and committed as src/fastsoftmax/heuristics/tables/<device>.json (dated, with the GB/s of every
+candidate). No autotuning at call time.
+
+A table is keyed by the architecture it was measured on (its "arch": compute capability, SMs, shared memory
+per block, cluster limit), never by the GPU's name: a GPU with the same facts reads it ("exact"); an
+unlisted GPU of the same compute capability reads the table nearest to it in SMs and shared memory
+("nearest"; the rows class still counts the GPU's own SMs); any other GPU, or a problem outside the table's
+buckets, gets the Triton backend with heuristics/softmax_triton.py's rules.
 
 Buckets: an entry measured at row length n_max covers (previous n_max, n_max]; lengths past the largest
 measured one have no entry. A path other than the default must win over the bucket: at n_max and at odd
@@ -23,29 +28,74 @@ import math
 import re
 from importlib import resources
 
+from .device import Facts
+
 FEW_ROWS_PER_SM = 2
 MARGIN = 0.03  # another candidate replaces the default path only when it is this much faster where measured
 FIELDS = ("pass", "dtype", "rows", "n_max", "backend", "path")
 
 
+ARCH = ("cc", "sm_count", "smem_per_block", "cluster_max")  # the facts a table is keyed by
+
+
 def slug(device_name: str) -> str:
+    """A table's file name (the GPU it was measured on, for people; lookups go by its "arch")."""
     return re.sub(r"[^a-z0-9]+", "_", device_name.lower()).strip("_")
 
 
+def arch(facts: Facts) -> dict:
+    """The facts a table measured on this GPU is keyed by."""
+    return {k: getattr(facts, k) for k in ARCH}
+
+
 @functools.cache
-def table(device_name: str) -> dict | None:
-    """The committed table for this GPU model, or None."""
-    f = resources.files(__package__).joinpath("tables", f"{slug(device_name)}.json")
-    if not f.is_file():
-        return None
-    return validate(json.loads(f.read_text()))
+def committed() -> tuple[tuple[str, dict], ...]:
+    """(file stem, table) of every committed table, validated (read once, at the first lookup)."""
+    out = []
+    for f in sorted(resources.files(__package__).joinpath("tables").iterdir(), key=lambda f: f.name):
+        if f.name.endswith(".json"):
+            out.append((f.name[:-5], validate(json.loads(f.read_text()))))
+    return tuple(out)
+
+
+def lookup(facts: Facts, tables=None) -> tuple[str | None, dict | None, str]:
+    """(file stem, table, match) for a GPU: match "exact" (a table measured on these facts), "nearest" (the
+    closest table of the same compute capability: by the ratios of SMs and of shared memory per block, then
+    the cluster limit), or "none" (None, None). ``tables``: (stem, table) pairs (default: committed())."""
+    key = arch(facts)
+    same = [(stem, doc) for stem, doc in (committed() if tables is None else tables) if doc["arch"]["cc"] == facts.cc]
+    for stem, doc in same:
+        if doc["arch"] == key:
+            return stem, doc, "exact"
+    if not same:
+        return None, None, "none"
+
+    def distance(item):
+        a = item[1]["arch"]
+        return (
+            abs(math.log(a["sm_count"] / facts.sm_count)) + abs(math.log(a["smem_per_block"] / facts.smem_per_block)),
+            a["cluster_max"] != facts.cluster_max,
+            item[0],
+        )
+
+    stem, doc = min(same, key=distance)
+    return stem, doc, "nearest"
+
+
+@functools.cache
+def for_device(facts: Facts) -> dict | None:
+    """The table backend='auto' reads on this GPU (lookup's), or None: cached per GPU, as choose() runs on
+    every auto call."""
+    return lookup(facts)[1]
 
 
 def validate(doc: dict) -> dict:
     """A table's shape, checked once when it is read (a malformed committed table fails loudly)."""
-    for key in ("device", "date", "entries"):
+    for key in ("device", "date", "entries", "arch"):
         if key not in doc:
             raise ValueError(f"tuning table lacks {key!r}")
+    if not isinstance(doc["arch"], dict) or sorted(doc["arch"]) != sorted(ARCH):
+        raise ValueError(f"tuning table's arch must give {', '.join(ARCH)}: {doc['arch']!r}")
     for e in doc["entries"]:
         missing = [k for k in FIELDS if k not in e]
         if missing or e["rows"] not in ("few", "many") or e["pass"] not in ("fwd", "bwd"):

@@ -9,7 +9,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from .. import dtypes
-from ..heuristics import softmax_triton
+from ..heuristics import device, softmax_triton
 from ..layout import Layout
 from . import softmax_bwd, softmax_fwd
 from .launch import vector_plan
@@ -31,13 +31,16 @@ def compile_forward(
     mask: int = 0,
     causal: bool = False,
     scaled: bool = False,
+    sm_count: int | None = None,
 ) -> list:
     """The compiled kernels of a forward (or, with ``backward``, backward) path: one, or two for split;
     ``.asm`` holds ttir, ttgir, llir, ptx, cubin. For a contiguous (n_rows, n) tensor of ``dtype``,
     specialised as the launcher and the JIT would specialise it. Backward: x_ptr is y, y_ptr is dx.
     ``mask`` (1 bool, 2 additive in ``dtype``), ``causal``, ``scaled``: the masked variants, for a padding mask
-    (rows, 1, n) read along rows of 8 (strides n, 0; unit column stride)."""
-    shape = softmax_triton.launch_shape(n, n_rows, _SIZE[dtype], False, 132, path, inputs=2 if backward else 1)
+    (rows, 1, n) read along rows of 8 (strides n, 0; unit column stride). ``sm_count``: the GPU's SMs, which
+    the split path's segments depend on (default: INTERPRETER's)."""
+    sms = device.INTERPRETER.sm_count if sm_count is None else sm_count
+    shape = softmax_triton.launch_shape(n, n_rows, _SIZE[dtype], False, sms, path, inputs=2 if backward else 1)
     lay = Layout(n_rows, 1, n, (n, 1, 0), (n, 1, 0), (1,), False)
     vec, edges, y_vec, _ = vector_plan(_SIZE[dtype], 0, 0, lay)  # torch allocations are aligned
     chunks_per_split = triton.cdiv(triton.cdiv(n, shape.block_n), shape.splits)
