@@ -1,14 +1,57 @@
 """softmax(), log_softmax(), their backward and their nn.Modules: argument checks, torch's autocast policy,
 then the custom ops (ops.py), which route the call. A call with no mask, scale or causal first tries the
-eager replay (fastpath.py)."""
+CPU's direct path (_cpu below) and the eager replay on CUDA (fastpath.py)."""
 
 from __future__ import annotations
 
 import torch
+import torch.autograd.forward_ad as _fwad
 
-from . import checks, compose, dispatch, fastpath, ops
+from . import checks, compose, dispatch, dtypes, fastpath, ops
 
 _fast = fastpath.fast
+_FLOATS = frozenset(dtypes.FLOATS)
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_compiling, _transforms = compose.compiling, compose.transforms_active
+_modes, _tracing = compose.dispatch_modes, compose.tracing
+
+
+def _cpu_ok(x, dim, dtype, backend) -> bool:
+    """Whether a call with no mask, scale or causal on x can take the CPU's direct path: backend 'auto', a
+    plain CPU tensor with elements, arguments that checks.softmax passes (anything else takes the full path,
+    which raises its errors), and no route other than plain or eager autograd (compose.route's checks,
+    inline: a small call's host time is mostly Python calls). Autocast needs no check: on the CPU torch's
+    softmax keeps x's dtype, as the library does."""
+    if backend != "auto" or type(x) not in _PLAIN or not x.is_cpu or x.dtype not in _FLOATS or type(dim) is not int:
+        return False
+    if _compiling() or _transforms() or _fwad._current_level >= 0 or _modes() or _tracing() is not None:
+        return False
+    nd = x.dim()
+    if not (nd and -nd <= dim < nd and (dtype is None or dtype in _FLOATS) and x.numel() and x.data_ptr()):
+        return False
+    return "cpu" in dispatch.DEVICES  # (a device without a path: the full path raises)
+
+
+def _cpu(x, dim, dtype, log: bool, backend):
+    """The CPU's direct path (see _cpu_ok): torch's own kernels with the conventions applied
+    (dispatch.cpu_softmax); under autograd the eager Function, whose pass reaches the same kernels. None:
+    the full path runs."""
+    if not _cpu_ok(x, dim, dtype, backend):
+        return None
+    if x.requires_grad and torch.is_grad_enabled():
+        return ops.softmax.eager.apply(x, dim, log, dtype, backend)
+    return dispatch.cpu_softmax(x, dim % x.dim(), log, dtype or x.dtype)
+
+
+def _cpu_backward(dy, y, dim, dtype, log: bool, backend):
+    """softmax_backward's counterpart of _cpu; calls that need autograd take the full path."""
+    if type(dy) not in _PLAIN or not _cpu_ok(y, dim, dtype, backend) or not dy.is_cpu:
+        return None
+    if dy.dtype not in _FLOATS or dy.shape != y.shape or not dy.data_ptr():
+        return None
+    if (y.requires_grad or dy.requires_grad) and torch.is_grad_enabled():
+        return None
+    return dispatch.cpu_softmax_backward(dy, y, dim % y.dim(), log, dtype or y.dtype)
 
 
 def forward(
@@ -68,7 +111,9 @@ def softmax(
     backend: 'auto' (CUDA tensors: the tuning table's choice, else Triton kernels; CPU: torch ops), 'triton',
     'cuda' or 'torch'.
     Differentiable (only the output, and the mask, are saved for backward)."""
-    if mask is None and scale is None and causal is False:  # no mask: perhaps a replay
+    if mask is None and scale is None and causal is False:  # no mask: the CPU's direct path, or a replay
+        if (y := _cpu(x, dim, dtype, False, backend)) is not None:
+            return y
         if (y := _fast(x, None, dim, dtype, False, backend)) is not None:
             return y
     return _forward(x, dim, False, "softmax", mask, scale, causal, dtype, backend)
@@ -85,7 +130,9 @@ def log_softmax(
     backend: str = "auto",
 ) -> torch.Tensor:
     """Log-softmax of x along dim; arguments and conventions as softmax()."""
-    if mask is None and scale is None and causal is False:  # no mask: perhaps a replay
+    if mask is None and scale is None and causal is False:  # no mask: the CPU's direct path, or a replay
+        if (y := _cpu(x, dim, dtype, True, backend)) is not None:
+            return y
         if (y := _fast(x, None, dim, dtype, True, backend)) is not None:
             return y
     return _forward(x, dim, True, "log_softmax", mask, scale, causal, dtype, backend)
@@ -111,7 +158,9 @@ def softmax_backward(
 ) -> torch.Tensor:
     """dx = y * (dy - sum(y * dy)) along dim, from softmax's output y; 0 on fully masked rows (y all 0).
     mask, scale, causal: the forward's (dx = scale * dz, 0 at masked positions)."""
-    if mask is None and scale is None and causal is False:  # no mask: perhaps a replay
+    if mask is None and scale is None and causal is False:  # no mask: the CPU's direct path, or a replay
+        if (dx := _cpu_backward(dy, y, dim, dtype, False, backend)) is not None:
+            return dx
         if (dx := _fast(y, dy, dim, dtype, False, backend)) is not None:
             return dx
     return _backward(dy, y, dim, False, "softmax_backward", mask, scale, causal, dtype, backend)
@@ -130,7 +179,9 @@ def log_softmax_backward(
 ) -> torch.Tensor:
     """dx = dy - exp(y) * sum(dy) along dim, from log_softmax's output y; 0 on fully masked rows (y all -inf).
     mask, scale, causal: as softmax_backward."""
-    if mask is None and scale is None and causal is False:  # no mask: perhaps a replay
+    if mask is None and scale is None and causal is False:  # no mask: the CPU's direct path, or a replay
+        if (dx := _cpu_backward(dy, y, dim, dtype, True, backend)) is not None:
+            return dx
         if (dx := _fast(y, dy, dim, dtype, True, backend)) is not None:
             return dx
     return _backward(dy, y, dim, True, "log_softmax_backward", mask, scale, causal, dtype, backend)

@@ -14,7 +14,17 @@ import torch
 
 from . import dtypes, fastpath, heuristics, masking
 from .backends.cuda import CudaBackend
-from .backends.torch import TorchBackend
+from .backends.torch import (
+    NATIVE,
+    NATIVE_CE,
+    NATIVE_CE_GRAPH,
+    TorchBackend,
+    native_cross_entropy,
+    native_cross_entropy_backward,
+    native_cross_entropy_graph,
+    native_softmax,
+    native_softmax_backward,
+)
 from .backends.triton import TritonBackend
 from .errors import BackendFailed
 from .heuristics import device, tables
@@ -120,6 +130,8 @@ def softmax(
     masked = mask is not None or scale is not None or causal is not False
     if why := storage_problem(x, mask):
         raise RuntimeError(f"{fn}: {why}")
+    if backend == "auto" and x.is_cpu and not (masked or want_lse) and x.dim() and x.numel():
+        return cpu_softmax(x, dim, log, out_dtype), None  # (select's torch backend, its native path)
     impl, path = select(backend, x, out_dtype, dim=dim, masked=masked)
     if x.dim() == 0:
         m = mask.reshape(1) if mask is not None else None
@@ -151,6 +163,8 @@ def softmax_backward(
     masked = mask is not None or scale is not None or causal is not False
     if why := storage_problem(y, dy, mask):
         raise RuntimeError(f"{fn}: {why}")
+    if backend == "auto" and y.is_cpu and not masked and y.dim() and y.numel():
+        return cpu_softmax_backward(dy, y, dim, log, out_dtype)
     impl, path = select(backend, y, out_dtype, dy, dim=dim, masked=masked)
     if y.dim() == 0:
         m = mask.reshape(1) if mask is not None else None
@@ -166,6 +180,20 @@ def softmax_backward(
         return _like_empty_like(dx.movedim(-1, dim), y)
     args = (dy, y, dim, out_dtype, log, path)
     return _recorded(key, lambda: _run(impl, backend, "backward", args, None, y, out_dtype, dy), y, dy, out_dtype)
+
+
+def cpu_softmax(x, dim, log, out_dtype):
+    """A CPU call under 'auto' with no mask, scale, causal or logsumexp, checked (x with elements, ``dim``
+    non-negative): the torch backend (select's choice) on its native path, torch's own kernels with the
+    conventions applied (backends/torch.py), without the layers between."""
+    heuristics.record(NATIVE)
+    return native_softmax(x, dim, log, out_dtype)
+
+
+def cpu_softmax_backward(dy, y, dim, log, out_dtype):
+    """softmax_backward's counterpart of cpu_softmax."""
+    heuristics.record(NATIVE)
+    return native_softmax_backward(dy, y, dim, log, out_dtype)
 
 
 def _recorded(key, run, x, d, out_dtype):
@@ -259,6 +287,49 @@ def cross_entropy(logits, target, class_weight, o, backend, out_dtype):
     return loss, z, stats
 
 
+def cpu_flat(logits, target, class_weight):
+    """(M, V) logits with unit stride along V, int64 targets (M,), the class weights in the loss's compute
+    dtype (fp32; fp64 for fp64 logits) or None: what the CPU's native cross-entropy takes."""
+    x = logits if logits.dim() == 2 and logits.stride(1) == 1 else flat(logits, target)[0]
+    t = target if target.dim() == 1 and (target.stride(0) == 1 or target.shape[0] == 1) else flat_target(target)
+    wide = torch.float64 if x.dtype == torch.float64 else torch.float32
+    w = class_weight.detach().to(wide).contiguous() if class_weight is not None else None  # (no gradient)
+    return x, (t if t.dtype == torch.int64 else t.long()), w
+
+
+def cpu_cross_entropy(x, t, w, ignore_index: int, reduction: str, smoothing: float):
+    """A CPU call under 'auto' with no softcap or z-loss, checked and flattened (cpu_flat): torch's loss
+    (backends/torch.py's native cross-entropy), in the logits' dtype. The target check is a by-product of
+    torch's loss, as of the Triton forward: a bad target raises the library's error (assert_targets), and
+    the call records no plan."""
+    return _checked(native_cross_entropy, NATIVE_CE, x, t, w, ignore_index, reduction, smoothing)
+
+
+def cpu_cross_entropy_graph(x, t, w, ignore_index: int, reduction: str):
+    """cpu_cross_entropy on logits that require grad, small and without smoothing, with torch's autograd
+    graph for the backward; None where a row's softmax is NaN (then cpu_cross_entropy under a Function)."""
+    return _checked(native_cross_entropy_graph, NATIVE_CE_GRAPH, x, t, w, ignore_index, reduction)
+
+
+def _checked(run, plan, x, t, w, ignore_index: int, *args):
+    """run(x, t, w, ignore_index, *args), its plan recorded if it gives a loss; the library's error for a
+    target out of range, which torch's loss finds first (its IndexError)."""
+    try:
+        loss = run(x, t, w, ignore_index, *args)
+    except IndexError as e:
+        assert_targets(t, x.shape[-1], ignore_index)
+        raise e
+    if loss is not None:
+        heuristics.record(plan)
+    return loss
+
+
+def cpu_cross_entropy_backward(x, t, w, grad, ignore_index: int, reduction: str, smoothing: float):
+    """dlogits (M, V) of cpu_cross_entropy's loss for its upstream gradient."""
+    heuristics.record(NATIVE_CE)
+    return native_cross_entropy_backward(x, t, w, grad, ignore_index, reduction, smoothing)
+
+
 def cross_entropy_backward(logits, target, class_weight, stats, grad, o, backend):
     """dlogits (logits' shape and dtype, contiguous) from the forward's stats and the loss's gradient."""
     if why := storage_problem(logits, target, stats, grad, class_weight):
@@ -275,6 +346,12 @@ __all__ = [
     "BACKENDS",
     "NAMES",
     "assert_targets",
+    "cpu_cross_entropy",
+    "cpu_cross_entropy_backward",
+    "cpu_cross_entropy_graph",
+    "cpu_flat",
+    "cpu_softmax",
+    "cpu_softmax_backward",
     "cross_entropy",
     "cross_entropy_backward",
     "flat",

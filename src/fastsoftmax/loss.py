@@ -13,8 +13,10 @@ NaN, as torch). Label smoothing e: loss = (1 - e) * nll + e * mean_j(-log p_j), 
 from __future__ import annotations
 
 import torch
+import torch.autograd.forward_ad as _fwad
 
-from . import checks, compose, fastpath, ops
+from . import checks, compose, dispatch, dtypes, fastpath, ops
+from .backends.torch import CHUNK, native_dlogits_differentiable
 
 
 def cross_entropy(
@@ -34,6 +36,9 @@ def cross_entropy(
     Under torch.autocast the loss is float32 (as torch's); target: any integer dtype, any strides.
     class_weight: torch's ``weight=``; softcap, z_loss: see the module. return_z_loss=True returns (loss,
     the z-loss term alone, reduced the same way; it carries no gradient)."""
+    if backend == "auto" and softcap is None and type(z_loss) in _NUM and z_loss == 0 and return_z_loss is False:
+        if (out := _cpu(logits, target, class_weight, ignore_index, reduction, label_smoothing)) is not None:
+            return out
     k = _key(
         logits, target, class_weight, ignore_index, reduction, label_smoothing, softcap, z_loss, return_z_loss, backend
     )
@@ -55,3 +60,84 @@ def cross_entropy(
 
 
 _key, _fast = fastpath.loss_key, fastpath.loss_fast
+
+
+# ---- the CPU's direct path -----------------------------------------------------------------------------
+# On CPU tensors under backend='auto', a call with no softcap and no z-loss runs torch's loss and a chunked
+# dlogits (backends/torch.py's native cross-entropy) straight from here: plain, or with eager autograd
+# through CpuCrossEntropyFunction; logits of one chunk without smoothing instead keep torch's own autograd
+# graph (log_softmax, nll_loss), whose C++ backward costs less than any Python one, unless a row's softmax is
+# NaN. softcap and z-loss calls, other routes (torch.compile, torch.func, fake tensors, dispatch modes,
+# autocast) and arguments the full checks must see take the full path.
+
+_FLOATS, _TARGETS = frozenset(dtypes.FLOATS), frozenset(dtypes.TARGETS)
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_NUM = (int, float)
+_GRAPH_MAX = CHUNK  # logits elements up to which torch's autograd graph runs the backward (one chunk)
+
+
+def _cpu_ok(logits, target, class_weight, ignore_index, reduction, smoothing) -> bool:
+    """Whether the call can take the CPU's direct path, with arguments that checks.cross_entropy and
+    checks.loss_extras pass."""
+    if type(logits) not in _PLAIN or type(target) not in _PLAIN or not logits.is_cpu or not target.is_cpu:
+        return False
+    if compose.compiling() or compose.transforms_active() or _fwad._current_level >= 0:
+        return False
+    if compose.dispatch_modes() or compose.tracing() is not None or compose.any_autocast():
+        return False
+    if logits.dtype not in _FLOATS or target.dtype not in _TARGETS or not logits.dim() or not logits.numel():
+        return False
+    if type(ignore_index) is not int or reduction not in checks.REDUCTIONS or type(smoothing) not in _NUM:
+        return False
+    if not 0.0 <= smoothing <= 1.0 or target.shape != logits.shape[:-1] or not logits.data_ptr():
+        return False
+    if not target.data_ptr() or "cpu" not in dispatch.DEVICES:
+        return False
+    if class_weight is not None:
+        w = class_weight
+        if type(w) not in _PLAIN or not w.is_cpu or not w.dtype.is_floating_point or w.shape != logits.shape[-1:]:
+            return False
+        if not w.data_ptr():
+            return False
+    return True
+
+
+def _cpu(logits, target, class_weight, ignore_index, reduction, smoothing):
+    if not _cpu_ok(logits, target, class_weight, ignore_index, reduction, smoothing):
+        return None
+    opts = (ignore_index, reduction, float(smoothing))
+    grad = logits.requires_grad and torch.is_grad_enabled()
+    if grad and (logits.numel() > _GRAPH_MAX or smoothing):
+        return CpuCrossEntropyFunction.apply(logits, target, class_weight, opts)
+    x, t, w = dispatch.cpu_flat(logits, target, class_weight)
+    if not grad:
+        loss = dispatch.cpu_cross_entropy(x, t, w, *opts)
+    elif (loss := dispatch.cpu_cross_entropy_graph(x, t, w, ignore_index, reduction)) is None:
+        return CpuCrossEntropyFunction.apply(logits, target, class_weight, opts)  # (a row of NaN softmax)
+    return loss.reshape(target.shape) if reduction == "none" else loss
+
+
+class CpuCrossEntropyFunction(torch.autograd.Function):
+    """The CPU's direct path under eager autograd: the loss; dlogits recomputed from the logits in the
+    backward (nothing but the inputs is kept), or in differentiable torch ops where create_graph asks
+    (double backward). class_weight gets no gradient, as on every path."""
+
+    @staticmethod
+    def forward(ctx, logits, target, class_weight, opts):
+        x, t, w = dispatch.cpu_flat(logits, target, class_weight)
+        ctx.save_for_backward(logits)
+        ctx.x, ctx.t, ctx.w, ctx.opts = x, t, w, opts  # (not inputs: the flattened views and copies)
+        ctx.set_materialize_grads(False)
+        loss = dispatch.cpu_cross_entropy(x, t, w, *opts)
+        return loss.reshape(target.shape) if opts[1] == "none" else loss
+
+    @staticmethod
+    def backward(ctx, grad):
+        if grad is None:
+            return None, None, None, None
+        (logits,) = ctx.saved_tensors
+        if torch.is_grad_enabled():
+            dx = native_dlogits_differentiable(logits, ctx.t, ctx.w, grad, *ctx.opts)
+        else:
+            dx = dispatch.cpu_cross_entropy_backward(ctx.x, ctx.t, ctx.w, grad, *ctx.opts).reshape(logits.shape)
+        return dx, None, None, None

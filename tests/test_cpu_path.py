@@ -1,0 +1,451 @@
+"""The CPU's direct path (backend='auto' on CPU tensors: torch's own kernels with the library's conventions
+applied after them, backends/torch.py's native section): that it is the branch that ran, forward and
+backward, and its values and gradients against the float64 oracle: outliers, odd N (513, 50257), 3-d
+tensors along every dim, permuted and sliced layouts, dtype= outputs, fully masked, NaN and +inf rows
+found through every way of reading the rows' first elements (one row, a few, many); cross_entropy against
+float64 F.cross_entropy with ignore_index, targets of every integer dtype and strides, class weights,
+label smoothing, every reduction, chunked rows, double backward; the errors still raised first."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import assert_close, random_logits, special_rows
+
+import fastsoftmax as fs
+from fastsoftmax import heuristics
+from fastsoftmax import loss as fs_loss
+from fastsoftmax.backends import torch as native
+from fastsoftmax.reference import TOLERANCE, compare, compare_grad
+
+FNS = {False: fs.softmax, True: fs.log_softmax}
+BWD = {False: fs.softmax_backward, True: fs.log_softmax_backward}
+ALL = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+NATIVE = heuristics.Plan("torch", "native")
+NATIVE_CE = heuristics.Plan("torch", "native_cross_entropy")
+GRAPH_CE = heuristics.Plan("torch", "native_cross_entropy_graph")  # the backward: torch's own, no plan
+INF = float("inf")
+
+
+def logits(shape, dtype, seed, special=True):
+    """Random logits with outliers; with ``special``, the rows of reference.special_rows (all -inf, NaN,
+    +inf, near the dtype's top, ...) appended along the first dim (a 2-d shape)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = random_logits(shape, dtype, gen)
+    return torch.cat([x, special_rows(shape[-1], dtype, gen)]) if special else x
+
+
+def run(fn, *args, **kwargs):
+    """(fn's result, the plans recorded while it ran)."""
+    with heuristics.recording() as plans:
+        out = fn(*args, **kwargs)
+    return out, plans
+
+
+# ---- softmax and log_softmax: forward -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
+@pytest.mark.parametrize("dtype", ALL, ids=str)
+@pytest.mark.parametrize("n", [1, 513, 50257])
+def test_forward_rows(dtype, log, n):
+    x = logits((5, n), dtype, n)
+    before = x.clone()
+    y, plans = run(FNS[log], x)
+    assert plans == [NATIVE]
+    assert_close(y, x, -1, log)
+    assert torch.equal(x.isnan(), before.isnan()) and torch.equal(x.nan_to_num(), before.nan_to_num())  # read only
+    assert (y[5] == (-INF if log else 0.0)).all()  # the fully masked row, exactly
+    assert y[7].isnan().all() and y[8].isnan().all()  # NaN, +inf: NaN across
+
+
+@pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
+@pytest.mark.parametrize("dtype", ALL, ids=str)
+def test_forward_3d_every_dim_and_layout(dtype, log):
+    """(6, 9, 33) along each dim, as given, permuted (dense: the output keeps x's strides, as
+    torch.empty_like) and sliced (not dense: contiguous); fully masked rows along dims 0 and 1."""
+    x = logits((6, 9, 33), dtype, 3, special=False)
+    x[:, 2, 5] = -INF  # a fully masked row along dim 0
+    x[1, :, 7] = -INF  # ... along dim 1
+    x[4, 3, :] = -INF  # ... along dim 2
+    for t in (x, x.permute(2, 0, 1), x.transpose(0, 1), x[:, ::2], x[..., 1:], x[:1].expand(4, 9, 33)):
+        for dim in (0, 1, 2, -1):
+            y, plans = run(FNS[log], t, dim)
+            assert plans == [NATIVE], (tuple(t.stride()), dim)
+            assert_close(y, t, dim, log)
+            assert y.stride() == torch.empty_like(t).stride()
+
+
+def test_channels_last_and_edge_shapes():
+    """A channels-last x along its channels (dim 1) keeps its layout; a 1-d x, N = 1, a single column."""
+    x = logits((2, 5, 4, 3), torch.float32, 8, special=False).to(memory_format=torch.channels_last)
+    for log in (False, True):
+        y, plans = run(FNS[log], x, 1)
+        assert plans == [NATIVE] and y.is_contiguous(memory_format=torch.channels_last)
+        assert_close(y, x, 1, log)
+        for t, dim in ((x[0, :, 0, 0], 0), (x[..., :1], -1), (x[:, :1], 1)):
+            assert_close(FNS[log](t, dim), t, dim, log)
+
+
+@pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
+@pytest.mark.parametrize("m", [1, 2, 64, 65, 600])
+def test_masked_row_found_whatever_the_row_count(log, m):
+    """One fully masked row, the last, among m (one row: read from memory; up to READ_ROWS: a strided view
+    of memory; more: torch ops), in each dtype; and in 16-bit log_softmax (rows computed in fp32 chunks, 600
+    x 513 is two, the last partial)."""
+    assert native.READ_ROWS == 64 and native.CHUNK < 600 * 513 < 2 * native.CHUNK
+    for dtype in ALL:
+        x = logits((m, 513), dtype, m, special=False)
+        x[m - 1] = -INF
+        y, plans = run(FNS[log], x)
+        assert plans == [NATIVE]
+        assert_close(y, x, -1, log)
+        x[m - 1, 3] = float("nan")  # now a NaN row: NaN across
+        assert FNS[log](x)[m - 1].isnan().all()
+
+
+@pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
+def test_dtype_out_written_once(log):
+    """dtype= computed from x as given in fp32 (fp64 where either is) and rounded once: narrowing (fp32 ->
+    bf16, fp64 -> fp32, fp16 -> bf16), widening (bf16 -> fp32, fp32 -> fp64), rows in memory and not."""
+    pairs = [(torch.float32, torch.bfloat16), (torch.float64, torch.float32), (torch.float16, torch.bfloat16)]
+    pairs += [(torch.bfloat16, torch.float32), (torch.float32, torch.float64), (torch.float16, torch.float64)]
+    for xd, od in pairs:
+        x = logits((5, 513), xd, 11)
+        for t, dim in ((x, -1), (x, 0), (x.t(), 0)):
+            y, plans = run(FNS[log], t, dim, dtype=od)
+            assert plans == [NATIVE] and y.dtype == od
+            assert_close(y, t, dim, log, od)
+
+
+def test_torch_16bit_log_softmax_needs_the_fp32_rows():
+    """Why 16-bit log_softmax along rows in memory is computed in fp32 here: torch's own is far outside
+    the tolerance near 0 (if this fails, torch fixed it, and the native path may call it directly). The
+    oracle also sees what torch's softmax gives a fully masked row."""
+    x = logits((64, 513), torch.bfloat16, 5, special=False)
+    err, problem = compare(torch.log_softmax(x, -1), x, -1, True)
+    assert problem is not None and err > 100
+    assert compare(fs.log_softmax(x), x, -1, True)[1] is None
+    x = logits((5, 64), torch.float32, 6)
+    assert "NaN" in compare(torch.softmax(x, -1), x, -1, False)[1]
+
+
+def test_plain_and_autograd_routes():
+    """No grad needed (no_grad, a tensor that does not require grad): the direct call, no graph; autograd:
+    the eager Function (SoftmaxFunction), both passes native; nn.Parameter too."""
+    x = torch.nn.Parameter(torch.randn(3, 7))
+    with torch.no_grad():
+        y, plans = run(fs.softmax, x)
+    assert y.grad_fn is None and plans == [NATIVE]
+    (y, plans) = run(fs.log_softmax, x)
+    assert y.grad_fn.name() == "SoftmaxFunctionBackward" and plans == [NATIVE]
+    (dx,), plans = run(torch.autograd.grad, y, x, torch.ones_like(y))
+    assert plans == [NATIVE]
+    torch.testing.assert_close(dx, torch.autograd.grad(torch.log_softmax(x, -1), x, torch.ones_like(y))[0])
+
+
+def test_errors_before_any_work():
+    x = torch.randn(3, 4)
+    heuristics.record(None)
+    for call, err in [
+        (lambda: fs.softmax(x, 2), IndexError),
+        (lambda: fs.softmax(x, 1.0), TypeError),
+        (lambda: fs.softmax(x, dtype=torch.int32), TypeError),
+        (lambda: fs.softmax(x.long()), TypeError),
+        (lambda: fs.log_softmax(x, backend="nope"), ValueError),
+        (lambda: fs.softmax_backward(x, x[:2]), ValueError),
+        (lambda: fs.softmax_backward(x.long(), x), TypeError),
+        (lambda: fs.cross_entropy(x, torch.tensor([0, 1, 4])), IndexError),
+        (lambda: fs.cross_entropy(x, torch.tensor([0, 1])), ValueError),
+        (lambda: fs.cross_entropy(x, torch.tensor([0.0, 1.0, 2.0])), TypeError),
+        (lambda: fs.cross_entropy(x, torch.tensor([0, 1, 2]), reduction="avg"), ValueError),
+        (lambda: fs.cross_entropy(x, torch.tensor([0, 1, 2]), label_smoothing=1.5), ValueError),
+        (lambda: fs.cross_entropy(x, torch.tensor([0, 1, 2]), class_weight=torch.ones(3)), ValueError),
+    ]:
+        with pytest.raises(err):
+            call()
+    dead = torch.randn(3, 4)
+    dead.untyped_storage().resize_(0)
+    with pytest.raises(RuntimeError, match="no storage"):
+        fs.softmax(dead)
+    assert heuristics.last_plan() is None  # (a bad target: raised, no plan)
+
+
+# ---- backward -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
+@pytest.mark.parametrize("dtype", ALL, ids=str)
+@pytest.mark.parametrize("m", [1, 5, 70])
+def test_backward_autograd_and_public(dtype, log, m):
+    """dx through autograd and through fs.softmax_backward: the oracle's, both passes native; the fully
+    masked row's gradient exactly 0 even where dy there is NaN or inf; NaN in dy spreads across its row."""
+    x = logits((m, 513), dtype, 20 + m, special=False)
+    x[m - 1] = -INF
+    gen = torch.Generator().manual_seed(m)
+    dy = torch.randn(m, 513, generator=gen).to(dtype)
+    dy[m - 1, 2], dy[m - 1, 9] = float("nan"), INF
+    if m > 1:
+        dy[0, 4] = float("nan")
+    xg = x.clone().requires_grad_()
+    y = FNS[log](xg)
+    (dx,), plans = run(torch.autograd.grad, y, xg, dy)
+    assert plans == [NATIVE]
+    y = y.detach()
+    (dx2, plans) = run(BWD[log], dy, y)
+    assert plans == [NATIVE] and torch.equal(dx.nan_to_num(), dx2.nan_to_num())
+    for d in (dx, dx2):
+        assert (d[m - 1] == 0).all()
+        if m > 1:
+            assert d[0].isnan().all()
+        keep = slice(1, m - 1)
+        assert compare_grad(d[keep], dy[keep], y[keep], -1, log)[1] is None
+
+
+@pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
+def test_backward_layouts_dtypes_and_dead_rows(log):
+    """Permuted y (dx in y's layout), dy in another layout, dy of another dtype, dtype= outputs, 3-d along
+    dim 0; log_softmax rows whose exps all underflow (every y < -104: the reference's sum(exp(y)) == 0)
+    give 0, rows just above keep the formula."""
+    y0 = FNS[log](logits((6, 9, 33), torch.float32, 9, special=False), 0)
+    gen = torch.Generator().manual_seed(9)
+    dy0 = torch.randn(6, 9, 33, generator=gen)
+    for y, dy, dim in (
+        (y0, dy0, 0),
+        (y0.permute(2, 1, 0), dy0.permute(2, 1, 0), 2),
+        (y0, dy0.transpose(0, 2).contiguous().transpose(0, 2), 1),
+    ):
+        for dyd, od in (
+            (torch.float32, None),
+            (torch.bfloat16, None),
+            (torch.float32, torch.bfloat16),
+            (torch.float64, None),
+        ):
+            dx, plans = run(BWD[log], dy.to(dyd), y, dim, dtype=od)
+            assert plans == [NATIVE] and dx.stride() == torch.empty_like(y).stride()
+            out = od or y.dtype
+            assert dx.dtype == out and compare_grad(dx, dy.to(dyd), y, dim, log, out)[1] is None
+    if log:
+        y = torch.full((3, 40), -120.0)
+        y[1] = -101.0  # exp(-101) > 0 in fp32: not a masked row
+        y[2, 7] = -10.0
+        dy = torch.randn(3, 40, generator=gen)
+        for m in (1, 3):
+            dx = fs.log_softmax_backward(dy[:m], y[:m])
+            assert (dx[0] == 0).all() and compare_grad(dx, dy[:m], y[:m], -1, True)[1] is None
+
+
+def test_double_backward_and_gradcheck_float64():
+    x = torch.randn(3, 7, dtype=torch.float64, requires_grad=True)
+    for f in (fs.softmax, fs.log_softmax, lambda t: fs.softmax(t, 0)):
+        assert torch.autograd.gradcheck(f, (x,))
+        assert torch.autograd.gradgradcheck(f, (x,))
+
+
+# ---- cross-entropy --------------------------------------------------------------------------------------
+
+CE_TOL = {  # (rtol, atol as a fraction of the largest reference value)
+    torch.float32: (1e-5, 1e-6),
+    torch.float64: (1e-10, 1e-12),
+    torch.bfloat16: (TOLERANCE[torch.bfloat16][0], 1e-4),
+    torch.float16: (TOLERANCE[torch.float16][0], 1e-4),
+}
+
+
+def ce_data(shape, v, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = random_logits((*shape, v), dtype, gen)
+    t = torch.randint(0, v, shape, generator=gen)
+    t.view(-1)[1::4] = -100
+    return x, t
+
+
+def ce_ref(x, t, reduction, smoothing=0.0, weight=None, ignore_index=-100):
+    """float64 F.cross_entropy and the float64 logits it ran on (requiring grad)."""
+    x64 = x.detach().double().requires_grad_()
+    w = weight.double() if weight is not None else None
+    loss = F.cross_entropy(
+        x64.reshape(-1, x.shape[-1]),
+        t.reshape(-1).long(),
+        weight=w,
+        ignore_index=ignore_index,
+        reduction=reduction,
+        label_smoothing=smoothing,
+    )
+    return x64, (loss.reshape(t.shape) if reduction == "none" else loss)
+
+
+def close(got, ref, dtype, what):
+    rtol, atol = CE_TOL[dtype]
+    torch.testing.assert_close(got.double(), ref, rtol=rtol, atol=atol * max(ref.abs().max().item(), 1.0), msg=what)
+
+
+def ce_check(x, t, dtype, reduction, smoothing=0.0, weight=None, ignore_index=-100, seed=0):
+    """Loss and dlogits for a random upstream gradient against float64 torch; both passes native."""
+    xg = x.clone().requires_grad_()
+    kw = dict(reduction=reduction, label_smoothing=smoothing, class_weight=weight, ignore_index=ignore_index)
+    loss, plans = run(fs.cross_entropy, xg, t, **kw)
+    graph = x.numel() <= fs_loss._GRAPH_MAX and not smoothing  # (and no row of NaN softmax)
+    assert plans == [GRAPH_CE if graph else NATIVE_CE] and loss.dtype == x.dtype
+    x64, ref = ce_ref(x, t, reduction, smoothing, weight, ignore_index)
+    assert loss.shape == ref.shape
+    close(loss, ref.detach(), dtype, f"loss {reduction}")
+    g = (torch.rand(ref.shape, generator=torch.Generator().manual_seed(seed)) + 0.5).to(dtype)
+    (dx,), plans = run(torch.autograd.grad, loss, xg, g)
+    assert plans == ([] if graph else [NATIVE_CE]) and dx.dtype == x.dtype and dx.shape == x.shape
+    (dref,) = torch.autograd.grad(ref, x64, g.double())
+    close(dx, dref, dtype, f"dlogits {reduction}")
+    ignored = (t == ignore_index).reshape(-1)
+    assert (dx.reshape(-1, x.shape[-1])[ignored] == 0).all()
+    with torch.no_grad():  # the plain call: the same loss
+        assert torch.equal(fs.cross_entropy(x, t, **kw), loss.detach())
+
+
+@pytest.mark.parametrize("dtype", ALL, ids=str)
+@pytest.mark.parametrize("shape,v", [((3, 5), 7), ((3, 5), 513), ((6,), 50257), ((600,), 513)])
+def test_cross_entropy_matches_torch(dtype, shape, v):
+    """Every reduction with and without label smoothing; (6, 50257) and (600, 513) are two chunks, the
+    last partial."""
+    x, t = ce_data(shape, v, dtype, v)
+    for reduction in ("none", "mean", "sum"):
+        for smoothing in (0.0, 0.2):
+            ce_check(x, t, dtype, reduction, smoothing)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize("v", [513, 50257])
+def test_cross_entropy_class_weights(dtype, v):
+    """torch's weight=, in fp32 and in fp64 (a class of weight 0 among them), with smoothing, every
+    reduction; one chunk (60 x 513, 3 x 50257) and two (6 x 50257)."""
+    x, t = ce_data((60,) if v == 513 else (3,), v, dtype, 1)
+    if v == 50257:
+        x, t = torch.cat([x, x]), torch.cat([t, t])
+    gen = torch.Generator().manual_seed(2)
+    for wd in (torch.float32, torch.float64):
+        w = (torch.rand(v, generator=gen) + 0.1).to(wd)
+        w[int(t[0])] = 0.0
+        for reduction in ("none", "mean", "sum"):
+            for smoothing in (0.0, 0.1):
+                ce_check(x, t, dtype, reduction, smoothing, w)
+
+
+def test_cross_entropy_targets_of_every_kind():
+    """int32, int16, int8, uint8 targets (uint8: -100 cannot be stored, so no row is ignored unless
+    ignore_index names a class), a column of a label table, an expanded target; ignore_index a class."""
+    x, t = ce_data((6,), 11, torch.float32, 4)
+    t = t.clamp_min(0)
+    table = torch.stack([t, t.flip(0)], 1)  # (6, 2): column 0 is strided
+    for tt, ii in [
+        (t.int(), -100),
+        (t.short(), -100),
+        (t.to(torch.int8), -100),
+        (t.to(torch.uint8), -100),
+        (t.to(torch.uint8), int(t[2])),
+        (table[:, 0], -100),
+        (torch.tensor(3).expand(6), -100),
+        (t, int(t[0])),
+    ]:
+        for reduction in ("none", "mean"):
+            ce_check(x, tt, torch.float32, reduction, 0.1, ignore_index=ii)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_cross_entropy_special_rows_as_the_reference(dtype):
+    """Rows the kernels' softmax makes NaN (fully masked, NaN, +inf; kept and ignored) and a target class
+    at -inf: loss and dlogits as the reference formulas have them (backend='torch' in float64), NaN where
+    they have NaN. (The rows near +-1e4 carry fp32's error on such logits, a few 1e-3.)"""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.cat([random_logits((3, 40), dtype, gen), special_rows(40, dtype, gen)])
+    t = torch.randint(0, 40, (12,), generator=gen)
+    t[[4, 6]] = -100  # one finite among -inf, ignored; a +inf row, ignored
+    x[0, int(t[0])] = -INF
+    rtol = CE_TOL[dtype][0]
+    for reduction, smoothing in (("none", 0.0), ("sum", 0.0), ("mean", 0.0), ("none", 0.1), ("mean", 0.1)):
+        got, want = [], []
+        for xx, backend, out in ((x, "auto", got), (x.double(), "torch", want)):
+            xg = xx.clone().requires_grad_()
+            loss, plans = run(fs.cross_entropy, xg, t, reduction=reduction, label_smoothing=smoothing, backend=backend)
+            (dx,) = torch.autograd.grad(loss, xg, torch.ones_like(loss))
+            out += [loss, dx]
+            assert backend == "torch" or plans == [NATIVE_CE]  # (small, but NaN rows: not torch's graph)
+        for a, b, atol in zip(got, want, (16 * 1e4 * 2**-23, 1e-3), strict=True):
+            torch.testing.assert_close(a.double(), b, equal_nan=True, rtol=rtol, atol=atol, msg=reduction)
+
+
+def test_cross_entropy_shapes():
+    """(B, T, V) logits with (B, T) targets, 1-d logits with a 0-d target, logits with V not contiguous (a
+    transposed table), logits requiring grad under no_grad (the plain call)."""
+    x, t = ce_data((2, 3), 17, torch.float32, 7)
+    for reduction in ("none", "mean"):
+        ce_check(x, t, torch.float32, reduction)
+        ce_check(x[0, 0], t[0, 0].clamp_min(0), torch.float32, reduction)
+        ce_check(x.transpose(0, 2).contiguous().transpose(0, 2), t, torch.float32, reduction, 0.1)
+    with torch.no_grad():
+        loss, plans = run(fs.cross_entropy, x.requires_grad_(), t)
+    assert plans == [NATIVE_CE] and loss.grad_fn is None
+
+
+def test_cross_entropy_mean_over_no_kept_row_is_nan():
+    x, t = ce_data((5,), 9, torch.float32, 6)
+    t[:] = -100
+    for kw in ({}, {"label_smoothing": 0.2}, {"class_weight": torch.rand(9)}):
+        xg = x.clone().requires_grad_()
+        loss, plans = run(fs.cross_entropy, xg, t, **kw)
+        assert plans == [NATIVE_CE if "label_smoothing" in kw else GRAPH_CE] and loss.isnan()
+        assert (torch.autograd.grad(loss, xg)[0] == 0).all()  # (every row ignored)
+
+
+def test_cross_entropy_bad_targets_raise_the_library_error():
+    x = torch.randn(4, 7)
+    for t in (torch.tensor([0, 7, 1, 2]), torch.tensor([0, -3, 1, 2], dtype=torch.int32)):
+        for reduction in ("mean", "none"):
+            with pytest.raises(IndexError, match="at row 1 is outside \\[0, 7\\) and not ignore_index"):
+                fs.cross_entropy(x, t, reduction=reduction)
+    big = torch.randn(600, 513)  # two chunks: the bad target in the second
+    t = torch.zeros(600, dtype=torch.long)
+    t[550] = 513
+    for grad in (False, True):
+        with pytest.raises(IndexError, match="at row 550"):
+            fs.cross_entropy(big.requires_grad_(grad), t)
+
+
+def test_cross_entropy_double_backward_and_other_paths():
+    """create_graph: the gradient is differentiable (gradgradcheck, float64, with weights and smoothing);
+    softcap and z_loss keep the full path; so does autocast (an fp32 loss from bf16 logits)."""
+    x = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)
+    t = torch.tensor([1, -100, 5, 0])
+    w = torch.rand(6, dtype=torch.float64) + 0.5
+    for kw in ({}, {"label_smoothing": 0.2, "class_weight": w}, {"reduction": "none"}):
+        assert torch.autograd.gradgradcheck(lambda z, kw=kw: fs.cross_entropy(z, t, **kw), (x,))
+    with heuristics.recording() as plans:
+        fs.cross_entropy(x, t, softcap=5.0)
+        fs.cross_entropy(x, t, z_loss=1e-4)
+    assert [p.path for p in plans] == ["cross_entropy", "cross_entropy"]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss, plans = run(fs.cross_entropy, x.bfloat16(), t)
+    assert loss.dtype == torch.float32 and [p.path for p in plans] == ["cross_entropy"]
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    """Chunks of 1000 elements (and torch's autograd graph for the loss only up to one), so that short
+    rows take several a chunk and long rows one."""
+    monkeypatch.setattr(native, "CHUNK", 1000)
+    monkeypatch.setattr(fs_loss, "_GRAPH_MAX", 1000)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_chunk_boundaries(small_chunks, dtype):
+    """Many chunks, 3 rows a chunk with a partial last (7 x 300) and one row a chunk (5 x 1500): 16-bit
+    log_softmax (and dtype= fp32 -> bf16), cross-entropy loss and dlogits with weights and smoothing."""
+    for m, n in ((7, 300), (5, 1500)):
+        x = logits((m, n), dtype, m, special=False)
+        x[m - 2] = -INF
+        for od in (None, torch.bfloat16):
+            y, plans = run(fs.log_softmax, x.float() if od else x, dtype=od)
+            assert plans == [NATIVE]
+            assert_close(y, x.float() if od else x, -1, True, od)
+        x, t = ce_data((m,), n, dtype, n)
+        w = torch.rand(n, generator=torch.Generator().manual_seed(1)) + 0.5
+        for reduction in ("none", "mean", "sum"):
+            for smoothing, weight in ((0.0, None), (0.1, None), (0.0, w), (0.1, w)):
+                ce_check(x, t, dtype, reduction, smoothing, weight)
