@@ -5,15 +5,12 @@ CPU's direct path (_cpu below) and the eager replay on CUDA (fastpath.py)."""
 from __future__ import annotations
 
 import torch
-import torch.autograd.forward_ad as _fwad
 
 from . import checks, compose, dispatch, dtypes, fastpath, ops
 
 _fast = fastpath.fast
 _FLOATS = frozenset(dtypes.FLOATS)
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
-_compiling, _transforms = compose.compiling, compose.transforms_active
-_modes, _tracing = compose.dispatch_modes, compose.tracing
+_PLAIN = compose.PLAIN_TYPES
 
 
 def _cpu_ok(x, dim, dtype, backend) -> bool:
@@ -24,7 +21,7 @@ def _cpu_ok(x, dim, dtype, backend) -> bool:
     softmax keeps x's dtype, as the library does."""
     if backend != "auto" or type(x) not in _PLAIN or not x.is_cpu or x.dtype not in _FLOATS or type(dim) is not int:
         return False
-    if _compiling() or _transforms() or _fwad._current_level >= 0 or _modes() or _tracing() is not None:
+    if not compose.eager():
         return False
     nd = x.dim()
     if not (nd and -nd <= dim < nd and (dtype is None or dtype in _FLOATS) and x.numel() and x.data_ptr()):

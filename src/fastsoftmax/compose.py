@@ -22,7 +22,16 @@ transforms_active = torch._C._are_functorch_transforms_active
 dispatch_modes = torch._C._len_torch_dispatch_stack
 tracing = torch._C._get_tracing_state
 compiling = torch.compiler.is_compiling
-_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+def eager() -> bool:
+    """No torch.compile tracing, torch.func transform, forward-mode AD level, dispatch mode (fake tensors)
+    or jit trace: route() would say 'plain' or 'function'. The CPU's direct paths (api.py, loss.py) check
+    it first."""
+    if compiling() or transforms_active() or _fwad._current_level >= 0:
+        return False
+    return not dispatch_modes() and tracing() is None
 
 
 def transformed() -> bool:
@@ -42,7 +51,7 @@ def route(*tensors) -> str:
     for t in tensors:
         if t is None:
             continue
-        if type(t) not in _PLAIN_TYPES or t.is_meta:
+        if type(t) not in PLAIN_TYPES or t.is_meta:
             return "op"
         grad = grad or t.requires_grad
     return "function" if grad and torch.is_grad_enabled() else "plain"

@@ -13,7 +13,6 @@ NaN, as torch). Label smoothing e: loss = (1 - e) * nll + e * mean_j(-log p_j), 
 from __future__ import annotations
 
 import torch
-import torch.autograd.forward_ad as _fwad
 
 from . import checks, compose, dispatch, dtypes, fastpath, ops
 from .backends.torch import CHUNK, native_dlogits_differentiable
@@ -71,7 +70,7 @@ _key, _fast = fastpath.loss_key, fastpath.loss_fast
 # autocast) and arguments the full checks must see take the full path.
 
 _FLOATS, _TARGETS = frozenset(dtypes.FLOATS), frozenset(dtypes.TARGETS)
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_PLAIN = compose.PLAIN_TYPES
 _NUM = (int, float)
 _GRAPH_MAX = CHUNK  # logits elements up to which torch's autograd graph runs the backward (one chunk)
 
@@ -81,9 +80,7 @@ def _cpu_ok(logits, target, class_weight, ignore_index, reduction, smoothing) ->
     checks.loss_extras pass."""
     if type(logits) not in _PLAIN or type(target) not in _PLAIN or not logits.is_cpu or not target.is_cpu:
         return False
-    if compose.compiling() or compose.transforms_active() or _fwad._current_level >= 0:
-        return False
-    if compose.dispatch_modes() or compose.tracing() is not None or compose.any_autocast():
+    if not compose.eager() or compose.any_autocast():
         return False
     if logits.dtype not in _FLOATS or target.dtype not in _TARGETS or not logits.dim() or not logits.numel():
         return False
