@@ -232,6 +232,100 @@ def test_fast_path_replays_bit_identical(monkeypatch, shape, backend, path):
         assert len(calls) == n, (len(calls), n)  # replayed: no dispatch
     kinds = {entry.kind for entry in fastpath._cache.values()}
     assert len(fastpath._cache) == 4 and kinds == {"prepared"}, kinds
+    # one launch and no workspace: replayed inside fastlaunch.softmax_fast; the split path's two launches
+    # and workspace: through the entry's own Python replay
+    natives = [entry.native for entry in fastpath._cache.values()]
+    if path in ("rowblock", "warp", "block"):
+        assert all(n is not None for n in natives), natives
+    if path == "split":
+        assert all(n is None for n in natives), natives
+
+
+def test_replay_in_c_steps_aside_where_it_must():
+    """fastlaunch.softmax_fast replays a plain call with no dispatch, and steps aside for the full path under
+    each state a replay must not run in: autograd, autocast, heuristics.force, a dispatch mode, a
+    forward-mode AD level, a torch.func transform, torch.compile; every result right."""
+    import torch.autograd.forward_ad as fwad
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from fastsoftmax import dispatch, fastpath, launch
+
+    class Mode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    fastpath.clear()
+    x = torch.randn(64, 1000, device="cuda") * 3
+    ref = torch.softmax(x.double(), -1)
+    fs.softmax(x)  # recorded
+    assert fastpath.fast is launch.native().softmax_fast
+    calls = []
+    real = dispatch.select
+    dispatch.select = lambda *a, **k: calls.append(1) or real(*a, **k)
+    try:
+        torch.testing.assert_close(fs.softmax(x).double(), ref)
+        assert not calls  # replayed
+        states = {
+            "autograd": lambda: fs.softmax(x.clone().requires_grad_()),
+            "autocast": lambda: _within(torch.autocast("cuda"), lambda: fs.softmax(x)),
+            "force": lambda: _within(heuristics.force(path="rowblock"), lambda: fs.softmax(x)),
+            "dispatch mode": lambda: _within(Mode(), lambda: fs.softmax(x)),
+            "forward AD": lambda: _within(fwad.dual_level(), lambda: fs.softmax(x)),
+            "vmap": lambda: torch.func.vmap(fs.softmax)(x.view(8, 8, 1000)).view(64, 1000),
+            "compile": lambda: torch.compile(fs.softmax, fullgraph=True)(x),
+        }
+        for name, run in states.items():
+            n = len(calls)
+            y = run()
+            torch.testing.assert_close(y.double(), ref, msg=name)
+            assert len(calls) > n or name == "compile", name  # (compiled: the custom op, no eager dispatch)
+        n = len(calls)
+        torch.testing.assert_close(fs.softmax(x).double(), ref)
+        assert len(calls) == n  # replayed again
+    finally:
+        dispatch.select = real
+
+
+def _within(ctx, fn):
+    with ctx:
+        return fn()
+
+
+_BAD_TARGET = r"""
+import sys, torch, fastsoftmax as fs
+from fastsoftmax import fastpath
+how = sys.argv[1]
+x = torch.randn(8, 100, device="cuda")
+t = torch.randint(0, 100, (8,), device="cuda")
+if how == "replay":
+    for _ in range(2):
+        fs.cross_entropy(x, t)  # recorded, then replayed
+    torch.cuda.synchronize()
+    assert len(fastpath._loss_cache) == 1
+t[3] = 100
+if how == "lce":
+    loss = fs.linear_cross_entropy(torch.randn(8, 16, device="cuda"), torch.randn(100, 16, device="cuda"), t)
+else:
+    loss = fs.cross_entropy(x, t)
+torch.cuda.synchronize()
+print("NO ERROR", float(loss))
+"""
+
+
+@pytest.mark.parametrize("how", ["full", "replay", "lce"])
+def test_bad_target_stops_at_a_device_assertion(how):
+    """A target outside [0, V) on CUDA stops at ce_finish's device-side assertion (in a process of its own:
+    the CUDA context does not survive it): on the full path, in a replayed call, in the LM-head loss (before
+    its first GEMM); the device prints the library's message, and the next CUDA call that reports fails
+    (a synchronisation: 'device-side assert triggered'; cuBLAS's handle: its own error)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _BAD_TARGET, how], capture_output=True, text=True, timeout=300)
+    text = out.stdout + out.stderr
+    assert out.returncode != 0 and "NO ERROR" not in text, text[-2000:]
+    assert "Assertion `cross_entropy: a target is outside [0, V) and not ignore_index` failed" in text, text[-2000:]
+    assert "Error" in text, text[-2000:]
 
 
 REPLAY_CASES = [

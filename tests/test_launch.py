@@ -496,3 +496,148 @@ def test_compiled_kernels_take_the_parameters_packed():
     if out.stdout.startswith("SKIP"):
         pytest.skip(f"this Triton's compiler or binder cannot be driven without a GPU: {out.stdout.strip()}")
     assert out.stdout.strip() == "OK 8", out.stdout
+
+
+# ---- the replay's hot path in C (fastlaunch.c: softmax_key, softmax_fast, loss_key, launch_steps) --------
+
+
+@pytest.fixture
+def hot(native, monkeypatch):
+    """fastlaunch configured for the replay (fastpath._native), the module's globals restored afterwards."""
+    monkeypatch.setattr(fastpath, "_native_mod", [])
+    monkeypatch.setattr(fastpath, "fast", fastpath.fast)
+    monkeypatch.setattr(fastpath, "loss_key", fastpath.loss_key)
+    mod = fastpath._native()
+    assert mod is native and fastpath.fast is native.softmax_fast and fastpath.loss_key is native.loss_key
+    return native
+
+
+def _softmax_key(x, d, dim, dtype, log, backend):
+    """fastpath's softmax key as Python would build it (the tuple the C key must equal)."""
+    px = x.data_ptr()
+    k = (x.shape, x.stride(), x.dtype, x.get_device(), px % 16, dim, dtype, log, backend)
+    if d is not None:
+        pd = d.data_ptr()
+        k += (d.stride(), d.dtype, pd % 16, (pd - px) % 16, d.shape, d.get_device())
+    return k
+
+
+@needs_cc
+def test_native_softmax_key_is_the_tuple(hot):
+    """softmax_key builds the very tuple the recording stores (shape, strides, dtype, device, address mod 16,
+    dim, output dtype, log, backend; and dy's), for layouts and addresses of every kind; None for what the
+    replay never keys (a non-int dim, a dtype that is not one, a backend that is not a str, a Parameter or a
+    list, no storage, and CPU tensors unless asked)."""
+    base = torch.randn(6, 40)
+    cases = [
+        (base, None, -1, None, False),
+        (base.t(), None, 0, torch.float32, True),
+        (base[:, 1:33], base[:, 3:35], 1, None, False),  # misaligned, dy at another offset
+        (base.to(torch.bfloat16)[1:], None, -1, torch.float32, False),
+        (base.view(6, 5, 8).transpose(1, 2), base.view(6, 5, 8).transpose(1, 2).contiguous(), 1, None, True),
+        (torch.randn(()), None, 0, None, False),
+    ]
+    for x, d, dim, dtype, log in cases:
+        got = hot.softmax_key(x, d, dim, dtype, log, "auto", False)
+        assert got == _softmax_key(x, d, dim, dtype, log, "auto"), (x.shape, x.stride())
+        assert hash(got) == hash(_softmax_key(x, d, dim, dtype, log, "auto"))
+        assert hot.softmax_key(x, d, dim, dtype, log, "auto") is None  # CPU tensors: no replay
+    x = base
+    for args in (
+        (x, None, 1.0, None, False, "auto"),
+        (x, None, True, None, False, "auto"),  # (a bool is not an int here, as type(dim) is int)
+        (x, None, -1, "float32", False, "auto"),
+        (x, None, -1, None, False, None),
+        (torch.nn.Parameter(x), None, -1, None, False, "auto"),
+        (x, [1.0], -1, None, False, "auto"),
+        ([1.0], None, -1, None, False, "auto"),
+    ):
+        assert hot.softmax_key(*args, False) is None, args
+    empty = torch.randn(4, 8)
+    empty.untyped_storage().resize_(0)
+    assert hot.softmax_key(empty, None, -1, None, False, "auto", False) is None
+    assert hot.softmax_fast(x, None, -1, None, False, "auto") is None  # a CPU tensor: nothing replayed
+
+
+@needs_cc
+def test_native_loss_key_is_the_tuple_and_steps_aside(hot):
+    """loss_key: the tuple the cross-entropy recording stores, whether the logits need a gradient included;
+    None for what the replay never takes (class weights, strided logits or targets, fp64 or empty logits,
+    options of other types) and while anything but a plain eager call may be under way: a torch.func
+    transform, a forward-mode AD level, a dispatch mode, autocast, heuristics.force, a Triton launch hook."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    x, t = torch.randn(6, 40), torch.randint(0, 40, (6,), dtype=torch.int32)
+    opts = (-100, "mean", 0.1, None, 0.0, False, "auto")
+
+    def key(x=x, t=t, w=None, opts=opts):
+        return hot.loss_key(x, t, w, *opts, False)
+
+    px, pt = x.data_ptr(), t.data_ptr()
+    want = (x.shape, x.dtype, -1, px % 16, t.shape, t.dtype, pt % 16, False, *opts[:6], "auto", -1)
+    assert key() == want
+    xg = x.clone().requires_grad_()
+    assert key(xg)[7] is True
+    with torch.no_grad():
+        assert key(xg)[7] is False
+    assert key(opts=(-100, "sum", 0, 30.0, 1e-4, True, "triton"))[9:15] == ("sum", 0, 30.0, 1e-4, True, "triton")
+    assert hot.loss_key(x, t, None, *opts) is None  # CPU tensors: no replay
+    for bad in (
+        dict(w=torch.ones(40)),
+        dict(x=torch.randn(40, 6).t()),
+        dict(t=torch.randint(0, 40, (12,))[::2]),
+        dict(x=x.double()),
+        dict(x=torch.randn(0, 40), t=t[:0]),
+        dict(opts=(-100.0, *opts[1:])),
+        dict(opts=(-100, "mean", torch.tensor(0.1), *opts[3:])),
+        dict(opts=(*opts[:3], "30", *opts[4:])),
+        dict(opts=(*opts[:5], 1, "auto")),
+        dict(opts=(*opts[:6], None)),
+    ):
+        assert key(**bad) is None, bad
+    import torch.autograd.forward_ad as fwad
+
+    class Mode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    seen = []
+    torch.func.vmap(lambda r: seen.append(key()) or r)(torch.randn(2, 3))
+    with fwad.dual_level():
+        seen.append(key())
+    with Mode():
+        seen.append(key())
+    with torch.autocast("cpu"):
+        seen.append(key())
+    with heuristics.force(path="online"):
+        seen.append(key())
+    assert seen == [None] * 5, seen
+    try:
+        from triton import knobs
+    except ImportError:
+        return
+    hook = lambda *a: None  # noqa: E731
+    knobs.runtime.launch_exit_hook.add(hook)
+    try:
+        assert key() is None
+    finally:
+        knobs.runtime.launch_exit_hook.remove(hook)
+    assert key() == want
+
+
+@needs_cc
+def test_native_launch_steps_checks_its_steps(hot):
+    """launch_steps: each step's (base, offset) pairs are its Desc's addresses (one pair per slot, base -1
+    for null); a wrong count, an odd pair list or a base out of range raises before any launch; launches
+    with nothing to run (an empty grid) return 0 without the driver."""
+    ln = launch.Launch(0xF00, (0, 1, 1), 32, 0, 1, _ptrs(2), [[(0, 0)], [(1, 0)]])
+    desc = ctypes.addressof(ln.desc)
+    assert hot.launch_steps(0, ((desc, (0, 0, -1, 0)), (desc, (1, 64, 0, 16))), (4096, 8192)) == 0
+    with pytest.raises(TypeError, match="takes 2 addresses, got 1"):
+        hot.launch_steps(0, ((desc, (0, 0)),), (4096,))
+    with pytest.raises(ValueError, match="pairs"):
+        hot.launch_steps(0, ((desc, (0, 0, 1)),), (4096, 1))
+    with pytest.raises(IndexError, match="base index"):
+        hot.launch_steps(0, ((desc, (0, 0, 2, 0)),), (4096, 1))
+    with pytest.raises(TypeError, match="a step is"):
+        hot.launch_steps(0, ((desc,),), (4096,))

@@ -1,6 +1,6 @@
 """softmax(), log_softmax(), their backward and their nn.Modules: argument checks, torch's autocast policy,
 then the custom ops (ops.py), which route the call. A call with no mask, scale or causal first tries the
-CPU's direct path (_cpu below) and the eager replay on CUDA (fastpath.py)."""
+eager replay on CUDA (fastpath.py; torch.compile traces past it) and the CPU's direct path (_cpu below)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 
 from . import checks, compose, dispatch, dtypes, fastpath, ops
 
-_fast = fastpath.fast
+_compiling = compose.compiling
 _FLOATS = frozenset(dtypes.FLOATS)
 _PLAIN = compose.PLAIN_TYPES
 
@@ -108,10 +108,10 @@ def softmax(
     backend: 'auto' (CUDA tensors: the tuning table's choice, else Triton kernels; CPU: torch ops), 'triton',
     'cuda' or 'torch'.
     Differentiable (only the output, and the mask, are saved for backward)."""
-    if mask is None and scale is None and causal is False:  # no mask: the CPU's direct path, or a replay
-        if (y := _cpu(x, dim, dtype, False, backend)) is not None:
+    if mask is None and scale is None and causal is False:  # no mask: a replay (fastpath), or the CPU's direct path
+        if not _compiling() and (y := fastpath.fast(x, None, dim, dtype, False, backend)) is not None:
             return y
-        if (y := _fast(x, None, dim, dtype, False, backend)) is not None:
+        if (y := _cpu(x, dim, dtype, False, backend)) is not None:
             return y
     return _forward(x, dim, False, "softmax", mask, scale, causal, dtype, backend)
 
@@ -127,10 +127,10 @@ def log_softmax(
     backend: str = "auto",
 ) -> torch.Tensor:
     """Log-softmax of x along dim; arguments and conventions as softmax()."""
-    if mask is None and scale is None and causal is False:  # no mask: the CPU's direct path, or a replay
-        if (y := _cpu(x, dim, dtype, True, backend)) is not None:
+    if mask is None and scale is None and causal is False:  # no mask: a replay (fastpath), or the CPU's direct path
+        if not _compiling() and (y := fastpath.fast(x, None, dim, dtype, True, backend)) is not None:
             return y
-        if (y := _fast(x, None, dim, dtype, True, backend)) is not None:
+        if (y := _cpu(x, dim, dtype, True, backend)) is not None:
             return y
     return _forward(x, dim, True, "log_softmax", mask, scale, causal, dtype, backend)
 
@@ -155,10 +155,10 @@ def softmax_backward(
 ) -> torch.Tensor:
     """dx = y * (dy - sum(y * dy)) along dim, from softmax's output y; 0 on fully masked rows (y all 0).
     mask, scale, causal: the forward's (dx = scale * dz, 0 at masked positions)."""
-    if mask is None and scale is None and causal is False:  # no mask: the CPU's direct path, or a replay
-        if (dx := _cpu_backward(dy, y, dim, dtype, False, backend)) is not None:
+    if mask is None and scale is None and causal is False:  # no mask: a replay (fastpath), or the CPU's direct path
+        if not _compiling() and (dx := fastpath.fast(y, dy, dim, dtype, False, backend)) is not None:
             return dx
-        if (dx := _fast(y, dy, dim, dtype, False, backend)) is not None:
+        if (dx := _cpu_backward(dy, y, dim, dtype, False, backend)) is not None:
             return dx
     return _backward(dy, y, dim, False, "softmax_backward", mask, scale, causal, dtype, backend)
 
@@ -176,10 +176,10 @@ def log_softmax_backward(
 ) -> torch.Tensor:
     """dx = dy - exp(y) * sum(dy) along dim, from log_softmax's output y; 0 on fully masked rows (y all -inf).
     mask, scale, causal: as softmax_backward."""
-    if mask is None and scale is None and causal is False:  # no mask: the CPU's direct path, or a replay
-        if (dx := _cpu_backward(dy, y, dim, dtype, True, backend)) is not None:
+    if mask is None and scale is None and causal is False:  # no mask: a replay (fastpath), or the CPU's direct path
+        if not _compiling() and (dx := fastpath.fast(y, dy, dim, dtype, True, backend)) is not None:
             return dx
-        if (dx := _fast(y, dy, dim, dtype, True, backend)) is not None:
+        if (dx := _cpu_backward(dy, y, dim, dtype, True, backend)) is not None:
             return dx
     return _backward(dy, y, dim, True, "log_softmax_backward", mask, scale, causal, dtype, backend)
 

@@ -65,40 +65,30 @@ static int load_driver(void) {
     return 0;
 }
 
-// launch(desc_address, stream, address_0, ..., address_{n_slots - 1}) -> CUresult
-static PyObject* launch(PyObject* self, PyObject* const* args, Py_ssize_t n) {
-    if (n < 2) {
-        PyErr_SetString(PyExc_TypeError, "launch(desc, stream, *addresses): at least the Desc and the stream");
-        return NULL;
-    }
-    unsigned long long desc = PyLong_AsUnsignedLongLong(args[0]);
-    if (desc == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
-    unsigned long long stream = PyLong_AsUnsignedLongLong(args[1]);
-    if (stream == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
-    const Desc* d = (const Desc*)(uintptr_t)desc;
+// The launch itself: d's bytes with the addresses written in, on the stream. Returns 0 with *result set to
+// the driver's CUresult, or -1 with a Python error (not a prepared Desc, no driver).
+static int launch_desc(const Desc* d, unsigned long long stream, const unsigned long long* addr, size_t n_addr,
+                       CUresult* result) {
     if (!d || d->n_bytes > MAX_BYTES || d->n_params > MAX_PARAMS || d->n_slots > MAX_ADDRESSES ||
         d->n_fills > MAX_FILLS) {
         PyErr_SetString(PyExc_ValueError, "fastlaunch: not a prepared Desc");
-        return NULL;
+        return -1;
     }
-    if ((size_t)(n - 2) != d->n_slots) {
-        PyErr_Format(PyExc_TypeError, "fastlaunch: this launch takes %u addresses, got %zd", d->n_slots, n - 2);
-        return NULL;
+    if (n_addr != d->n_slots) {
+        PyErr_Format(PyExc_TypeError, "fastlaunch: this launch takes %u addresses, got %zd", d->n_slots,
+                     (Py_ssize_t)n_addr);
+        return -1;
     }
-    unsigned long long addr[MAX_ADDRESSES];
-    for (unsigned i = 0; i < d->n_slots; ++i) {
-        addr[i] = PyLong_AsUnsignedLongLong(args[2 + i]);
-        if (addr[i] == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
-    }
-    if (d->grid[0] == 0 || d->grid[1] == 0 || d->grid[2] == 0) return PyLong_FromLong(0);  // nothing to run
-    if (!launch_kernel && load_driver() < 0) return NULL;
+    *result = 0;
+    if (d->grid[0] == 0 || d->grid[1] == 0 || d->grid[2] == 0) return 0;  // nothing to run
+    if (!launch_kernel && load_driver() < 0) return -1;
     _Alignas(16) unsigned char buf[MAX_BYTES];
     void* params[MAX_PARAMS];
     memcpy(buf, d->bytes, d->n_bytes);
     for (unsigned i = 0; i < d->n_fills; ++i) {
         if (d->fill_slot[i] >= d->n_slots || d->fill_offset[i] + 8 > d->n_bytes) {
             PyErr_SetString(PyExc_ValueError, "fastlaunch: not a prepared Desc");
-            return NULL;
+            return -1;
         }
         memcpy(buf + d->fill_offset[i], &addr[d->fill_slot[i]], 8);
     }
@@ -119,7 +109,461 @@ static PyObject* launch(PyObject* self, PyObject* const* args, Py_ssize_t n) {
         r = launch_kernel_ex(&cfg, (void*)(uintptr_t)d->function, params, NULL);
     }
     Py_END_ALLOW_THREADS;
+    *result = r;
+    return 0;
+}
+
+// launch(desc_address, stream, address_0, ..., address_{n_slots - 1}) -> CUresult
+static PyObject* launch(PyObject* self, PyObject* const* args, Py_ssize_t n) {
+    if (n < 2) {
+        PyErr_SetString(PyExc_TypeError, "launch(desc, stream, *addresses): at least the Desc and the stream");
+        return NULL;
+    }
+    unsigned long long desc = PyLong_AsUnsignedLongLong(args[0]);
+    if (desc == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
+    unsigned long long stream = PyLong_AsUnsignedLongLong(args[1]);
+    if (stream == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
+    unsigned long long addr[MAX_ADDRESSES];
+    if (n - 2 > MAX_ADDRESSES) {
+        PyErr_Format(PyExc_TypeError, "fastlaunch: at most %d addresses, got %zd", MAX_ADDRESSES, n - 2);
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < n - 2; ++i) {
+        addr[i] = PyLong_AsUnsignedLongLong(args[2 + i]);
+        if (addr[i] == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
+    }
+    CUresult r;
+    if (launch_desc((const Desc*)(uintptr_t)desc, stream, addr, (size_t)(n - 2), &r) < 0) return NULL;
     return PyLong_FromLong(r);
+}
+
+// ---- the eager replay's hot path (fastpath.py) ----------------------------------------------------------
+// What a replayed call does on the host, in one C call: the checks that the call is a plain eager one, its
+// cache key (the same tuple for the recording, made here too), the lookup, the output's allocation and the
+// recorded launch. A small call's host time is mostly Python calls; here each of torch's probes is one C
+// call. fastpath.configure() hands over torch's probes and the cache once; the caller checks
+// torch.compiler.is_compiling() first (dynamo folds that call; it cannot trace this module).
+
+static PyObject *g_tensor, *g_dtype_type, *g_cache, *g_grad_enabled, *g_functorch, *g_dispatch_len, *g_tracing,
+    *g_autocast, *g_fwad, *g_heuristics, *g_knobs, *g_get_device, *g_get_stream, *g_empty_like, *g_record,
+    *g_loss_dtypes;
+static PyObject *s_shape, *s_stride, *s_dtype, *s_get_device, *s_data_ptr, *s_is_cuda, *s_requires_grad,
+    *s_level, *s_force, *s_enter, *s_exit, *s_calls, *s_native, *s_is_contiguous, *s_numel, *kw_dtype;
+
+static int configured(void) {
+    if (g_cache) return 1;
+    PyErr_SetString(PyExc_RuntimeError, "fastlaunch: configure() first");
+    return 0;
+}
+
+// configure(tensor_type, dtype_type, cache, is_grad_enabled, functorch_active, dispatch_stack_len,
+//           tracing_state, any_autocast, forward_ad_module, heuristics_module, triton_runtime_knobs_or_None,
+//           current_device, current_raw_stream, empty_like, record, loss_dtypes)
+static PyObject* configure(PyObject* self, PyObject* const* args, Py_ssize_t n) {
+    PyObject** slots[] = {&g_tensor,   &g_dtype_type, &g_cache,      &g_grad_enabled, &g_functorch, &g_dispatch_len,
+                          &g_tracing,  &g_autocast,   &g_fwad,       &g_heuristics,   &g_knobs,     &g_get_device,
+                          &g_get_stream, &g_empty_like, &g_record,   &g_loss_dtypes};
+    const Py_ssize_t want = (Py_ssize_t)(sizeof slots / sizeof slots[0]);
+    if (n != want) {
+        PyErr_Format(PyExc_TypeError, "configure takes %zd arguments, got %zd", want, n);
+        return NULL;
+    }
+    if (!PyTuple_Check(args[want - 1])) {
+        PyErr_SetString(PyExc_TypeError, "configure: loss_dtypes must be a tuple");
+        return NULL;
+    }
+    if (!s_shape) {
+        const char* names[] = {"shape", "stride", "dtype", "get_device", "data_ptr", "is_cuda", "requires_grad",
+                               "_current_level", "_force", "launch_enter_hook", "launch_exit_hook", "calls",
+                               "native", "is_contiguous", "numel"};
+        PyObject** strs[] = {&s_shape,  &s_stride, &s_dtype, &s_get_device, &s_data_ptr, &s_is_cuda,
+                             &s_requires_grad, &s_level, &s_force, &s_enter, &s_exit, &s_calls,
+                             &s_native, &s_is_contiguous, &s_numel};
+        for (size_t i = 0; i < sizeof names / sizeof names[0]; ++i)
+            if (!(*strs[i] = PyUnicode_InternFromString(names[i]))) return NULL;
+        if (!(kw_dtype = Py_BuildValue("(s)", "dtype"))) return NULL;
+    }
+    for (Py_ssize_t i = 0; i < want; ++i) {
+        Py_INCREF(args[i]);
+        Py_XSETREF(*slots[i], args[i]);
+    }
+    Py_RETURN_NONE;
+}
+
+static int call_truthy(PyObject* f) {
+    PyObject* r = PyObject_CallNoArgs(f);
+    if (!r) return -1;
+    int t = PyObject_IsTrue(r);
+    Py_DECREF(r);
+    return t;
+}
+
+static int attr_is(PyObject* o, PyObject* name, PyObject* value) {
+    PyObject* a = PyObject_GetAttr(o, name);
+    if (!a) return -1;
+    int is = a == value;
+    Py_DECREF(a);
+    return is;
+}
+
+// t.requires_grad and torch.is_grad_enabled(): 1, 0, or -1 with an error
+static int needs_grad(PyObject* t) {
+    int rg = attr_is(t, s_requires_grad, Py_True);
+    return rg <= 0 ? rg : call_truthy(g_grad_enabled);
+}
+
+// 1 when only plain eager calls can be under way: no torch.func transform or forward-mode AD level, no
+// dispatch mode, no jit trace, no autocast, no heuristics.force block, no launch hook registered with Triton
+// (fastpath.py's checks, in its order); 0 otherwise; -1 with an error.
+static int plain_state(void) {
+    int t;
+    if ((t = call_truthy(g_functorch)) != 0) return t < 0 ? -1 : 0;
+    PyObject* lvl = PyObject_GetAttr(g_fwad, s_level);
+    if (!lvl) return -1;
+    long level = PyLong_AsLong(lvl);
+    Py_DECREF(lvl);
+    if (level == -1 && PyErr_Occurred()) return -1;
+    if (level >= 0) return 0;
+    if ((t = call_truthy(g_dispatch_len)) != 0) return t < 0 ? -1 : 0;
+    PyObject* tr = PyObject_CallNoArgs(g_tracing);
+    if (!tr) return -1;
+    t = tr == Py_None;
+    Py_DECREF(tr);
+    if (!t) return 0;
+    if ((t = call_truthy(g_autocast)) != 0) return t < 0 ? -1 : 0;
+    if ((t = attr_is(g_heuristics, s_force, Py_None)) != 1) return t;
+    if (g_knobs != Py_None) {
+        PyObject* hooks[] = {s_enter, s_exit};
+        for (int i = 0; i < 2; ++i) {  // a hook chain with no calls (or None) is idle; a plain callable is not
+            PyObject* h = PyObject_GetAttr(g_knobs, hooks[i]);
+            if (!h) return -1;
+            if (h == Py_None) {
+                Py_DECREF(h);
+                continue;
+            }
+            PyObject* calls = PyObject_GetAttr(h, s_calls);
+            Py_DECREF(h);
+            if (!calls) {
+                PyErr_Clear();
+                return 0;
+            }
+            t = PyObject_IsTrue(calls);
+            Py_DECREF(calls);
+            if (t != 0) return t < 0 ? -1 : 0;
+        }
+    }
+    return 1;
+}
+
+static PyObject* call_method(PyObject* o, PyObject* name) { return PyObject_CallMethodNoArgs(o, name); }
+
+// o.data_ptr() as an integer; 0 with an error set on failure (check PyErr_Occurred)
+static unsigned long long address_of(PyObject* o) {
+    PyObject* p = call_method(o, s_data_ptr);
+    if (!p) return 0;
+    unsigned long long a = PyLong_AsUnsignedLongLong(p);
+    Py_DECREF(p);
+    return a == (unsigned long long)-1 && PyErr_Occurred() ? 0 : a;
+}
+
+static int is_cuda(PyObject* t) { return attr_is(t, s_is_cuda, Py_True); }
+
+// The key of a softmax-family call (fastpath.key): (x.shape, x.stride(), x.dtype, x.get_device(), x's address
+// mod 16, dim, dtype, log, backend) and for a backward (dy.stride(), dy.dtype, dy's address mod 16, (dy's -
+// x's address) mod 16, dy.shape, dy.get_device()). Py_None (a new reference) when the call cannot be keyed.
+static PyObject* make_softmax_key(PyObject* x, PyObject* d, PyObject* dim, PyObject* dtype, PyObject* log,
+                                  PyObject* backend, int cuda_only, unsigned long long* px_out,
+                                  unsigned long long* pd_out) {
+    if (Py_TYPE(x) != (PyTypeObject*)g_tensor || !PyLong_CheckExact(dim) || !PyUnicode_CheckExact(backend))
+        Py_RETURN_NONE;
+    if (dtype != Py_None && !PyObject_TypeCheck(dtype, (PyTypeObject*)g_dtype_type)) Py_RETURN_NONE;
+    if (d != Py_None && Py_TYPE(d) != (PyTypeObject*)g_tensor) Py_RETURN_NONE;
+    if (cuda_only) {
+        int c = is_cuda(x);
+        if (c <= 0) return c < 0 ? NULL : Py_NewRef(Py_None);
+        if (d != Py_None && (c = is_cuda(d)) <= 0) return c < 0 ? NULL : Py_NewRef(Py_None);
+    }
+    unsigned long long px = address_of(x), pd = 0;
+    if (!px) return PyErr_Occurred() ? NULL : Py_NewRef(Py_None);  // no storage: the full path raises
+    if (d != Py_None && !(pd = address_of(d))) return PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
+    PyObject* k = PyTuple_New(d == Py_None ? 9 : 15);
+    if (!k) return NULL;
+    PyObject* items[15];
+    items[0] = PyObject_GetAttr(x, s_shape);
+    items[1] = call_method(x, s_stride);
+    items[2] = PyObject_GetAttr(x, s_dtype);
+    items[3] = call_method(x, s_get_device);
+    items[4] = PyLong_FromUnsignedLongLong(px % 16);
+    items[5] = Py_NewRef(dim);
+    items[6] = Py_NewRef(dtype);
+    items[7] = Py_NewRef(log);
+    items[8] = Py_NewRef(backend);
+    Py_ssize_t n = 9;
+    if (d != Py_None) {
+        items[9] = call_method(d, s_stride);
+        items[10] = PyObject_GetAttr(d, s_dtype);
+        items[11] = PyLong_FromUnsignedLongLong(pd % 16);
+        items[12] = PyLong_FromUnsignedLongLong((pd - px) % 16);
+        items[13] = PyObject_GetAttr(d, s_shape);
+        items[14] = call_method(d, s_get_device);
+        n = 15;
+    }
+    int bad = 0;
+    for (Py_ssize_t i = 0; i < n; ++i) {
+        if (!items[i]) bad = 1;
+        PyTuple_SET_ITEM(k, i, items[i] ? items[i] : Py_NewRef(Py_None));
+    }
+    if (bad) {
+        Py_DECREF(k);
+        return NULL;
+    }
+    *px_out = px;
+    *pd_out = pd;
+    return k;
+}
+
+// softmax_key(x, dy_or_None, dim, dtype, log, backend[, cuda_only=True]) -> the call's key, or None
+static PyObject* softmax_key(PyObject* self, PyObject* const* args, Py_ssize_t n) {
+    if (!configured()) return NULL;
+    if (n != 6 && n != 7) {
+        PyErr_SetString(PyExc_TypeError, "softmax_key(x, dy, dim, dtype, log, backend[, cuda_only])");
+        return NULL;
+    }
+    int cuda_only = n == 7 ? PyObject_IsTrue(args[6]) : 1;
+    if (cuda_only < 0) return NULL;
+    unsigned long long px, pd;
+    return make_softmax_key(args[0], args[1], args[2], args[3], args[4], args[5], cuda_only, &px, &pd);
+}
+
+// softmax_fast(x, dy_or_None, dim, dtype, log, backend) -> the replayed output, or None (the full path runs):
+// fastpath.py's replay of a softmax-family call seen before.
+static PyObject* softmax_fast(PyObject* self, PyObject* const* args, Py_ssize_t n) {
+    if (!configured()) return NULL;
+    if (n != 6) {
+        PyErr_SetString(PyExc_TypeError, "softmax_fast(x, dy, dim, dtype, log, backend)");
+        return NULL;
+    }
+    PyObject *x = args[0], *d = args[1];
+    if (Py_TYPE(x) != (PyTypeObject*)g_tensor) Py_RETURN_NONE;
+    int t = is_cuda(x);
+    if (t <= 0) return t < 0 ? NULL : Py_NewRef(Py_None);
+    if ((t = needs_grad(x)) != 0) return t < 0 ? NULL : Py_NewRef(Py_None);
+    if ((t = plain_state()) != 1) return t < 0 ? NULL : Py_NewRef(Py_None);
+    if (d != Py_None) {
+        if (Py_TYPE(d) != (PyTypeObject*)g_tensor) Py_RETURN_NONE;
+        if ((t = needs_grad(d)) != 0) return t < 0 ? NULL : Py_NewRef(Py_None);
+    }
+    unsigned long long px = 0, pd = 0;
+    PyObject* key = make_softmax_key(x, d, args[2], args[3], args[4], args[5], 1, &px, &pd);
+    if (!key || key == Py_None) return key;
+    PyObject* entry = PyDict_GetItemWithError(g_cache, key);
+    Py_XINCREF(entry);  // (held: Python code below may clear the cache)
+    PyObject* dev = PyTuple_GET_ITEM(key, 3);
+    Py_INCREF(dev);
+    Py_DECREF(key);
+    PyObject *result = NULL, *native = NULL, *cur = NULL, *y = NULL, *st = NULL;
+    if (!entry) {
+        result = PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
+        goto done;
+    }
+    if (!(cur = PyObject_CallNoArgs(g_get_device))) goto done;
+    t = PyObject_RichCompareBool(cur, dev, Py_EQ);
+    if (t <= 0) {  // another device is current: its context would not hold this kernel
+        result = t < 0 ? NULL : Py_NewRef(Py_None);
+        goto done;
+    }
+    if (!(native = PyObject_GetAttr(entry, s_native))) goto done;
+    if (native == Py_None) {  // several launches or a workspace: the entry's own replay
+        PyObject* a[3] = {x, d, dev};
+        result = PyObject_Vectorcall(entry, a, 3, NULL);
+        goto done;
+    }
+    // native: (Desc address, output dtype or None, plan)
+    if (!PyTuple_Check(native) || PyTuple_GET_SIZE(native) != 3) {
+        PyErr_SetString(PyExc_TypeError, "fastlaunch: a replay entry's native is not (desc, dtype, plan)");
+        goto done;
+    }
+    unsigned long long desc = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(native, 0));
+    if (desc == (unsigned long long)-1 && PyErr_Occurred()) goto done;
+    PyObject* out_dtype = PyTuple_GET_ITEM(native, 1);
+    if (out_dtype == Py_None) {
+        y = PyObject_Vectorcall(g_empty_like, &x, 1, NULL);
+    } else {
+        PyObject* a[2] = {x, out_dtype};
+        y = PyObject_Vectorcall(g_empty_like, a, 1, kw_dtype);
+    }
+    if (!y) goto done;
+    unsigned long long py = address_of(y);
+    if (!py && PyErr_Occurred()) goto done;
+    if (py % 16) {  // never from torch's allocator; the recorded plan assumed an aligned output
+        result = Py_NewRef(Py_None);
+        goto done;
+    }
+    if (!(st = PyObject_Vectorcall(g_get_stream, &dev, 1, NULL))) goto done;
+    unsigned long long stream = PyLong_AsUnsignedLongLong(st);
+    if (stream == (unsigned long long)-1 && PyErr_Occurred()) goto done;
+    unsigned long long addr[4] = {px, py, pd, 0};
+    CUresult r;
+    if (launch_desc((const Desc*)(uintptr_t)desc, stream, addr, 4, &r) < 0) goto done;
+    if (r != 0) {  // (no current context on this thread, say): the full path runs and reports
+        result = Py_NewRef(Py_None);
+        goto done;
+    }
+    PyObject* plan = PyTuple_GET_ITEM(native, 2);
+    PyObject* rec = PyObject_Vectorcall(g_record, &plan, 1, NULL);
+    if (!rec) goto done;
+    Py_DECREF(rec);
+    result = Py_NewRef(y);
+done:
+    Py_XDECREF(entry);
+    Py_DECREF(dev);
+    Py_XDECREF(cur);
+    Py_XDECREF(native);
+    Py_XDECREF(y);
+    Py_XDECREF(st);
+    return result;
+}
+
+static int is_number(PyObject* o) { return PyLong_CheckExact(o) || PyFloat_CheckExact(o); }
+
+// loss_key(logits, target, class_weight, ignore_index, reduction, smoothing, softcap, z_loss, want_z,
+//          backend[, cuda_only=True]) -> the key of a cross-entropy call (fastpath.loss_key), or None:
+// (logits.shape, logits.dtype, logits.get_device(), logits' address mod 16, target.shape, target.dtype,
+//  target's address mod 16, whether the logits need a gradient, ignore_index, reduction, smoothing, softcap,
+//  z_loss, want_z, backend, target.get_device())
+static PyObject* loss_key(PyObject* self, PyObject* const* args, Py_ssize_t n) {
+    if (!configured()) return NULL;
+    if (n != 10 && n != 11) {
+        PyErr_SetString(PyExc_TypeError, "loss_key: 10 arguments (and cuda_only)");
+        return NULL;
+    }
+    PyObject *x = args[0], *tg = args[1];
+    int cuda_only = n == 11 ? PyObject_IsTrue(args[10]) : 1;
+    if (cuda_only < 0) return NULL;
+    if (Py_TYPE(x) != (PyTypeObject*)g_tensor || Py_TYPE(tg) != (PyTypeObject*)g_tensor || args[2] != Py_None)
+        Py_RETURN_NONE;
+    if (!PyLong_CheckExact(args[3]) || !PyUnicode_CheckExact(args[4]) || !PyUnicode_CheckExact(args[9]))
+        Py_RETURN_NONE;
+    if (!is_number(args[5]) || !is_number(args[7]) || !PyBool_Check(args[8])) Py_RETURN_NONE;
+    if (args[6] != Py_None && !is_number(args[6])) Py_RETURN_NONE;
+    int t;
+    if (cuda_only) {
+        if ((t = is_cuda(x)) <= 0 || (t = is_cuda(tg)) <= 0) return t < 0 ? NULL : Py_NewRef(Py_None);
+    }
+    PyObject* dtype = PyObject_GetAttr(x, s_dtype);
+    if (!dtype) return NULL;
+    t = PySequence_Contains(g_loss_dtypes, dtype);
+    if (t <= 0) {
+        Py_DECREF(dtype);
+        return t < 0 ? NULL : Py_NewRef(Py_None);
+    }
+    PyObject* numel = call_method(x, s_numel);
+    if (!numel) goto fail_dtype;
+    t = PyObject_IsTrue(numel);
+    Py_DECREF(numel);
+    if (t <= 0) goto none_or_fail;
+    PyObject* ts[2] = {x, tg};
+    for (int i = 0; i < 2; ++i) {
+        PyObject* c = call_method(ts[i], s_is_contiguous);
+        if (!c) goto fail_dtype;
+        t = c == Py_True;
+        Py_DECREF(c);
+        if (!t) goto none_or_fail;
+    }
+    if ((t = plain_state()) != 1) goto none_or_fail;
+    unsigned long long px = address_of(x), pt;
+    if (!px) {
+        t = PyErr_Occurred() ? -1 : 0;
+        goto none_or_fail;
+    }
+    if (!(pt = address_of(tg))) {
+        t = PyErr_Occurred() ? -1 : 0;
+        goto none_or_fail;
+    }
+    int grad = needs_grad(x);
+    if (grad < 0) goto fail_dtype;
+    PyObject* k = PyTuple_New(16);
+    if (!k) goto fail_dtype;
+    PyObject* items[16];
+    items[0] = PyObject_GetAttr(x, s_shape);
+    items[1] = dtype;  // (the reference taken above)
+    items[2] = call_method(x, s_get_device);
+    items[3] = PyLong_FromUnsignedLongLong(px % 16);
+    items[4] = PyObject_GetAttr(tg, s_shape);
+    items[5] = PyObject_GetAttr(tg, s_dtype);
+    items[6] = PyLong_FromUnsignedLongLong(pt % 16);
+    items[7] = Py_NewRef(grad ? Py_True : Py_False);
+    for (int i = 3; i < 10; ++i) items[5 + i] = Py_NewRef(args[i]);  // ignore_index ... backend
+    items[15] = call_method(tg, s_get_device);
+    int bad = 0;
+    for (int i = 0; i < 16; ++i) {
+        if (!items[i]) bad = 1;
+        PyTuple_SET_ITEM(k, i, items[i] ? items[i] : Py_NewRef(Py_None));
+    }
+    if (bad) {
+        Py_DECREF(k);
+        return NULL;
+    }
+    return k;
+none_or_fail:
+    Py_DECREF(dtype);
+    return t < 0 ? NULL : Py_NewRef(Py_None);
+fail_dtype:
+    Py_DECREF(dtype);
+    return NULL;
+}
+
+// launch_steps(stream, steps, bases) -> 0, or the first failed launch's CUresult (the ones after it are not
+// made). steps: ((desc address, (base index, byte offset, base index, byte offset, ...)), ...), one pair per
+// address slot of that Desc: the address is bases[index] + offset, or 0 for index -1.
+static PyObject* launch_steps(PyObject* self, PyObject* const* args, Py_ssize_t n) {
+    if (n != 3 || !PyTuple_Check(args[1]) || !PyTuple_Check(args[2])) {
+        PyErr_SetString(PyExc_TypeError, "launch_steps(stream, steps: tuple, bases: tuple)");
+        return NULL;
+    }
+    unsigned long long stream = PyLong_AsUnsignedLongLong(args[0]);
+    if (stream == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
+    PyObject *steps = args[1], *bases = args[2];
+    Py_ssize_t nb = PyTuple_GET_SIZE(bases);
+    unsigned long long base[16];
+    if (nb > 16) {
+        PyErr_SetString(PyExc_ValueError, "launch_steps: at most 16 bases");
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < nb; ++i) {
+        base[i] = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(bases, i));
+        if (base[i] == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
+    }
+    for (Py_ssize_t s = 0; s < PyTuple_GET_SIZE(steps); ++s) {
+        PyObject* step = PyTuple_GET_ITEM(steps, s);
+        if (!PyTuple_Check(step) || PyTuple_GET_SIZE(step) != 2 || !PyTuple_Check(PyTuple_GET_ITEM(step, 1))) {
+            PyErr_SetString(PyExc_TypeError, "launch_steps: a step is (desc, (index, offset, ...))");
+            return NULL;
+        }
+        unsigned long long desc = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(step, 0));
+        if (desc == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
+        PyObject* slots = PyTuple_GET_ITEM(step, 1);
+        Py_ssize_t ns = PyTuple_GET_SIZE(slots) / 2;
+        if (ns > MAX_ADDRESSES || PyTuple_GET_SIZE(slots) % 2) {
+            PyErr_SetString(PyExc_ValueError, "launch_steps: (index, offset) pairs, at most MAX_ADDRESSES");
+            return NULL;
+        }
+        unsigned long long addr[MAX_ADDRESSES];
+        for (Py_ssize_t i = 0; i < ns; ++i) {
+            long b = PyLong_AsLong(PyTuple_GET_ITEM(slots, 2 * i));
+            long long off = PyLong_AsLongLong(PyTuple_GET_ITEM(slots, 2 * i + 1));
+            if (PyErr_Occurred()) return NULL;
+            if (b < -1 || b >= nb) {
+                PyErr_SetString(PyExc_IndexError, "launch_steps: a slot's base index is out of range");
+                return NULL;
+            }
+            addr[i] = b < 0 ? 0 : base[b] + (unsigned long long)off;
+        }
+        CUresult r;
+        if (launch_desc((const Desc*)(uintptr_t)desc, stream, addr, (size_t)ns, &r) < 0) return NULL;
+        if (r != 0) return PyLong_FromLong(r);
+    }
+    return PyLong_FromLong(0);
 }
 
 static PyObject* desc_size(PyObject* self, PyObject* unused) { return PyLong_FromSize_t(sizeof(Desc)); }
@@ -141,6 +585,13 @@ static PyObject* driver_layout(PyObject* self, PyObject* unused) {
 static PyMethodDef methods[] = {
     {"launch", (PyCFunction)(void (*)(void))launch, METH_FASTCALL,
      "launch(desc, stream, *addresses) -> CUresult (as many addresses as the Desc has slots)"},
+    {"configure", (PyCFunction)(void (*)(void))configure, METH_FASTCALL, "the probes and the cache (fastpath.py)"},
+    {"softmax_key", (PyCFunction)(void (*)(void))softmax_key, METH_FASTCALL, "a softmax-family call's key, or None"},
+    {"softmax_fast", (PyCFunction)(void (*)(void))softmax_fast, METH_FASTCALL,
+     "a softmax-family call seen before, replayed; None: the full path runs"},
+    {"loss_key", (PyCFunction)(void (*)(void))loss_key, METH_FASTCALL, "a cross-entropy call's key, or None"},
+    {"launch_steps", (PyCFunction)(void (*)(void))launch_steps, METH_FASTCALL,
+     "launch_steps(stream, steps, bases) -> 0 or the first failed launch's CUresult"},
     {"desc_size", desc_size, METH_NOARGS, "sizeof(Desc), for launch.py's check of its layout"},
     {"limits", limits, METH_NOARGS, "(MAX_PARAMS, MAX_BYTES, MAX_ADDRESSES, MAX_FILLS)"},
     {"driver_layout", driver_layout, METH_NOARGS, "sizes and offsets of the driver structures used here"},

@@ -165,7 +165,7 @@ def _sweep(x, weight, bias, t, cw, o, backend, memory, design, wants, g=None, st
     zout = torch.empty_like(out)
     k.finish(rows_loss, rows_z, stats, out, zout, n, v)
     if k.name == "triton":
-        dispatch.raise_bad_targets(stats[n + 1], t, v, o.ignore_index)  # (the kernels never read out of range)
+        dispatch.raise_bad_targets(stats, n, t, v, o.ignore_index)  # (the kernels never read out of range)
     else:
         dispatch.assert_targets(t, v, o.ignore_index)
     return out, zout, stats, dx, dw, db

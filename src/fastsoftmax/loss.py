@@ -2,11 +2,11 @@
 dim ((M, V), or (..., V) with targets shaped (...)), from one read of the logits forward (a loss and a
 logsumexp per row) and one read + one write backward (dlogits from the saved logsumexp).
 
-Targets outside [0, V) that are not ignore_index raise: on a GPU through torch._assert_async (a device-side
-check, no host synchronisation: the error surfaces at the next synchronising call, as CUDA's own asserts
-do); on the CPU at once. On the Triton path the check is a by-product of the forward's last kernel
-(ce_finish), so a forward is three launches (rows, finish, assert) and a backward one; the kernels never
-address memory with a bad target. reduction='mean' divides by the number of rows not ignored (all ignored:
+Targets outside [0, V) that are not ignore_index raise: on a GPU at a device-side assertion (no host
+synchronisation: the error surfaces at the next synchronising call, as CUDA's own asserts do); on the CPU
+at once. On the Triton path the check is the forward's last kernel's (ce_finish asserts on CUDA), so a
+forward is two launches (rows, finish) and a backward one; the kernels never address memory with a bad
+target. reduction='mean' divides by the number of rows not ignored (all ignored:
 NaN, as torch). Label smoothing e: loss = (1 - e) * nll + e * mean_j(-log p_j), as torch.
 """
 
@@ -35,14 +35,15 @@ def cross_entropy(
     Under torch.autocast the loss is float32 (as torch's); target: any integer dtype, any strides.
     class_weight: torch's ``weight=``; softcap, z_loss: see the module. return_z_loss=True returns (loss,
     the z-loss term alone, reduced the same way; it carries no gradient)."""
+    k = None
+    if not _compiling():  # (torch.compile traces past the replay: dynamo folds this call)
+        opts = (ignore_index, reduction, label_smoothing, softcap, z_loss, return_z_loss, backend)
+        k = fastpath.loss_key(logits, target, class_weight, *opts)
+        if k is not None and (out := fastpath.loss_fast(k, logits, target)) is not None:
+            return out  # a call seen before, replayed (fastpath.py)
     if backend == "auto" and softcap is None and type(z_loss) in _NUM and z_loss == 0 and return_z_loss is False:
         if (out := _cpu(logits, target, class_weight, ignore_index, reduction, label_smoothing)) is not None:
             return out
-    k = _key(
-        logits, target, class_weight, ignore_index, reduction, label_smoothing, softcap, z_loss, return_z_loss, backend
-    )
-    if k is not None and (out := _fast(k, logits, target)) is not None:
-        return out  # a call seen before, replayed (fastpath.py)
     checks.cross_entropy(logits, target, ignore_index, reduction, label_smoothing, backend)
     checks.loss_extras("cross_entropy", logits, class_weight, softcap, z_loss, return_z_loss)
     eps, out_dtype = float(label_smoothing), compose.loss_dtype(logits)
@@ -58,7 +59,7 @@ def cross_entropy(
     return (loss, z) if return_z_loss else loss
 
 
-_key, _fast = fastpath.loss_key, fastpath.loss_fast
+_compiling = compose.compiling
 
 
 # ---- the CPU's direct path -----------------------------------------------------------------------------

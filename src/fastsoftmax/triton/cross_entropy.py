@@ -12,8 +12,8 @@ g_ce, g_z: the row's upstream gradient, divided for the mean by the weight of th
 number. Rows are (M, V) with unit stride along V; programs take ROWS rows and sweep V in BLOCK_N chunks.
 
 A forward is two launches: ce_fwd (the rows), then ce_finish (one program: the reduction over rows, the
-rows kept and their weight, and whether every target is in range), so that the caller adds only
-torch._assert_async; a backward is one (ce_bwd reads the upstream gradient and the mean's divisors from
+rows kept and their weight, and whether every target is in range, which on CUDA it asserts on the device);
+a backward is one (ce_bwd reads the upstream gradient and the mean's divisors from
 device memory). A target outside [0, V) never addresses memory (its row's z_t is taken as 0); the caller
 raises from ce_finish's flag. The LM-head loss (lce.py) runs the same kernels on chunks of rows.
 """
@@ -131,12 +131,16 @@ def ce_finish(
     WEIGHT: tl.constexpr,
     ZLOSS: tl.constexpr,
     REDUCE: tl.constexpr,
+    CHECK: tl.constexpr,
 ):
     """One program over all rows, in a fixed order (deterministic). With REDUCE: REDUCTION 0 writes each
     row's loss (ce + z-loss) in out's dtype and its z-loss in zout's, 1 their sums, 2 their means (ce over
     the weight of the rows kept, z-loss over their number; 0 / 0 = NaN when all are ignored, as torch).
     Always: stats_ptr[0] = the number of rows not ignored, [1] = 1 if every target not ignored is in
-    [0, v) (else 0), [2] = the weight of the rows kept (their number without class weights), as fp32."""
+    [0, v) (else 0), [2] = the weight of the rows kept (their number without class weights), as fp32.
+    CHECK (on CUDA, compiled with debug=True): a target out of range stops here, at a device-side assertion
+    (as torch's own device asserts do: the error surfaces at the next synchronising call), so the caller
+    launches no check of its own."""
     acc = tl.zeros([BLOCK], tl.float32)
     zacc = tl.zeros([BLOCK], tl.float32)
     wk = tl.zeros([BLOCK], tl.float32)
@@ -176,8 +180,11 @@ def ce_finish(
                 ztotal = ztotal / n_kept
             tl.store(out_ptr, (total + ztotal).to(out_ptr.dtype.element_ty))
             tl.store(zout_ptr, ztotal.to(zout_ptr.dtype.element_ty))
+    n_bad = tl.sum(bad, axis=0)
+    if CHECK:
+        tl.device_assert(n_bad == 0, "cross_entropy: a target is outside [0, V) and not ignore_index")
     tl.store(stats_ptr, n_kept)
-    tl.store(stats_ptr + 1, (tl.sum(bad, axis=0) == 0).to(tl.float32))
+    tl.store(stats_ptr + 1, (n_bad == 0).to(tl.float32))
     tl.store(stats_ptr + 2, w_kept)
 
 
@@ -305,21 +312,21 @@ def rows_forward(x, t, w, wsum, o, rows_loss, rows_z, lse, shape) -> None:
     )
 
 
-def finish(rows_loss, rows_z, t, w, out, zout, tail, v: int, o, reduce: bool = True) -> None:
-    """ce_finish: the reduction into out / zout (with ``reduce``) and the counts into tail (3,)."""
+def finish(rows_loss, rows_z, t, w, out, zout, tail, v: int, o, reduce: bool = True, check: bool | None = None):
+    """ce_finish: the reduction into out / zout (with ``reduce``) and the counts into tail (3,). ``check``
+    (default: on CUDA) compiles in the device-side assertion on the targets; otherwise the caller reads
+    tail[1] (dispatch.raise_bad_targets)."""
     flags = _flags(o, w)
+    check = t.is_cuda if check is None else check
+    meta = dict(REDUCTION=REDUCTIONS[o.reduction], BLOCK=FINISH_BLOCK, WEIGHT=flags["WEIGHT"], ZLOSS=flags["ZLOSS"])
+    meta |= dict(REDUCE=reduce, CHECK=check, num_warps=4)
+    if check:  # (Triton compiles device_assert only into debug kernels; no overflow checks wanted)
+        meta |= dict(debug=True, sanitize_overflow=False)
     launch(
         ce_finish,
         (1,),
         (rows_loss, rows_z, t, w if w is not None else rows_loss, out, zout, tail, t.shape[0], v, o.ignore_index),
-        dict(
-            REDUCTION=REDUCTIONS[o.reduction],
-            BLOCK=FINISH_BLOCK,
-            WEIGHT=flags["WEIGHT"],
-            ZLOSS=flags["ZLOSS"],
-            REDUCE=reduce,
-            num_warps=4,
-        ),
+        meta,
     )
 
 
@@ -337,11 +344,12 @@ def rows_backward(x, t, w, wsum, lse, tail, g, o, dx, shape) -> None:
     launch(ce_bwd, (-(-m // rows), -(-chunks // per)), args, meta)
 
 
-def forward(x, t, w, o, out_dtype, shape: tuple[int, int, int, int]):
+def forward(x, t, w, o, out_dtype, shape: tuple[int, int, int, int], check: bool | None = None):
     """(loss, z-loss, stats) of (M, V) logits x (unit stride along V) and (M,) targets: loss and z-loss as
     the reduction asks (rows, or scalars) in out_dtype; stats (M + 3,) fp32: each row's logsumexp, then the
     rows not ignored, 1.0 if every target not ignored is in [0, V) (else 0.0), the weight of the rows kept.
-    ``w``: the class weights or None; ``o``: the loss options; ``shape``: (ROWS, BLOCK_N, num_warps, splits)."""
+    ``w``: the class weights or None; ``o``: the loss options; ``shape``: (ROWS, BLOCK_N, num_warps, splits);
+    ``check``: finish()'s."""
     import torch
 
     m, v = x.shape
@@ -356,7 +364,7 @@ def forward(x, t, w, o, out_dtype, shape: tuple[int, int, int, int]):
     fastlaunch.scratch(rows_loss)  # (workspaces the kernels write first: a replay allocates its own)
     fastlaunch.scratch(rows_z)
     rows_forward(x, t, w, weight_sum(o, w, stats), o, rows_loss, rows_z, stats, shape)
-    finish(rows_loss, rows_z, t, w, out, zout, stats[m:], v, o)
+    finish(rows_loss, rows_z, t, w, out, zout, stats[m:], v, o, check=check)
     return out, zout, stats
 
 
