@@ -8,7 +8,7 @@ import torch
 
 from . import checks, compose, dispatch, dtypes, fastpath, ops
 
-_compiling = compose.compiling
+_compiling = compose.dynamo_compiling
 _FLOATS = frozenset(dtypes.FLOATS)
 _PLAIN = compose.PLAIN_TYPES
 

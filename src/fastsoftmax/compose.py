@@ -22,6 +22,9 @@ transforms_active = torch._C._are_functorch_transforms_active
 dispatch_modes = torch._C._len_torch_dispatch_stack
 tracing = torch._C._get_tracing_state
 compiling = torch.compiler.is_compiling
+# the replay's guard (fastpath.py's C calls, which dynamo cannot trace): one Python call that dynamo folds to
+# True; export's non-strict tracing needs none (fake tensors and its dispatch mode never replay)
+dynamo_compiling = getattr(torch.compiler, "is_dynamo_compiling", compiling)
 PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 

@@ -29,6 +29,9 @@ typedef struct {
 typedef CUresult (*LaunchKernel)(void*, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
                                  void*, void**, void**);
 typedef CUresult (*LaunchKernelEx)(const LaunchConfig*, void*, void**, void**);
+typedef CUresult (*CtxGetCurrent)(void**);
+typedef CUresult (*DeviceGet)(int*, int);
+typedef CUresult (*PrimaryCtxRetain)(void**, int);
 
 #define MAX_PARAMS 64
 #define MAX_BYTES 1024
@@ -46,6 +49,9 @@ typedef struct {  // launch.py's Desc, field for field
 
 static LaunchKernel launch_kernel;
 static LaunchKernelEx launch_kernel_ex;
+static CtxGetCurrent ctx_get_current;
+static DeviceGet device_get;
+static PrimaryCtxRetain primary_ctx_retain;
 
 // libcuda on the first launch (importing the module needs no driver: CPU tests check its Desc).
 static int load_driver(void) {
@@ -56,8 +62,11 @@ static int load_driver(void) {
     }
     LaunchKernel k = (LaunchKernel)dlsym(lib, "cuLaunchKernel");
     LaunchKernelEx kx = (LaunchKernelEx)dlsym(lib, "cuLaunchKernelEx");
-    if (!k || !kx) {
-        PyErr_SetString(PyExc_RuntimeError, "fastlaunch: libcuda lacks cuLaunchKernel or cuLaunchKernelEx");
+    ctx_get_current = (CtxGetCurrent)dlsym(lib, "cuCtxGetCurrent");
+    device_get = (DeviceGet)dlsym(lib, "cuDeviceGet");
+    primary_ctx_retain = (PrimaryCtxRetain)dlsym(lib, "cuDevicePrimaryCtxRetain");
+    if (!k || !kx || !ctx_get_current || !device_get || !primary_ctx_retain) {
+        PyErr_SetString(PyExc_RuntimeError, "fastlaunch: libcuda lacks a driver call fastlaunch makes");
         return -1;
     }
     launch_kernel_ex = kx;
@@ -145,8 +154,7 @@ static PyObject* launch(PyObject* self, PyObject* const* args, Py_ssize_t n) {
 // torch.compiler.is_compiling() first (dynamo folds that call; it cannot trace this module).
 
 static PyObject *g_tensor, *g_dtype_type, *g_cache, *g_grad_enabled, *g_functorch, *g_dispatch_len, *g_tracing,
-    *g_autocast, *g_fwad, *g_heuristics, *g_knobs, *g_get_device, *g_get_stream, *g_empty_like, *g_record,
-    *g_loss_dtypes;
+    *g_autocast, *g_fwad, *g_heuristics, *g_knobs, *g_get_stream, *g_empty_like, *g_record, *g_loss_dtypes;
 static PyObject *s_shape, *s_stride, *s_dtype, *s_get_device, *s_data_ptr, *s_is_cuda, *s_requires_grad,
     *s_level, *s_force, *s_enter, *s_exit, *s_calls, *s_native, *s_is_contiguous, *s_numel, *kw_dtype;
 
@@ -158,11 +166,11 @@ static int configured(void) {
 
 // configure(tensor_type, dtype_type, cache, is_grad_enabled, functorch_active, dispatch_stack_len,
 //           tracing_state, any_autocast, forward_ad_module, heuristics_module, triton_runtime_knobs_or_None,
-//           current_device, current_raw_stream, empty_like, record, loss_dtypes)
+//           current_raw_stream, empty_like, record, loss_dtypes)
 static PyObject* configure(PyObject* self, PyObject* const* args, Py_ssize_t n) {
-    PyObject** slots[] = {&g_tensor,   &g_dtype_type, &g_cache,      &g_grad_enabled, &g_functorch, &g_dispatch_len,
-                          &g_tracing,  &g_autocast,   &g_fwad,       &g_heuristics,   &g_knobs,     &g_get_device,
-                          &g_get_stream, &g_empty_like, &g_record,   &g_loss_dtypes};
+    PyObject** slots[] = {&g_tensor,  &g_dtype_type, &g_cache,      &g_grad_enabled, &g_functorch,
+                          &g_dispatch_len, &g_tracing, &g_autocast, &g_fwad,   &g_heuristics,
+                          &g_knobs,   &g_get_stream, &g_empty_like, &g_record,     &g_loss_dtypes};
     const Py_ssize_t want = (Py_ssize_t)(sizeof slots / sizeof slots[0]);
     if (n != want) {
         PyErr_Format(PyExc_TypeError, "configure takes %zd arguments, got %zd", want, n);
@@ -268,6 +276,27 @@ static unsigned long long address_of(PyObject* o) {
 
 static int is_cuda(PyObject* t) { return attr_is(t, s_is_cuda, Py_True); }
 
+#define MAX_DEVICES 64
+static void* primary_ctx[MAX_DEVICES];
+
+// 1 when device dev's primary context (torch's) is current on this thread, the one whose modules hold the
+// recorded kernels (torch's current device is dev); 0 when another context or none is; -1 with an error.
+static int device_current(PyObject* dev_obj) {
+    long dev = PyLong_AsLong(dev_obj);
+    if (dev == -1 && PyErr_Occurred()) return -1;
+    if (dev < 0 || dev >= MAX_DEVICES) return 0;
+    if (!launch_kernel && load_driver() < 0) return -1;
+    void* cur = NULL;
+    if (ctx_get_current(&cur) != 0 || !cur) return 0;
+    if (!primary_ctx[dev]) {  // (retained for the process, as torch holds it)
+        int d;
+        void* ctx = NULL;
+        if (device_get(&d, (int)dev) != 0 || primary_ctx_retain(&ctx, d) != 0) return 0;
+        primary_ctx[dev] = ctx;
+    }
+    return cur == primary_ctx[dev];
+}
+
 // The key of a softmax-family call (fastpath.key): (x.shape, x.stride(), x.dtype, x.get_device(), x's address
 // mod 16, dim, dtype, log, backend) and for a backward (dy.stride(), dy.dtype, dy's address mod 16, (dy's -
 // x's address) mod 16, dy.shape, dy.get_device()). Py_None (a new reference) when the call cannot be keyed.
@@ -361,13 +390,12 @@ static PyObject* softmax_fast(PyObject* self, PyObject* const* args, Py_ssize_t 
     PyObject* dev = PyTuple_GET_ITEM(key, 3);
     Py_INCREF(dev);
     Py_DECREF(key);
-    PyObject *result = NULL, *native = NULL, *cur = NULL, *y = NULL, *st = NULL;
+    PyObject *result = NULL, *native = NULL, *y = NULL, *st = NULL;
     if (!entry) {
         result = PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
         goto done;
     }
-    if (!(cur = PyObject_CallNoArgs(g_get_device))) goto done;
-    t = PyObject_RichCompareBool(cur, dev, Py_EQ);
+    t = device_current(dev);
     if (t <= 0) {  // another device is current: its context would not hold this kernel
         result = t < 0 ? NULL : Py_NewRef(Py_None);
         goto done;
@@ -417,7 +445,6 @@ static PyObject* softmax_fast(PyObject* self, PyObject* const* args, Py_ssize_t 
 done:
     Py_XDECREF(entry);
     Py_DECREF(dev);
-    Py_XDECREF(cur);
     Py_XDECREF(native);
     Py_XDECREF(y);
     Py_XDECREF(st);
@@ -430,7 +457,7 @@ static int is_number(PyObject* o) { return PyLong_CheckExact(o) || PyFloat_Check
 //          backend[, cuda_only=True]) -> the key of a cross-entropy call (fastpath.loss_key), or None:
 // (logits.shape, logits.dtype, logits.get_device(), logits' address mod 16, target.shape, target.dtype,
 //  target's address mod 16, whether the logits need a gradient, ignore_index, reduction, smoothing, softcap,
-//  z_loss, want_z, backend, target.get_device())
+//  z_loss, want_z, backend, target.get_device()); None too while another device than the logits' is current.
 static PyObject* loss_key(PyObject* self, PyObject* const* args, Py_ssize_t n) {
     if (!configured()) return NULL;
     if (n != 10 && n != 11) {
@@ -503,6 +530,10 @@ static PyObject* loss_key(PyObject* self, PyObject* const* args, Py_ssize_t n) {
     if (bad) {
         Py_DECREF(k);
         return NULL;
+    }
+    if (cuda_only && (t = device_current(items[2])) != 1) {  // (a replay launches on the current context)
+        Py_DECREF(k);
+        return t < 0 ? NULL : Py_NewRef(Py_None);
     }
     return k;
 none_or_fail:

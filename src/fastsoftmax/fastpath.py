@@ -214,9 +214,7 @@ def loss_key(logits, target, class_weight, ignore_index, reduction, smoothing, s
 def loss_fast(k, logits, target):
     """The replayed loss (or (loss, z-loss)) of a call with key k, or None (then the full path runs)."""
     replay = _loss_cache.get(k)
-    if replay is None or torch._C._cuda_getDevice() != k[2]:
-        return None
-    return replay.run(logits, target)
+    return None if replay is None else replay.run(logits, target)  # (loss_key: the logits' device is current)
 
 
 def loss_record(k, logits, target, run, backward, differentiable):
@@ -281,20 +279,23 @@ class _LossReplay:
         (self.fwd, self.launches), self.m, self.plan = steps, m, plan
         self.buf_numel, self.z_off = buf_numel, z_off
         self.full_backward, self.differentiable = backward, differentiable
-        self.out_shape, self.out_dtype = tuple(loss.shape), loss.dtype
         self.opts = (k[8], k[9], float(k[10]), None if k[11] is None else float(k[11]), float(k[12]))
         self.want_z, self.backend, self.grad, self.device = k[13], k[14], k[7], k[2]
         self.bwd = None  # (steps, the upstream gradient's key, the plan, the Launches) once recorded
+        # allocations as empty_like of small prototypes: on the H200's host 1.6 us against torch.empty's 2.0
+        # (2.9 for a 0-d shape)
+        self.buf_like = torch.empty(buf_numel, dtype=torch.float32, device=loss.device)
+        self.out_like = torch.empty_like(loss)
+        self.launch_steps = launch.native().launch_steps
 
     def run(self, logits, target):
-        dev = logits.device
-        buf = torch.empty(self.buf_numel, dtype=torch.float32, device=dev)  # the stats and the workspaces
-        out = torch.empty(self.out_shape, dtype=self.out_dtype, device=dev)
+        buf = _empty_like(self.buf_like)  # the stats and the workspaces
+        out = _empty_like(self.out_like)
         pb = buf.data_ptr()
-        zout = torch.empty(self.out_shape, dtype=self.out_dtype, device=dev) if self.want_z else None
+        zout = _empty_like(self.out_like) if self.want_z else None
         pz = zout.data_ptr() if zout is not None else pb + self.z_off
         bases = (logits.data_ptr(), target.data_ptr(), pb, out.data_ptr(), pz)
-        if _launch_steps(_stream(self.device), self.fwd, bases):
+        if self.launch_steps(_stream(self.device), self.fwd, bases):
             return None
         heuristics.record(self.plan)
         if self.grad:
@@ -309,7 +310,7 @@ class _LossReplay:
         if b is not None and b[1] == gk:
             dx = torch.empty_like(logits)  # (contiguous logits: the full path's layout)
             bases = (logits.data_ptr(), target.data_ptr(), stats.data_ptr(), g.data_ptr(), dx.data_ptr())
-            if not _launch_steps(_stream(self.device), b[0], bases):
+            if not self.launch_steps(_stream(self.device), b[0], bases):
                 heuristics.record(b[2])
                 return dx
         rec = launch.start() if b is None else None
@@ -328,8 +329,7 @@ class _LossReplay:
         return dx
 
 
-def _launch_steps(stream, steps, bases):
-    return launch.native().launch_steps(stream, steps, bases)
+_empty_like = torch.empty_like
 
 
 _stream = torch._C._cuda_getCurrentRawStream if hasattr(torch._C, "_cuda_getCurrentRawStream") else None
@@ -386,7 +386,6 @@ def _native():
                     _fwad,
                     heuristics,
                     runtime,
-                    torch._C._cuda_getDevice,
                     torch._C._cuda_getCurrentRawStream,
                     torch.empty_like,
                     heuristics.record,

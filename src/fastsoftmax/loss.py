@@ -59,7 +59,7 @@ def cross_entropy(
     return (loss, z) if return_z_loss else loss
 
 
-_compiling = compose.compiling
+_compiling = compose.dynamo_compiling
 
 
 # ---- the CPU's direct path -----------------------------------------------------------------------------
