@@ -153,7 +153,7 @@ def ce_finish(
         keep = ok & (t != ignore_index)
         inside = keep & (t >= 0) & (t < v)
         kept += keep.to(tl.int32)
-        bad += (keep & ~inside).to(tl.int32)
+        bad += (keep != inside).to(tl.int32)  # kept but outside [0, v): inside implies keep
         if WEIGHT:
             wk += tl.load(w_ptr + tl.where(inside, t, 0), mask=inside, other=0.0).to(tl.float32)
         if REDUCE:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .softmax_fwd import mask_rows, prologue, row_edges, row_exp, row_head
+from .softmax_fwd import in_first_split, mask_rows, prologue, row_edges, row_exp, row_head
 
 
 @triton.jit
@@ -314,7 +314,7 @@ def softmax_bwd_split_sums(
     t = tl.zeros([ROWS], tl.float32)
     if EDGES:
         e_idx, e_ok = row_edges(h, length, n, row_ok, VEC)
-        ae, fe = _load_terms(y_ptr, dy_ptr, ox[:, None] + e_idx, tl.where(split == 0, e_ok, False), LOG)
+        ae, fe = _load_terms(y_ptr, dy_ptr, ox[:, None] + e_idx, in_first_split(e_ok, split), LOG)
         s += tl.sum(ae, axis=1)
         t += tl.sum(fe, axis=1)
     j0 = split * chunks_per_split
@@ -385,7 +385,7 @@ def softmax_bwd_split_write(
     mrow, q = mask_rows(row, md1, md2, md3, mb0, mb1, mb2, mb3)
     if EDGES:
         e_idx, e_ok = row_edges(h, length, n, row_ok, VEC)
-        e_ok = tl.where(split == 0, e_ok, False)
+        e_ok = in_first_split(e_ok, split)
         ae, fe = _load_terms(y_ptr, dy_ptr, ox[:, None] + e_idx, e_ok, LOG)
         ge = _finish(_grad(ae, fe, s, t), e_ok, e_idx, mrow, q, m_ptr, msn, scale, c_off, MASK, CAUSAL, SCALED)
         tl.store(dx_ptr + oy[:, None] + e_idx, ge.to(dx_ptr.dtype.element_ty), mask=e_ok)

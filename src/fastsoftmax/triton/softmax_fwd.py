@@ -148,6 +148,13 @@ def row_edges(h, length, n, row_ok, VEC: tl.constexpr):
 
 
 @triton.jit
+def in_first_split(ok, split):
+    """ok in split 0, False in the others. split is compared as a block of ints: Triton's interpreter splats
+    a bool scalar into int32 data, which 3.9's masked loads reject, and 3.2 and 3.3's have no bool literal."""
+    return ok & (tl.full(ok.shape, split, tl.int32) == 0)
+
+
+@triton.jit
 def mask_rows(row, md1, md2, md3, mb0, mb1, mb2, mb3):
     """Each row's mask offset (elements) and query index (its index along the last row dim), from the
     row's flat index over x's row dims (md1..md3: sizes of the last three; mb0..mb3: mask strides)."""
@@ -580,7 +587,7 @@ def softmax_fwd_split_stats(
         e_idx, e_ok = row_edges(h, length, n, row_ok, VEC)
         xe = _load_logits(
             x_ptr + ox[:, None] + e_idx,
-            tl.where(split == 0, e_ok, False),
+            in_first_split(e_ok, split),
             e_idx,
             mrow,
             q,
@@ -687,7 +694,7 @@ def softmax_fwd_split_write(
     mrow, q = mask_rows(row, md1, md2, md3, mb0, mb1, mb2, mb3)
     if EDGES:
         e_idx, e_ok = row_edges(h, length, n, row_ok, VEC)
-        e_ok = tl.where(split == 0, e_ok, False)
+        e_ok = in_first_split(e_ok, split)
         ze = (
             _load_logits(
                 x_ptr + ox[:, None] + e_idx, e_ok, e_idx, mrow, q, m_ptr, msn, scale, c_off, MASK, CAUSAL, SCALED
@@ -725,7 +732,7 @@ def softmax_fwd_split_write(
         BLOCK_N,
     )
     if WRITE_LSE:
-        tl.store(lse_ptr + row, m_safe + tl.math.log2(s) * LN2, mask=tl.where(split == 0, row_ok, False))
+        tl.store(lse_ptr + row, m_safe + tl.math.log2(s) * LN2, mask=in_first_split(row_ok, split))
 
 
 KERNELS = {
