@@ -129,6 +129,20 @@ def test_torch_16bit_log_softmax_needs_the_fp32_rows():
     assert "NaN" in compare(torch.softmax(x, -1), x, -1, False)[1]
 
 
+def test_float64_log_softmax_near_zero():
+    """fp64 log_softmax of rows that one logit leads by ~40 (its output about -1e-12): torch's subtracts max
+    + log(sum) rounded to the max's ulp, past the fp64 tolerance near 0 (1e-15); the native path takes the
+    max out first, as the reference does. Rows in memory and not, fp32 in with dtype=float64 out."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 513, generator=gen, dtype=torch.float64) * 3
+    x[:, 7] += 40
+    assert compare(torch.log_softmax(x, -1), x, -1, True)[1] is not None  # (if not, torch fixed it)
+    for t, dim, od in ((x, -1, None), (x.t().contiguous(), 0, None), (x.t(), 0, None), (x.float(), -1, x.dtype)):
+        y, plans = run(fs.log_softmax, t, dim, dtype=od)
+        assert plans == [NATIVE]
+        assert_close(y, t, dim, True, od)
+
+
 def test_plain_and_autograd_routes():
     """No grad needed (no_grad, a tensor that does not require grad): the direct call, no graph; autograd:
     the eager Function (SoftmaxFunction), both passes native; nn.Parameter too."""

@@ -170,8 +170,11 @@ def dlogits_torch(x, t, lse, g, ignore_index: int, smoothing: float, offset: int
 # for softmax (NaN where dy is not finite: the same test finds those) and dy for log_softmax (found from y's
 # first elements). torch's 16-bit log_softmax along rows in memory loses the digits of outputs near 0
 # (errors past 100x the tolerance: tests/test_cpu_path.py), so those rows are computed in fp32 a chunk of
-# rows at a time (in cache: no fp32 copy of x is made) and rounded once. Traffic: the forward reads x once
-# and writes y once, as torch's; the backward reads y and dy and writes dx.
+# rows at a time (in cache: no fp32 copy of x is made) and rounded once. Its fp64 log_softmax sums a row's
+# exps in a few vector lanes, the small ones added one by one to the lane that holds the max's 1, each
+# rounded to 1's ulp: outputs near 0 miss the fp64 tolerance (tests/test_cpu_path.py), so fp64 log_softmax
+# takes the reference's torch ops instead (torch.sum's cascade sum). Traffic: the forward reads x once and
+# writes y once, as torch's (fp64 log_softmax: a few passes more); the backward reads y and dy, writes dx.
 
 NATIVE = heuristics.Plan("torch", "native")
 CHUNK = 1 << 18  # elements of a chunk of fp32 rows (1 MiB, about a core's L2): dev/cpu_speed.py chunks
@@ -284,7 +287,9 @@ def native_softmax(x: torch.Tensor, dim: int, log: bool, out_dtype: torch.dtype)
             return _empty_like_layout(native_softmax(x.contiguous(), dim, log, out_dtype), x)
         return _unpermute(native_softmax(x.permute(perm), perm.index(dim), log, out_dtype), perm, x)
     low_log = log and x.dtype in dtypes.LOW and _last(x, dim)
-    if out_dtype == x.dtype and not low_log:
+    if log and out_dtype == torch.float64:  # the reference's formula (see above)
+        y = softmax_torch(x, dim, True, out_dtype)[0]
+    elif out_dtype == x.dtype and not low_log:
         y = torch._log_softmax(x, dim, False) if log else torch._softmax(x, dim, False)
     elif _WIDER[out_dtype] > _WIDER[x.dtype] and not low_log:  # x converted exactly, computed in out_dtype
         y = torch.log_softmax(x, dim, dtype=out_dtype) if log else torch.softmax(x, dim, dtype=out_dtype)
