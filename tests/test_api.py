@@ -199,10 +199,12 @@ def test_info_reports_versions_backends_and_math():
 
 
 def test_import_does_no_work():
-    # In a fresh interpreter: importing fastsoftmax neither imports the kernels nor touches CUDA.
+    # In a fresh interpreter: importing fastsoftmax neither imports the kernels nor touches CUDA, and its
+    # transformers integration imports transformers only when used.
     code = (
-        "import sys, torch, fastsoftmax; "
+        "import sys, torch, fastsoftmax, fastsoftmax.integrations.transformers; "
         "assert 'fastsoftmax.triton.softmax_fwd' not in sys.modules; "
+        "assert 'transformers' not in sys.modules; "
         "assert not torch.cuda.is_initialized()"
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
