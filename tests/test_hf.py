@@ -27,6 +27,17 @@ import fastsoftmax
 if importlib.util.find_spec("transformers") is None:  # (the test extra installs it: this is only a guard)
     pytest.skip("transformers is not installed; pip install -e '.[test]'", allow_module_level=True)
 
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """One torch thread while these tests run: their ops are tiny, and OpenMP's spinning threads in two xdist
+    workers on two cores (measured: 20 AdamW steps 0.7 s alone, 50-75 s so) cost more than they share."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "gpt2"]
 V, D, S = 301, 64, 17
 
