@@ -369,6 +369,20 @@ def test_attention_query_rows_seeing_no_key_match_sdpa(device):
     assert (got[~keep] - want_eager[~keep]).abs().max() > 1e-2  # (the rows that see no key do differ)
 
 
+def test_generate_matches_eager(device, monkeypatch):
+    """Greedy generation with the KV cache (prefill, then one query a step: no mask and not causal without
+    padding in a full-attention layer, the boolean mask with padding or a window) gives eager attention's
+    tokens."""
+    eager = make_model("gemma2", device, attn="eager").eval()
+    model = fst().apply(make_model("gemma2", device, attn="eager").eval(), attention_softmax=True)
+    calls = Calls(monkeypatch)
+    options = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    for pad in ("left", "none"):
+        inputs = {k: v for k, v in batch(device, pad=pad).items() if k != "labels"}
+        torch.testing.assert_close(model.generate(**inputs, **options), eager.generate(**inputs, **options))
+    assert {("bool", False), ("none", False)} <= set(calls.softmax)
+
+
 def test_attention_refuses_sinks(device):
     module = torch.nn.Module()
     module.sinks = torch.nn.Parameter(torch.zeros(4))
