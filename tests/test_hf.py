@@ -436,6 +436,7 @@ def test_trainer_step(device, tmp_path, monkeypatch):
     """One Trainer step over two accumulated batches (its num_items_in_batch reaches the loss) gives the
     unpatched model's loss and weights. (SGD: Adam's first step is lr times the gradient's sign, which rounding
     picks where the gradient is zero but for rounding.)"""
+    pytest.importorskip("accelerate", reason="the Trainer needs accelerate (the test extra installs it)")
     T = hf()
     data = [{k: v[0].cpu() for k, v in batch(seed=s).items()} for s in range(4)]
     results = []
