@@ -18,6 +18,7 @@ every xdist worker would pay while collecting even when these tests are deselect
 
 import importlib.util
 import inspect
+import types
 
 import pytest
 import torch
@@ -293,6 +294,24 @@ def test_revert_restores_exactly(device):
     assert vars(model).keys() == before.keys() and model.config._attn_implementation == "eager"
     with pytest.raises(ValueError, match="not patched"):
         module.revert(model)
+
+
+def test_revert_under_a_later_wrapper(device, monkeypatch):
+    """A wrapper set on the instance after apply() (accelerate's prepare() does that) keeps our function;
+    revert() says so, and the function then calls the model's own forward."""
+    model = make_model("llama", device)
+    inputs = batch(device)
+    want, want_g = step(model, inputs)
+    fst().apply(model)
+    inner = model.forward.__func__
+    model.forward = types.MethodType(lambda self, *a, **k: inner(self, *a, **k), model)
+    calls = Calls(monkeypatch)
+    with pytest.warns(UserWarning, match="wrapped after apply"):
+        fst().revert(model)
+    got, got_g = step(model, inputs)
+    assert not calls.lce and got.logits is not None
+    torch.testing.assert_close(got.loss, want.loss, rtol=0, atol=0)
+    assert_grads_close(got_g, want_g)
 
 
 def test_refused_with_a_clear_error(device):
