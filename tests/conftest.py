@@ -47,6 +47,7 @@ def _not_fp32(item):
 # test file, or file::test: which of its cases run only with --full (measured: pytest --durations on CI's CPU)
 FULL_ONLY = {
     "test_snapshot.py": lambda item: True,  # compiles every kernel variant (~150 s)
+    "test_hf.py": lambda item: True,  # transformers' import (~4 s a worker) and tiny models trained (~80 s)
     "test_properties.py::test_gradients_match_oracle": lambda item: True,
     "test_properties.py::test_matches_oracle": lambda item: _p(item, "backend") == "triton",
     "test_masked.py::test_every_mask_pattern": lambda item: (
