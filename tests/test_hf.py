@@ -166,25 +166,26 @@ def test_loss_and_gradients_match_unpatched(family, device, monkeypatch):
     fst().revert(model)
 
 
-def test_tied_embeddings_and_head_bias(device):
-    model = make_model("gemma", device)
-    head, emb = model.lm_head.weight, model.get_input_embeddings().weight
-    assert head is emb  # (tied: one parameter, whose gradient has both uses)
-    inputs = batch(device)
+def assert_patched_matches(model, inputs):
+    """One training step of model on inputs, patched (fst.patched) and not: equal loss and gradients."""
     want, want_g = step(model, inputs)
     with fst().patched(model):
         got, got_g = step(model, inputs)
     assert_loss_close(got.loss, want.loss)
     assert_grads_close(got_g, want_g)
 
+
+def test_tied_embeddings_and_head_bias(device):
+    model = make_model("gemma", device)
+    head, emb = model.lm_head.weight, model.get_input_embeddings().weight
+    assert head is emb  # (tied: one parameter, whose gradient has both uses)
+    inputs = batch(device)
+    assert_patched_matches(model, inputs)
+
     model = make_model("llama", device)
     model.lm_head = torch.nn.Linear(D, V, bias=True, device=device)
     torch.nn.init.normal_(model.lm_head.bias, std=1.0)
-    want, want_g = step(model, inputs)
-    with fst().patched(model):
-        got, got_g = step(model, inputs)
-    assert_loss_close(got.loss, want.loss)
-    assert_grads_close(got_g, want_g)
+    assert_patched_matches(model, inputs)
 
 
 def test_num_items_in_batch_and_shift_labels(device, monkeypatch):
@@ -216,11 +217,7 @@ def test_gradient_checkpointing(device):
     model = make_model("qwen3", device)
     model.gradient_checkpointing_enable()
     inputs = batch(device)
-    want, want_g = step(model, inputs)
-    with fst().patched(model):
-        got, got_g = step(model, inputs)
-    assert_loss_close(got.loss, want.loss)
-    assert_grads_close(got_g, want_g)
+    assert_patched_matches(model, inputs)
 
 
 def test_logits_wherever_asked(device, monkeypatch):
