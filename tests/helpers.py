@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from fastsoftmax.reference import compare, random_logits, special_rows  # noqa: F401
@@ -34,3 +36,23 @@ def forward(x, dim=-1, *, log=False, dtype=None, backend="auto", want_lse=False)
     from fastsoftmax.api import forward as api_forward
 
     return api_forward(x, dim, log=log, dtype=dtype, backend=backend, want_lse=want_lse)
+
+
+@contextlib.contextmanager
+def triton_hook(runtime, name: str, hook):
+    """hook registered as Triton's launch hook `name` (knobs.runtime.launch_enter_hook / launch_exit_hook) for
+    the block: a HookChain's add and remove (Triton 3.5 and newer), or the plain attribute (Triton 3.4, where
+    the hook is None or one callable)."""
+    chain = getattr(runtime, name)
+    if hasattr(chain, "add"):
+        chain.add(hook)
+        try:
+            yield
+        finally:
+            chain.remove(hook)
+        return
+    setattr(runtime, name, hook)
+    try:
+        yield
+    finally:
+        setattr(runtime, name, chain)

@@ -4,7 +4,7 @@ without CUDA; run with `pytest --device cuda tests/test_gpu.py`."""
 
 import pytest
 import torch
-from helpers import DTYPES, assert_close, forward, random_logits, special_rows
+from helpers import DTYPES, assert_close, forward, random_logits, special_rows, triton_hook
 
 import fastsoftmax as fs
 from fastsoftmax import heuristics
@@ -417,16 +417,13 @@ def test_launch_hooks_take_tritons_own_launch():
 
     fastpath.clear()
     x = torch.randn(64, 1000, device="cuda") * 3
-    knobs.runtime.launch_enter_hook.add(hook)
-    try:
+    with triton_hook(knobs.runtime, "launch_enter_hook", hook):
         assert not launch.hooks_idle()
         for _ in range(3):
             y = fs.softmax(x, backend="triton")
             torch.testing.assert_close(y, torch.softmax(x, -1))
         torch.testing.assert_close(fs.log_softmax(x, backend="triton"), torch.log_softmax(x, -1))
         assert len(seen) == 4 and not fastpath._cache
-    finally:
-        knobs.runtime.launch_enter_hook.remove(hook)
     assert launch.hooks_idle()
     for _ in range(2):
         torch.testing.assert_close(fs.softmax(x, backend="triton"), torch.softmax(x, -1))

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers import triton_hook
 
 from fastsoftmax import fastpath, heuristics, launch
 from fastsoftmax.cuda.kernels import _Params
@@ -612,16 +613,11 @@ def test_native_loss_key_is_the_tuple_and_steps_aside(hot):
     with heuristics.force(path="online"):
         seen.append(key())
     assert seen == [None] * 5, seen
-    try:
-        from triton import knobs
-    except ImportError:
-        return
+    from triton import knobs
+
     hook = lambda *a: None  # noqa: E731
-    knobs.runtime.launch_exit_hook.add(hook)
-    try:
+    with triton_hook(knobs.runtime, "launch_exit_hook", hook):
         assert key() is None
-    finally:
-        knobs.runtime.launch_exit_hook.remove(hook)
     assert key() == want
 
 
