@@ -165,7 +165,7 @@ static int configured(void) {
 }
 
 // configure(tensor_type, dtype_type, cache, is_grad_enabled, functorch_active, dispatch_stack_len,
-//           tracing_state, any_autocast, forward_ad_module, heuristics_module, triton_runtime_knobs_or_None,
+//           tracing_state, any_autocast, forward_ad_module, heuristics_module, triton_runtime_knobs,
 //           current_raw_stream, empty_like, record, loss_dtypes)
 static PyObject* configure(PyObject* self, PyObject* const* args, Py_ssize_t n) {
     PyObject** slots[] = {&g_tensor,  &g_dtype_type, &g_cache,      &g_grad_enabled, &g_functorch,
@@ -240,25 +240,23 @@ static int plain_state(void) {
     if (!t) return 0;
     if ((t = call_truthy(g_autocast)) != 0) return t < 0 ? -1 : 0;
     if ((t = attr_is(g_heuristics, s_force, Py_None)) != 1) return t;
-    if (g_knobs != Py_None) {
-        PyObject* hooks[] = {s_enter, s_exit};
-        for (int i = 0; i < 2; ++i) {  // a hook chain with no calls (or None) is idle; a plain callable is not
-            PyObject* h = PyObject_GetAttr(g_knobs, hooks[i]);
-            if (!h) return -1;
-            if (h == Py_None) {
-                Py_DECREF(h);
-                continue;
-            }
-            PyObject* calls = PyObject_GetAttr(h, s_calls);
+    PyObject* hooks[] = {s_enter, s_exit};
+    for (int i = 0; i < 2; ++i) {  // a hook chain with no calls (or None) is idle; a plain callable is not
+        PyObject* h = PyObject_GetAttr(g_knobs, hooks[i]);
+        if (!h) return -1;
+        if (h == Py_None) {
             Py_DECREF(h);
-            if (!calls) {
-                PyErr_Clear();
-                return 0;
-            }
-            t = PyObject_IsTrue(calls);
-            Py_DECREF(calls);
-            if (t != 0) return t < 0 ? -1 : 0;
+            continue;
         }
+        PyObject* calls = PyObject_GetAttr(h, s_calls);
+        Py_DECREF(h);
+        if (!calls) {
+            PyErr_Clear();
+            return 0;
+        }
+        t = PyObject_IsTrue(calls);
+        Py_DECREF(calls);
+        if (t != 0) return t < 0 ? -1 : 0;
     }
     return 1;
 }

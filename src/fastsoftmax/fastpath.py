@@ -30,6 +30,7 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+import types
 
 import torch
 import torch.autograd.forward_ad as _fwad
@@ -56,10 +57,9 @@ def key(x, d, dim, dtype, log: bool, backend):
     """The cache key of a call (fastlaunch.c's softmax_key): None when it cannot take the fast path (or the
     arguments are not plain: the full path checks them and raises). Callers have ruled out autograd and
     torch.compile tracing."""
-    if not ENABLED or type(x) is not torch.Tensor or not x.is_cuda:
+    if not ENABLED or type(x) is not torch.Tensor or not x.is_cuda or (mod := _native()) is None:
         return None
-    mod = _native_mod[0] if _native_mod else _native()
-    return None if mod is None else mod.softmax_key(x, d, dim, dtype, log, backend)
+    return mod.softmax_key(x, d, dim, dtype, log, backend)
 
 
 def fast(x, d, dim, dtype, log: bool, backend):
@@ -68,9 +68,6 @@ def fast(x, d, dim, dtype, log: bool, backend):
     not recorded yet, anything the replay must not take). fastlaunch.c's softmax_fast once the first CUDA
     call has configured it (its checks: compose.route's for a plain call, autocast's and the replay's)."""
     return None
-
-
-hooks_idle = launch.hooks_idle  # no launch hooks registered with Triton
 
 
 # ---- recording (launch.py holds the recording itself) ---------------------------------------------------
@@ -149,14 +146,8 @@ def _make_replay(steps, plan, out_dtype):
     workspace) runs in fastlaunch.c's softmax_fast from ``native``: (the Desc's address, the output dtype or
     None, the plan); the others through this function."""
     if len(steps) == 1 and steps[0][1] is None:  # the common case: one launch, no workspace
-
-        def run(x, d, device):  # (softmax_fast runs this entry itself, from run.native)
-            raise AssertionError("replayed by fastlaunch.softmax_fast")
-
-        ln = steps[0][0]
-        run.native, run.launch = (ctypes.addressof(ln.desc), out_dtype, plan), ln
-        run.kind = "prepared"
-        return run
+        ln = steps[0][0]  # (held by the entry: native's Desc address points into it)
+        return types.SimpleNamespace(native=(ctypes.addressof(ln.desc), out_dtype, plan), launch=ln, kind="prepared")
 
     record = heuristics.record
     empty_like = torch.empty_like
@@ -202,10 +193,7 @@ _loss_cache: dict = {}
 def loss_key(logits, target, class_weight, ignore_index, reduction, smoothing, softcap, z_loss, want_z, backend):
     """The cache key of a cross-entropy call (fastlaunch.c's loss_key), or None where it cannot take the replay
     now (the full path then runs, and checks the arguments). Callers check torch.compile first."""
-    if not ENABLED or type(logits) is not torch.Tensor or not logits.is_cuda:
-        return None
-    mod = _native_mod[0] if _native_mod else _native()
-    if mod is None:
+    if not ENABLED or type(logits) is not torch.Tensor or not logits.is_cuda or (mod := _native()) is None:
         return None
     opts = (ignore_index, reduction, smoothing, softcap, z_loss, want_z, backend)
     return mod.loss_key(logits, target, class_weight, *opts)
@@ -276,8 +264,8 @@ class _LossReplay:
     """One cross-entropy call's forward, and once its first backward is recorded, that backward."""
 
     def __init__(self, steps, m, buf_numel, z_off, loss, plan, k, backward, differentiable):
-        (self.fwd, self.launches), self.m, self.plan = steps, m, plan
-        self.buf_numel, self.z_off = buf_numel, z_off
+        (self.fwd, self.launches), self.m, self.plan = steps, m, plan  # (launches: what the steps point into)
+        self.z_off = z_off
         self.full_backward, self.differentiable = backward, differentiable
         self.opts = (k[8], k[9], float(k[10]), None if k[11] is None else float(k[11]), float(k[12]))
         self.want_z, self.backend, self.grad, self.device = k[13], k[14], k[7], k[2]
@@ -368,12 +356,8 @@ def _native():
                 except BackendFailed:
                     _native_mod.append(None)
                     return None
-                try:
-                    from triton import knobs
+                from triton import knobs
 
-                    runtime = knobs.runtime
-                except ImportError:  # Triton before 3.4: no launch hooks to honour here (hooks_idle())
-                    runtime = None
                 mod.configure(
                     torch.Tensor,
                     torch.dtype,
@@ -385,7 +369,7 @@ def _native():
                     compose.any_autocast,
                     _fwad,
                     heuristics,
-                    runtime,
+                    knobs.runtime,
                     torch._C._cuda_getCurrentRawStream,
                     torch.empty_like,
                     heuristics.record,

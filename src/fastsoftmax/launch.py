@@ -271,10 +271,8 @@ def hooks_idle() -> bool:
     """No launch hooks registered with Triton (a profiler's hooks must see every launch: then Triton's own
     launch runs, triton/launch.py, and nothing is replayed)."""
     if not _runtime_knobs:
-        try:
-            from triton import knobs
-        except ImportError:
-            return True
+        from triton import knobs
+
         _runtime_knobs.append(knobs.runtime)
     r = _runtime_knobs[0]
     a, b = r.launch_enter_hook, r.launch_exit_hook  # HookChains (a plain callable counts as registered)

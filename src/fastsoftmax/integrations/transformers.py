@@ -233,14 +233,6 @@ def _output_class(cls: type):
 # ---- attention -------------------------------------------------------------------------------------------
 
 
-def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
-    """(B, H_kv, S, D) -> (B, H_kv * groups, S, D), each head repeated groups times in place (eager's)."""
-    if groups == 1:
-        return x
-    b, h, s, d = x.shape
-    return x[:, :, None].expand(b, h, groups, s, d).reshape(b, h * groups, s, d)
-
-
 def attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -265,8 +257,10 @@ def attention_forward(
         raise NotImplementedError(
             "fastsoftmax attention: position_bias is not supported; use attn_implementation='eager'"
         )
+    from transformers.integrations.sdpa_attention import repeat_kv  # noqa: PLC0415 (an optional extra)
+
     groups = getattr(module, "num_key_value_groups", 1)
-    key, value = _repeat_kv(key, groups), _repeat_kv(value, groups)
+    key, value = repeat_kv(key, groups), repeat_kv(value, groups)  # (eager's GQA heads)
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     q_len, kv_len = query.shape[-2], key.shape[-2]
