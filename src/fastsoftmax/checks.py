@@ -135,11 +135,12 @@ def loss_extras(fn: str, logits, class_weight, softcap, z_loss, return_z_loss: b
         raise TypeError(f"{fn}: return_z_loss must be a bool, got {type(return_z_loss).__name__}")
 
 
-def linear_cross_entropy(x, weight, tgt, bias, memory, same_dtype: bool = True) -> None:
-    """x (..., d), weight (V, d), bias (V,) or None: floating, on one device, of one dtype (``same_dtype``;
-    under autocast linear_dtypes checks it after the cast); target x's shape without d; memory None or an
-    int > 0."""
-    fn = "linear_cross_entropy"
+def linear_cross_entropy(
+    x, weight, tgt, bias, memory, same_dtype: bool = True, fn: str = "linear_cross_entropy", min_v: int = 1
+) -> None:
+    """x (..., d), weight (V, d) with V >= min_v (a rank's slice may be empty: 0), bias (V,) or None:
+    floating, on one device, of one dtype (``same_dtype``; under autocast linear_dtypes checks it after the
+    cast); target x's shape without d; memory None or an int > 0."""
     for name, t in (("x", x), ("weight", weight), ("target", tgt)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
@@ -149,9 +150,10 @@ def linear_cross_entropy(x, weight, tgt, bias, memory, same_dtype: bool = True) 
         raise TypeError(f"{fn}: x must be floating point ({dtypes.FLOAT_NAMES}), got {x.dtype}")
     if x.dim() < 1:
         raise ValueError(f"{fn}: x must have a feature dim (the last), got shape {tuple(x.shape)}")
-    if weight.dim() != 2 or weight.shape[1] != x.shape[-1] or weight.shape[0] == 0:
+    if weight.dim() != 2 or weight.shape[1] != x.shape[-1] or weight.shape[0] < min_v:
         raise ValueError(
-            f"{fn}: weight must be (V, d) with V >= 1 and d = x.shape[-1] = {x.shape[-1]}, got {tuple(weight.shape)}"
+            f"{fn}: weight must be (V, d) with V >= {min_v} and d = x.shape[-1] = {x.shape[-1]}, "
+            f"got {tuple(weight.shape)}"
         )
     if bias is not None and tuple(bias.shape) != (weight.shape[0],):
         raise ValueError(f"{fn}: bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}")

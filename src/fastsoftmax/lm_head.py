@@ -101,9 +101,11 @@ def _free(x) -> int | None:
     return free + torch.cuda.memory_reserved(x.device) - torch.cuda.memory_allocated(x.device)
 
 
-def _rows(x, v: int, memory: int) -> int:
+def rows_per_chunk(x, v: int, memory: int | None) -> int:
+    """Rows of (n, d) x whose logits against v classes a chunk holds (``memory`` bytes, or the rule's choice
+    from the problem and the free memory where None or 0)."""
     n, d = x.shape
-    return rules.chunk_rows(n, d, v, x.element_size(), memory if memory > 0 else None, _free(x))
+    return rules.chunk_rows(n, d, v, x.element_size(), memory if memory else None, _free(x))
 
 
 def _sweep(x, weight, bias, t, cw, o, backend, memory, design, wants, g=None, stats=None, out_dtype=None):
@@ -130,7 +132,7 @@ def _sweep(x, weight, bias, t, cw, o, backend, memory, design, wants, g=None, st
     dx = x.new_empty(x.shape) if grads and wants[0] else x.new_empty(0)  # (contiguous: chunks of rows)
     dw = torch.zeros_like(weight) if grads and wants[1] and n == 0 else None
     db = torch.zeros(v, dtype=wide, device=x.device) if grads and wants[2] else None
-    rows = _rows(x, v, memory)
+    rows = rows_per_chunk(x, v, memory)
     buf = torch.empty((min(rows, n), v), dtype=x.dtype, device=x.device) if n else None
     chunks = 0
     for r0 in range(0, n, rows):
