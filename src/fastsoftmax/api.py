@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from . import checks, compose, dispatch, dtypes, fastpath, ops
+from . import checks, compose, dispatch, dtensor, dtypes, fastpath, ops
 
 _compiling = compose.dynamo_compiling
 _FLOATS = frozenset(dtypes.FLOATS)
@@ -82,6 +82,8 @@ def forward(
 
 
 def _forward(x, dim, log, fn, mask, scale, causal, dtype, backend):
+    if type(x) not in compose.PLAIN_TYPES and dtensor.is_dtensor(x) and mask is None and scale is None and not causal:
+        return dtensor.softmax(x, dim, log, dtype, backend, fn)  # (sharded on the classes: distributed.py)
     d, _ = checks.softmax(fn, x, dim, dtype, backend)
     masked = checks.masked(fn, x, d, mask, scale, causal)
     dtype = compose.softmax_dtype(x, dtype)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from . import checks, compose, dispatch, heuristics, ops, options
+from . import checks, compose, dispatch, dtensor, heuristics, ops, options
 from .backends.torch import dlogits_options, kept_rows, loss_rows_torch, reduce_terms, row_grads
 from .heuristics import lm_head as rules
 from .heuristics.device import selected
@@ -365,6 +365,10 @@ def linear_cross_entropy(
     x (..., d), weight (V, d), bias (V,) or None, target x's shape without d; the options as
     fs.cross_entropy's. memory: bytes of logits a chunk may hold (None: chosen from the problem and the free
     memory). return_z_loss=True returns (loss, the z-loss term alone)."""
+    if type(weight) is not torch.Tensor and dtensor.is_dtensor(weight):  # sharded on the classes: distributed.py
+        opts = dict(ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing)
+        opts |= dict(softcap=softcap, z_loss=z_loss, memory=memory, backend=backend)
+        return dtensor.linear_cross_entropy(x, weight, target, bias, class_weight, return_z_loss, **opts)
     autocast = isinstance(x, torch.Tensor) and compose.autocasting(x.device.type)  # (mixed dtypes allowed then)
     checks.linear_cross_entropy(x, weight, target, bias, memory, same_dtype=not autocast)
     checks.cross_entropy_options("linear_cross_entropy", ignore_index, reduction, label_smoothing, backend)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from . import checks, compose, dispatch, dtypes, fastpath, ops
+from . import checks, compose, dispatch, dtensor, dtypes, fastpath, ops
 from .backends.torch import CHUNK, native_dlogits_differentiable
 
 
@@ -44,6 +44,10 @@ def cross_entropy(
     if backend == "auto" and softcap is None and type(z_loss) in _NUM and z_loss == 0 and return_z_loss is False:
         if (out := _cpu(logits, target, class_weight, ignore_index, reduction, label_smoothing)) is not None:
             return out
+    if type(logits) not in _PLAIN and dtensor.is_dtensor(logits):  # sharded on the classes: distributed.py
+        opts = dict(ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing)
+        opts |= dict(softcap=softcap, z_loss=z_loss, backend=backend)
+        return dtensor.cross_entropy(logits, target, class_weight, return_z_loss, **opts)
     checks.cross_entropy(logits, target, ignore_index, reduction, label_smoothing, backend)
     checks.loss_extras("cross_entropy", logits, class_weight, softcap, z_loss, return_z_loss)
     eps, out_dtype = float(label_smoothing), compose.loss_dtype(logits)
