@@ -156,6 +156,62 @@ def ce_facts():
     json.dump(out, sys.stdout)
 
 
+def shard_facts():
+    """triton/shard.py's kernels (the tensor-parallel slice's statistics and outputs) at the cross-entropy
+    launch shapes distributed.py takes, for slices of 128256 and 256000 classes split in two and an odd
+    slice, sm_90a: shard_stats with smoothing and softcap, shard_apply's dlogits (mode 2) and softmax (0)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from fastsoftmax.heuristics import cross_entropy as ce_rules
+    from fastsoftmax.triton import shard
+
+    ty = {"bfloat16": "bf16", "float32": "fp32"}
+    data = {"x_ptr", "d_ptr", "out_ptr"}  # (the slice's dtype; t_ptr int32; the rest fp32)
+    out = []
+    for dtype in ("bfloat16", "float32"):
+        for v in (64128, 128000, 25129):
+            for kernel, mode in ((shard.shard_stats, None), (shard.shard_apply, 2), (shard.shard_apply, 0)):
+                rows, block, warps, _ = ce_rules.launch_shape(v, 4 if dtype == "float32" else 2, mode == 2)
+                consts = {"ROWS": rows, "BLOCK_N": block, "SMOOTH": True, "WEIGHT": False, "SOFTCAP": True}
+                consts |= {"DOT": False, "LOGDOT": False, "MODE": mode}
+                names = kernel.arg_names
+
+                def arg(k, consts=consts, dtype=dtype):
+                    if k in consts:
+                        return "constexpr"
+                    if k.endswith("_ptr"):
+                        return "*i32" if k == "t_ptr" else f"*{ty[dtype]}" if k in data else "*fp32"
+                    return "fp32" if k == "cap" else "i32"
+
+                ints = {"v": v, "sx": v, "sd": v, "so": v}
+                div16 = [k for k in names if k.endswith("_ptr") or (k in ints and ints[k] % 16 == 0)]
+                src = ASTSource(
+                    fn=kernel,
+                    signature={k: arg(k) for k in names},
+                    constexprs={(names.index(k),): c for k, c in consts.items() if k in names},
+                    attrs={(names.index(k),): [["tt.divisibility", 16]] for k in div16},
+                )
+                k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+                ptx = k.asm["ptx"]
+                rep = ptxas_report(ptx, "sm_90a")
+                out.append(
+                    {
+                        "kernel": kernel.__name__,
+                        "mode": mode,
+                        "dtype": dtype,
+                        "v": v,
+                        "rows": rows,
+                        "loads": sorted(set(re.findall(r"ld\.global[.\w]*", ptx))),
+                        "stores": sorted(set(re.findall(r"st\.global[.\w]*", ptx))),
+                        "reorders": k.asm["ttgir"].count("allow_reorder"),
+                        **{k: v for k, v in rep.items() if k != "log"},
+                    }
+                )
+    json.dump(out, sys.stdout)
+
+
 def loop_facts():
     """The looping forward and backward kernels (online, split) at tiles of 1 and 64 rows, 1 and 8 warps,
     chunks of 16 to 4096: how many reshapes that may reorder elements (`allow_reorder`) each TTGIR holds.
@@ -225,4 +281,4 @@ def loop_facts():
 
 
 if __name__ == "__main__":
-    {"ce": ce_facts, "loops": loop_facts}.get(sys.argv[1] if sys.argv[1:] else "", main)()
+    {"ce": ce_facts, "loops": loop_facts, "shard": shard_facts}.get(sys.argv[1] if sys.argv[1:] else "", main)()

@@ -56,6 +56,25 @@ def test_cross_entropy_kernels():
             assert "ld.global.v4.b32" not in f["loads"], f
 
 
+def test_shard_kernels():
+    """The tensor-parallel slice's kernels (triton/shard.py) at their launch shapes compile for sm_90a with no
+    spills and no reordering reshape on multi-row tiles; aligned slices (64128, 128000 classes) are read,
+    and dlogits / softmax written, with 16-byte accesses."""
+    facts = _compile_facts("shard")
+    assert len(facts) == 18 and {(f["kernel"], f["mode"]) for f in facts} == {
+        ("shard_stats", None),
+        ("shard_apply", 2),
+        ("shard_apply", 0),
+    }
+    for f in facts:
+        assert f["registers"] > 0 and not (f["spill_stores"] or f["spill_loads"] or f["stack_bytes"]), f
+        assert not (f["reorders"] and f["rows"] > 1), f
+        if f["v"] % 16 == 0:
+            assert "ld.global.v4.b32" in f["loads"], f
+            if f["kernel"] == "shard_apply":
+                assert "st.global.v4.b32" in f["stores"], f
+
+
 def test_loop_row_sums_are_never_reordered():
     """No looping kernel (online, split; forward and backward) holds a reshape that may reorder elements on
     a tile of several rows: Triton 3.6 (the H200 image's) rewrote the backward's per-chunk row sums into

@@ -48,6 +48,13 @@ KERNEL_FAMILIES = {
         "accumulation": "fp32; the reduction over rows in one program, in a fixed order (deterministic)",
         "build_flags": "Triton defaults (no fast-math flag)",
     },
+    "triton.shard": {
+        "kernels": ["shard_stats", "shard_apply"],
+        "use": "fastsoftmax.distributed: a rank's slice of the classes (statistics, then outputs or dlogits)",
+        "exp": "exp2((z - lse) * log2(e)): ex2.approx.f32",
+        "accumulation": "fp32; ranks' logsumexps merged in torch ops (fp32, fp64 for fp64)",
+        "build_flags": "Triton defaults (no fast-math flag)",
+    },
     "lm_head": {
         "designs": ["lce_chunked", "lce_recompute"],
         "gemms": "cuBLAS (torch.mm / addmm into a reused chunk of logits), logits in x's dtype",
