@@ -196,10 +196,12 @@ def test_options_are_checked_before_any_collective():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (NCCL)")
 def test_forward_has_no_host_sync_and_captures_in_a_cuda_graph(tmp_path, device):
-    """NCCL with one rank: softmax and cross_entropy forwards (the signature and statistics all-gathers, the
-    agreement and target assertions on the device) are captured in a CUDA graph, which a host sync would
-    abort, and replay right on new data."""
+    """NCCL with one rank: log_softmax, cross_entropy (every option) and LM-head forwards (the signature and
+    statistics all-gathers, the agreement and target assertions on the device, the shard kernels) are
+    captured in a CUDA graph, which a host sync would abort, and replay right on new data."""
+    import fastsoftmax as fs
     import fastsoftmax.distributed as fsd
+    from fastsoftmax import heuristics
 
     if device != "cuda":
         pytest.skip("a GPU test (--device cuda)")
@@ -209,21 +211,78 @@ def test_forward_has_no_host_sync_and_captures_in_a_cuda_graph(tmp_path, device)
     try:
         x = torch.randn(64, 1000, device="cuda")
         t = torch.randint(0, 1000, (64,), device="cuda")
+        h, w = torch.randn(64, 32, device="cuda"), torch.randn(1000, 32, device="cuda") / 4
+        opts = dict(label_smoothing=0.1, softcap=30.0, z_loss=1e-4)
+
+        def step():
+            lce = fsd.linear_cross_entropy(h, w, t, memory=1 << 16)
+            return fsd.cross_entropy(x, t, **opts), fsd.log_softmax(x), lce
+
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):  # warm up outside the capture (NCCL communicator, kernels)
-            fsd.cross_entropy(x, t, label_smoothing=0.1)
-            fsd.log_softmax(x)
+        with torch.cuda.stream(s), heuristics.recording() as plans:  # warm up outside the capture
+            step()
+        assert [p.backend for p in plans if p.path == "shard"] == ["triton"] * 3, plans  # the kernels ran
         torch.cuda.current_stream().wait_stream(s)
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
-            loss = fsd.cross_entropy(x, t, label_smoothing=0.1)
-            y = fsd.log_softmax(x)
+            loss, y, lce = step()
         for _ in range(2):
             x.copy_(torch.randn_like(x) * 3)
+            h.copy_(torch.randn_like(h))
             g.replay()
             torch.cuda.synchronize()
-            torch.testing.assert_close(loss, F.cross_entropy(x, t, label_smoothing=0.1))
+            torch.testing.assert_close(loss, fs.cross_entropy(x, t, **opts, backend="torch"))
             torch.testing.assert_close(y, torch.log_softmax(x, -1))
+            torch.testing.assert_close(lce, fs.cross_entropy(h @ w.t(), t, backend="torch"), rtol=1e-4, atol=1e-4)
     finally:
         dist.destroy_process_group()
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    """A gloo group of this process alone (world size 1): the distributed functions run in-process."""
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch", "auto"])
+def test_slice_work_branch_is_the_one_asked_for(one_rank, backend):
+    """Each branch of distributed._impl forced and checked: backend='triton' runs triton/shard.py's kernels
+    (here in Triton's interpreter), 'torch' and 'auto' on CPU tensors torch ops: the plans recorded say
+    which, on the forward and the backward. Outputs are poisoned with NaN first, so an element a kernel
+    skips fails the comparison with float64 torch."""
+    import fastsoftmax.distributed as fsd
+    from fastsoftmax import heuristics
+
+    want = "triton" if backend == "triton" else "torch"
+    x = full_logits(torch.float64)
+    x[1] = torch.randn(V, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    x32 = x.float()
+    t = targets()
+    w = torch.rand(V, generator=torch.Generator().manual_seed(4)) + 0.5
+    tol = dict(atol=2e-5, rtol=2e-5)
+    opts = dict(label_smoothing=0.1, class_weight=w, softcap=20.0, z_loss=1e-3, backend=backend)
+    with heuristics.force(poison=True), heuristics.recording() as plans:
+        xs = x32.clone().requires_grad_()
+        loss = fsd.cross_entropy(xs, t, **opts)
+        (dx,) = torch.autograd.grad(loss, xs)
+        y = fsd.log_softmax(xs, backend=backend)
+        (dy,) = torch.autograd.grad(y, xs, torch.ones_like(y))
+    shard = [p.backend for p in plans if p.path == "shard"]
+    assert shard == [want] * 4, plans
+    xr = x.clone().requires_grad_()
+    z = 20.0 * torch.tanh(xr / 20.0)
+    lse = torch.logsumexp(z, -1)
+    keep = t != -100
+    ref = F.cross_entropy(z, t, weight=w.double(), label_smoothing=0.1) + (1e-3 * lse[keep] ** 2).mean()
+    (dref,) = torch.autograd.grad(ref, xr)
+    torch.testing.assert_close(loss.double(), ref.detach(), **tol)
+    torch.testing.assert_close(dx.double(), dref, **tol)
+    torch.testing.assert_close(y.double(), torch.log_softmax(x, -1), **tol)
+    torch.testing.assert_close(dy.double(), 1 - torch.softmax(x, -1) * V, **tol)

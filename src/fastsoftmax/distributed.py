@@ -35,7 +35,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from . import checks, compose, dispatch, dtypes, options
+from . import checks, compose, dispatch, dtypes, heuristics, options
 from .backends.torch import capped, reduce_terms, row_grads
 from .reference import logsumexp_torch
 
@@ -116,14 +116,14 @@ class _Kernels:
     def stats(self, x, w, cap, smooth):
         """(each row's logsumexp of capped x, its sum of w * z or None), fp32."""
         m = x.shape[0]
-        lse = torch.empty(m, dtype=torch.float32, device=x.device)
-        sums = torch.empty(m, dtype=torch.float32, device=x.device) if smooth else lse
+        lse = _out(m, torch.float32, x.device)
+        sums = _out(m, torch.float32, x.device) if smooth else lse
         self.k.stats(x, None, w, lse, sums, cap, self.shape, smooth=smooth)
         return lse, (sums if smooth else None)
 
     def dot(self, y, dy, log: bool):
         """Each row's sum of dy (log) or of y * dy, fp32."""
-        s = torch.empty(y.shape[0], dtype=torch.float32, device=y.device)
+        s = _out(y.shape[0], torch.float32, y.device)
         self.k.stats(y, dy, None, s, s, None, self.shape, dot=not log, logdot=log)
         return s
 
@@ -183,10 +183,17 @@ def _safe(lse):
 
 def _impl(x, backend: str, backward: bool = False):
     """The slice's worker for x: the kernels where the loss kernels run x (dispatch.loss_backend), else
-    torch ops; a slice without rows or columns is torch ops' (nothing to launch)."""
-    if x.numel() and dispatch.loss_backend(x, backend).name == "triton":
-        return _Kernels(x, backward)
-    return _TorchOps(x, backward)
+    torch ops; a slice without rows or columns is torch ops' (nothing to launch). Recorded (Plan 'shard')."""
+    kernels = x.numel() and dispatch.loss_backend(x, backend).name == "triton"
+    impl = _Kernels(x, backward) if kernels else _TorchOps(x, backward)
+    heuristics.record(heuristics.Plan("triton" if kernels else "torch", "shard"))
+    return impl
+
+
+def _out(shape, dtype, device):
+    """An output the kernels write whole (NaN first under heuristics.force(poison=True): a test hook)."""
+    out = torch.empty(shape, dtype=dtype, device=device)
+    return out.fill_(float("nan")) if heuristics.poisoning() else out
 
 
 def _stats(impl, x, w, cap, smooth):
@@ -210,7 +217,7 @@ class _Softmax(torch.autograd.Function):
         _agree(fn, x, x2.shape[1], x2.shape[0], group, (log, str(dtype)))
         impl = _impl(x2, backend)
         lse = _merge_lse(_gather(_stats(impl, x2, None, None, False)[0], group))
-        out = torch.empty(x2.shape, dtype=dtype or x.dtype, device=x.device)
+        out = _out(x2.shape, dtype or x.dtype, x.device)
         y = impl.normalise(x2, lse.to(_wide(x2)), log, out) if x2.numel() else out
         ctx.save_for_backward(y, lse)
         ctx.log, ctx.group, ctx.x_dtype, ctx.backend, ctx.fn = log, group, x.dtype, backend, fn
@@ -226,7 +233,7 @@ class _Softmax(torch.autograd.Function):
         impl = _impl(y, ctx.backend, backward=True)
         s = impl.dot(y, dy2, ctx.log) if y.numel() else torch.zeros(y.shape[0], dtype=lse.dtype, device=y.device)
         dist.all_reduce(s, group=ctx.group)
-        dx = torch.empty(y.shape, dtype=ctx.x_dtype, device=y.device)
+        dx = _out(y.shape, ctx.x_dtype, y.device)
         if y.numel():
             impl.softmax_backward(y, dy2, s.to(lse.dtype), lse, ctx.log, dx)
         return dx.reshape(dy.shape), None, None, None, None
@@ -374,7 +381,7 @@ class _CrossEntropy(torch.autograd.Function):
         (xf,) = ctx.saved_tensors
         rows = ctx.rows
         a, b, cc = rows.coefficients(grad)
-        dx = torch.empty(xf.shape, dtype=xf.dtype, device=xf.device)
+        dx = _out(xf.shape, xf.dtype, xf.device)
         if xf.numel():
             impl = _impl(xf, ctx.backend, backward=True)
             o = rows.o
