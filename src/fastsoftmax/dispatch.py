@@ -245,17 +245,17 @@ def flat_target(target):
     return t
 
 
-def assert_targets(t: torch.Tensor, v, ignore_index: int) -> None:
+def assert_targets(t: torch.Tensor, v, ignore_index: int, fn: str = "cross_entropy") -> None:
     """Raise when a target is outside [0, v) and not ignore_index (``v``: an int or a 0-d tensor), comparing
     as int64 whatever the target's integer dtype (uint8 would wrap -100 to 156). On a GPU through
     torch._assert_async (no host synchronisation: the error surfaces at the next synchronising call)."""
     t = t.long()
     bad = ((t < 0) | (t >= v)) & (t != ignore_index)
     if t.is_cuda:
-        torch._assert_async(~bad.any(), "cross_entropy: a target is outside [0, V) and not ignore_index")
+        torch._assert_async(~bad.any(), f"{fn}: a target is outside [0, V) and not ignore_index")
     elif bad.any():
         i = int(bad.nonzero()[0, 0])
-        raise IndexError(f"cross_entropy: target {int(t[i])} at row {i} is outside [0, {int(v)}) and not ignore_index")
+        raise IndexError(f"{fn}: target {int(t[i])} at row {i} is outside [0, {int(v)}) and not ignore_index")
 
 
 def raise_bad_targets(stats: torch.Tensor, m: int, t: torch.Tensor, v: int, ignore_index: int) -> None:

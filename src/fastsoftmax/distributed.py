@@ -214,6 +214,8 @@ class _Softmax(torch.autograd.Function):
         x2 = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
+        if dtype == torch.float64:  # (computed in float64 then, as fs.softmax does: torch ops)
+            x2 = x2.double()
         _agree(fn, x, x2.shape[1], x2.shape[0], group, (log, str(dtype)))
         impl = _impl(x2, backend)
         lse = _merge_lse(_gather(_stats(impl, x2, None, None, False)[0], group))
@@ -362,7 +364,7 @@ class _CrossEntropy(torch.autograd.Function):
         if xf.stride(-1) != 1:
             xf = xf.contiguous()
         offset, v_total, w_total = _agree(fn, x, xf.shape[1], t.shape[0], group, _options_key(o, w), w)
-        dispatch.assert_targets(t, v_total, o.ignore_index)
+        dispatch.assert_targets(t, v_total, o.ignore_index, fn)
         rows = _Rows(t, o, offset, xf.shape[-1], w)
         impl = _impl(xf, backend)
         gathered = _gather(rows.local_stats(impl, xf, _wide(xf)), group)
@@ -441,7 +443,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         x2 = x.reshape(t.shape[0], x.shape[-1])
         n, v_local = x2.shape[0], weight.shape[0]
         offset, v_total, w_total = _agree(fn, x2, v_local, n, group, _options_key(o, w, (x.shape[-1],)), w)
-        dispatch.assert_targets(t, v_total, o.ignore_index)
+        dispatch.assert_targets(t, v_total, o.ignore_index, fn)
         rows = _Rows(t, o, offset, v_local, w)
         wide = _wide(x2)
         local = torch.empty((n, 4), dtype=wide, device=x.device)

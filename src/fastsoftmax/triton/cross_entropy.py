@@ -45,6 +45,43 @@ def softcapped(x, cap):
 
 
 @triton.jit
+def row_lse(
+    base,
+    row_ok,
+    v,
+    w_ptr,
+    cap,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SMOOTH: tl.constexpr,
+    WEIGHT: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+):
+    """One sweep of ROWS rows of v logits (base: each row's first element): each row's logsumexp of z (z the
+    softcapped logits with SOFTCAP) and, with SMOOTH, its sum of w_j * z_j (w = 1 without WEIGHT), fp32."""
+    c = tl.arange(0, BLOCK_N)[None, :]
+    m = tl.full([ROWS], float("-inf"), tl.float32)
+    s = tl.zeros([ROWS], tl.float32)
+    sum_z = tl.zeros([ROWS], tl.float32)
+    for j in range(0, tl.cdiv(v, BLOCK_N)):
+        cols = j * BLOCK_N + c
+        ok = row_ok[:, None] & (cols < v)
+        x = tl.load(base[:, None] + cols, mask=ok, other=float("-inf")).to(tl.float32)
+        if SOFTCAP:
+            x = tl.where(ok, softcapped(x, cap), float("-inf"))
+        m2 = tl.max(x, axis=1)
+        s2 = tl.sum(row_exp(x - safe_max(m2)[:, None]), axis=1)
+        m, s = merge_stats(m, s, m2, s2)
+        if SMOOTH:
+            if WEIGHT:
+                wj = tl.load(w_ptr + cols, mask=cols < v, other=0.0).to(tl.float32)
+                sum_z += tl.sum(tl.where(ok, x * wj, 0.0), axis=1)
+            else:
+                sum_z += tl.sum(tl.where(ok, x, 0.0), axis=1)
+    return safe_max(m) + tl.math.log2(s) * LN2, sum_z
+
+
+@triton.jit
 def ce_fwd(
     x_ptr,
     t_ptr,
@@ -72,26 +109,7 @@ def ce_fwd(
     row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     row_ok = row < n_rows
     base = x_ptr + row * sx
-    c = tl.arange(0, BLOCK_N)[None, :]
-    m = tl.full([ROWS], float("-inf"), tl.float32)
-    s = tl.zeros([ROWS], tl.float32)
-    sum_z = tl.zeros([ROWS], tl.float32)
-    for j in range(0, tl.cdiv(v, BLOCK_N)):
-        cols = j * BLOCK_N + c
-        ok = row_ok[:, None] & (cols < v)
-        x = tl.load(base[:, None] + cols, mask=ok, other=float("-inf")).to(tl.float32)
-        if SOFTCAP:
-            x = tl.where(ok, softcapped(x, cap), float("-inf"))
-        m2 = tl.max(x, axis=1)
-        s2 = tl.sum(row_exp(x - safe_max(m2)[:, None]), axis=1)
-        m, s = merge_stats(m, s, m2, s2)
-        if SMOOTH:
-            if WEIGHT:
-                wj = tl.load(w_ptr + cols, mask=cols < v, other=0.0).to(tl.float32)
-                sum_z += tl.sum(tl.where(ok, x * wj, 0.0), axis=1)
-            else:
-                sum_z += tl.sum(tl.where(ok, x, 0.0), axis=1)
-    lse = safe_max(m) + tl.math.log2(s) * LN2
+    lse, sum_z = row_lse(base, row_ok, v, w_ptr, cap, ROWS, BLOCK_N, SMOOTH, WEIGHT, SOFTCAP)
     t = tl.load(t_ptr + row, mask=row_ok, other=ignore_index).to(tl.int64)
     keep = row_ok & (t != ignore_index)
     inside = keep & (t >= 0) & (t < v)  # an out-of-range target reads nothing (ce_finish flags it)

@@ -23,9 +23,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .cross_entropy import LN2, softcapped
+from .cross_entropy import row_lse, softcapped
 from .launch import launch
-from .softmax_fwd import merge_stats, row_exp, safe_max
+from .softmax_fwd import row_exp, safe_max
 
 
 @triton.jit
@@ -52,36 +52,22 @@ def shard_stats(
     x * d (DOT) or of d (LOGDOT), fp32."""
     row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     row_ok = row < n_rows
-    c = tl.arange(0, BLOCK_N)[None, :]
-    m = tl.full([ROWS], float("-inf"), tl.float32)
-    s = tl.zeros([ROWS], tl.float32)
-    acc = tl.zeros([ROWS], tl.float32)
-    for j in range(0, tl.cdiv(v, BLOCK_N)):
-        cols = j * BLOCK_N + c
-        ok = row_ok[:, None] & (cols < v)
-        if DOT or LOGDOT:
+    if DOT or LOGDOT:
+        c = tl.arange(0, BLOCK_N)[None, :]
+        acc = tl.zeros([ROWS], tl.float32)
+        for j in range(0, tl.cdiv(v, BLOCK_N)):
+            cols = j * BLOCK_N + c
+            ok = row_ok[:, None] & (cols < v)
             d = tl.load(d_ptr + row[:, None] * sd + cols, mask=ok, other=0.0).to(tl.float32)
             if DOT:
-                y = tl.load(x_ptr + row[:, None] * sx + cols, mask=ok, other=0.0).to(tl.float32)
-                d = y * d
+                d = tl.load(x_ptr + row[:, None] * sx + cols, mask=ok, other=0.0).to(tl.float32) * d
             acc += tl.sum(d, axis=1)
-        else:
-            x = tl.load(x_ptr + row[:, None] * sx + cols, mask=ok, other=float("-inf")).to(tl.float32)
-            if SOFTCAP:
-                x = tl.where(ok, softcapped(x, cap), float("-inf"))
-            m2 = tl.max(x, axis=1)
-            s2 = tl.sum(row_exp(x - safe_max(m2)[:, None]), axis=1)
-            m, s = merge_stats(m, s, m2, s2)
-            if SMOOTH:
-                if WEIGHT:
-                    wj = tl.load(w_ptr + cols, mask=cols < v, other=0.0).to(tl.float32)
-                    acc += tl.sum(tl.where(ok, x * wj, 0.0), axis=1)
-                else:
-                    acc += tl.sum(tl.where(ok, x, 0.0), axis=1)
-    if not (DOT or LOGDOT):
-        tl.store(lse_ptr + row, safe_max(m) + tl.math.log2(s) * LN2, mask=row_ok)
-    if SMOOTH or DOT or LOGDOT:
         tl.store(sum_ptr + row, acc, mask=row_ok)
+    else:
+        lse, acc = row_lse(x_ptr + row * sx, row_ok, v, w_ptr, cap, ROWS, BLOCK_N, SMOOTH, WEIGHT, SOFTCAP)
+        tl.store(lse_ptr + row, lse, mask=row_ok)
+        if SMOOTH:
+            tl.store(sum_ptr + row, acc, mask=row_ok)
 
 
 @triton.jit
