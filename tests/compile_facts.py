@@ -87,13 +87,34 @@ def main():
     json.dump(out, sys.stdout)
 
 
-def ce_facts():
-    """The cross-entropy kernels at the launch shapes loss.py takes (triton/cross_entropy.py's _shape), for
-    aligned and odd vocabularies, sm_90a."""
+def _sm90_facts(kernel, sig: dict, consts: dict, div16: list, warps: int):
+    """(facts, the compiled kernel) of kernel compiled for sm_90a with this signature, these constexprs and
+    16-divisible arguments: its global loads and stores, and ptxas -v's registers, stack and spills."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    names = kernel.arg_names
+    src = ASTSource(
+        fn=kernel,
+        signature=sig,
+        constexprs={(names.index(k),): c for k, c in consts.items() if k in names},
+        attrs={(names.index(k),): [["tt.divisibility", 16]] for k in div16},
+    )
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    ptx = k.asm["ptx"]
+    rep = ptxas_report(ptx, "sm_90a")
+    facts = {
+        "loads": sorted(set(re.findall(r"ld\.global[.\w]*", ptx))),
+        "stores": sorted(set(re.findall(r"st\.global[.\w]*", ptx))),
+        **{k: v for k, v in rep.items() if k != "log"},
+    }
+    return facts, k
+
+
+def ce_facts():
+    """The cross-entropy kernels at the launch shapes loss.py takes (triton/cross_entropy.py's _shape), for
+    aligned and odd vocabularies, sm_90a."""
     from fastsoftmax.heuristics import cross_entropy as ce_rules
     from fastsoftmax.triton import cross_entropy as ce
 
@@ -132,27 +153,8 @@ def ce_facts():
                     for k in names
                 }
                 div16 = [k for k in names if k in ptrs or (k in ints and ints[k] % 16 == 0)]
-                src = ASTSource(
-                    fn=kernel,
-                    signature=sig,
-                    constexprs={(names.index(k),): c for k, c in consts.items() if k in names},
-                    attrs={(names.index(k),): [["tt.divisibility", 16]] for k in div16},
-                )
-                k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
-                ptx = k.asm["ptx"]
-                rep = ptxas_report(ptx, "sm_90a")
-                out.append(
-                    {
-                        "kernel": kernel.__name__,
-                        "dtype": dtype,
-                        "v": v,
-                        "block_n": block,
-                        "num_warps": warps,
-                        "loads": sorted(set(re.findall(r"ld\.global[.\w]*", ptx))),
-                        "stores": sorted(set(re.findall(r"st\.global[.\w]*", ptx))),
-                        **{k: v for k, v in rep.items() if k != "log"},
-                    }
-                )
+                row = dict(kernel=kernel.__name__, dtype=dtype, v=v, block_n=block, num_warps=warps)
+                out.append(row | _sm90_facts(kernel, sig, consts, div16, warps)[0])
     json.dump(out, sys.stdout)
 
 
@@ -160,9 +162,6 @@ def shard_facts():
     """triton/shard.py's kernels (the tensor-parallel slice's statistics and outputs) at the cross-entropy
     launch shapes distributed.py takes, for slices of 128256 and 256000 classes split in two and an odd
     slice, sm_90a: shard_stats with smoothing and softcap, shard_apply's dlogits (mode 2) and softmax (0)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     from fastsoftmax.heuristics import cross_entropy as ce_rules
     from fastsoftmax.triton import shard
@@ -187,28 +186,9 @@ def shard_facts():
 
                 ints = {"v": v, "sx": v, "sd": v, "so": v}
                 div16 = [k for k in names if k.endswith("_ptr") or (k in ints and ints[k] % 16 == 0)]
-                src = ASTSource(
-                    fn=kernel,
-                    signature={k: arg(k) for k in names},
-                    constexprs={(names.index(k),): c for k, c in consts.items() if k in names},
-                    attrs={(names.index(k),): [["tt.divisibility", 16]] for k in div16},
-                )
-                k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
-                ptx = k.asm["ptx"]
-                rep = ptxas_report(ptx, "sm_90a")
-                out.append(
-                    {
-                        "kernel": kernel.__name__,
-                        "mode": mode,
-                        "dtype": dtype,
-                        "v": v,
-                        "rows": rows,
-                        "loads": sorted(set(re.findall(r"ld\.global[.\w]*", ptx))),
-                        "stores": sorted(set(re.findall(r"st\.global[.\w]*", ptx))),
-                        "reorders": k.asm["ttgir"].count("allow_reorder"),
-                        **{k: v for k, v in rep.items() if k != "log"},
-                    }
-                )
+                facts, compiled = _sm90_facts(kernel, {k: arg(k) for k in names}, consts, div16, warps)
+                row = dict(kernel=kernel.__name__, mode=mode, dtype=dtype, v=v, rows=rows)
+                out.append(row | facts | {"reorders": compiled.asm["ttgir"].count("allow_reorder")})
     json.dump(out, sys.stdout)
 
 
