@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import datetime
+import os
+import time
 
+import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from fastsoftmax.reference import compare, random_logits, special_rows  # noqa: F401
 
@@ -56,3 +62,44 @@ def triton_hook(runtime, name: str, hook):
         yield
     finally:
         setattr(runtime, name, chain)
+
+
+GLOO_TIMEOUT_S = 120  # a collective left waiting this long raises on its rank: a hang becomes an error
+DEADLINE_S = 420  # a spawn still running after this is killed and the test fails (a hang)
+
+
+def _gloo_child(rank, world, init_file, fn, args):
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=GLOO_TIMEOUT_S),
+    )
+    try:
+        fn(rank, world, *args)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn_gloo(tmp_path, monkeypatch, fn, world, *args, interpret=False):
+    """fn(rank, world, *args) on ``world`` CPU processes in one gloo group (a file:// store in tmp_path, no
+    network ports); fails, the processes killed, after DEADLINE_S. ``interpret``: the children keep
+    TRITON_INTERPRET=1 (backend='triton' runs the kernels in Triton's interpreter); else torch ops only."""
+    if interpret:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    else:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    if os.path.exists("/sys/class/net/lo") and "GLOO_SOCKET_IFNAME" not in os.environ:
+        monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")  # gloo's traffic stays on the loopback interface
+    ctx = mp.spawn(_gloo_child, args=(world, str(tmp_path / "store"), fn, args), nprocs=world, join=False)
+    end = time.monotonic() + DEADLINE_S
+    while not ctx.join(timeout=max(1.0, end - time.monotonic())):
+        if time.monotonic() >= end:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+            for p in ctx.processes:
+                p.join()
+            pytest.fail(f"{fn.__name__} on {world} processes: no result after {DEADLINE_S} s (a hang?)")

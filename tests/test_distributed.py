@@ -3,13 +3,11 @@ ports): softmax, log_softmax and cross_entropy of logits split along the classes
 slices, a slice that is -inf on a row, fully masked rows, ignore_index rows, label smoothing, every
 reduction; values and gradients against torch on the concatenated logits."""
 
-import os
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from helpers import spawn_gloo
 
 from fastsoftmax.reference import softmax_torch
 
@@ -77,23 +75,10 @@ def _checks(rank, world, widths):
         fsd.cross_entropy(full_logits(torch.float32)[:, lo:hi], bad)
 
 
-def _worker(rank, world, init_file, widths):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        _checks(rank, world, widths)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.mark.parametrize("widths", [(11, 12), (5, 0, 18), (1, 21, 1)], ids=["2-even", "3-with-empty", "3-uneven"])
 def test_vocabulary_parallel_gloo(tmp_path, monkeypatch, widths):
     assert sum(widths) == V
-    init_file = tmp_path / "store"
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the children run torch ops only
-    if os.path.exists("/sys/class/net/lo") and "GLOO_SOCKET_IFNAME" not in os.environ:
-        monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")  # gloo's traffic stays on the loopback interface
-    mp.spawn(_worker, args=(len(widths), str(init_file), widths), nprocs=len(widths), join=True)
+    spawn_gloo(tmp_path, monkeypatch, _checks, len(widths), widths)
 
 
 def test_needs_an_initialised_group():
@@ -148,25 +133,8 @@ def _disagreeing(rank, world, case, out_dir):
     (out_dir / f"rank{rank}.txt").write_text(msg)
 
 
-def _spawn(tmp_path, monkeypatch, fn, world, *args):
-    init_file = tmp_path / "store"
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    if os.path.exists("/sys/class/net/lo") and "GLOO_SOCKET_IFNAME" not in os.environ:
-        monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
-    mp.spawn(_run, args=(world, str(init_file), fn, args), nprocs=world, join=True)
-
-
-def _run(rank, world, init_file, fn, args):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        fn(rank, world, *args)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
 def test_slice_widths_change_between_calls(tmp_path, monkeypatch):
-    _spawn(tmp_path, monkeypatch, _changing_widths, 3, [(5, 0, 18), (5, 9, 9), (5, 9, 9), (1, 21, 1), (5, 0, 18)])
+    spawn_gloo(tmp_path, monkeypatch, _changing_widths, 3, [(5, 0, 18), (5, 9, 9), (5, 9, 9), (1, 21, 1), (5, 0, 18)])
 
 
 @pytest.mark.parametrize("case", ["rows", "dtype", "options", "softmax-rows"])
@@ -175,7 +143,7 @@ def test_disagreeing_ranks_all_raise_the_same_error(tmp_path, monkeypatch, case)
     on one and a result on the other, no hang)."""
     out = tmp_path / "out"
     out.mkdir()
-    _spawn(tmp_path, monkeypatch, _disagreeing, 2, case, out)
+    spawn_gloo(tmp_path, monkeypatch, _disagreeing, 2, case, out)
     msgs = [(out / f"rank{r}.txt").read_text() for r in range(2)]
     assert msgs[0] == msgs[1] and msgs[0].startswith("ValueError: distributed."), msgs
     assert "the ranks must pass shards of the same rows and dtype" in msgs[0]

@@ -8,16 +8,14 @@ Triton kernels in the interpreter; ranks that disagree (the same ValueError on e
 backward refused; DTensor inputs (Shard on the classes) through fs.cross_entropy, fs.linear_cross_entropy and
 fs.softmax."""
 
-import datetime
 import json
 import os
-import time
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from helpers import spawn_gloo
 
 M, V = 9, 23  # cross_entropy's rows and classes
 N, D = 13, 8  # linear_cross_entropy's rows and features
@@ -25,8 +23,6 @@ CAP, ZL, EPS = 15.0, 1e-3, 0.1
 IGNORED = (1, 4)  # rows of targets() that are ignore_index (row 1 is -inf everywhere in masked logits)
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.float64: dict(rtol=1e-10, atol=1e-12)}
 LCE_TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float64: dict(rtol=1e-10, atol=1e-11)}
-GLOO_TIMEOUT_S = 120  # a collective left waiting this long raises on its rank: a hang becomes an error
-DEADLINE_S = 420  # a spawn still running after this is killed and the test fails (a hang)
 
 
 # ---- the float64 reference on the gathered problem, in one process ---------------------------------------
@@ -167,43 +163,6 @@ def bounds(widths, rank):
 # ---- the spawn ---------------------------------------------------------------------------------------------
 
 
-def _run(rank, world, init_file, fn, args):
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{init_file}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=GLOO_TIMEOUT_S),
-    )
-    try:
-        fn(rank, world, *args)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
-def _spawn(tmp_path, monkeypatch, fn, world, *args, interpret=False):
-    """fn(rank, world, *args) on ``world`` gloo processes; fails (the processes killed) after DEADLINE_S.
-    ``interpret``: the children keep TRITON_INTERPRET=1 (backend='triton' runs the kernels in Triton's
-    interpreter); else they run torch ops only."""
-    if interpret:
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
-    else:
-        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    if os.path.exists("/sys/class/net/lo") and "GLOO_SOCKET_IFNAME" not in os.environ:
-        monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")  # gloo's traffic stays on the loopback interface
-    ctx = mp.spawn(_run, args=(world, str(tmp_path / "store"), fn, args), nprocs=world, join=False)
-    end = time.monotonic() + DEADLINE_S
-    while not ctx.join(timeout=max(1.0, end - time.monotonic())):
-        if time.monotonic() >= end:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
-            for p in ctx.processes:
-                p.join()
-            pytest.fail(f"{fn.__name__} on {world} processes: no result after {DEADLINE_S} s (a hang?)")
-
-
 def _same_on_every_rank(t: torch.Tensor) -> bool:
     out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
     dist.all_gather(out, t.contiguous())
@@ -309,7 +268,7 @@ def test_cross_entropy_every_option(tmp_path, monkeypatch, splits):
     shard, shards -inf on a row, a fully masked ignored row, outliers of +-80); then narrow, unsigned and
     strided targets, strided logits, (B, T, V) logits, all rows ignored, no_grad."""
     assert all(sum(w) == V for w in splits)
-    _spawn(tmp_path, monkeypatch, _ce_checks, len(splits[0]), splits)
+    spawn_gloo(tmp_path, monkeypatch, _ce_checks, len(splits[0]), splits)
 
 
 # ---- linear_cross_entropy ----------------------------------------------------------------------------------
@@ -418,7 +377,7 @@ def test_linear_cross_entropy_every_option(tmp_path, monkeypatch, splits):
     F.cross_entropy(F.linear(x, W, b)) on the gathered W; no bias, the default chunks, (B, T, d) x, frozen x
     or W, no_grad with int32 targets."""
     assert all(sum(w) == V for w in splits)
-    _spawn(tmp_path, monkeypatch, _lce_checks, len(splits[0]), splits)
+    spawn_gloo(tmp_path, monkeypatch, _lce_checks, len(splits[0]), splits)
 
 
 # ---- the Triton kernels (Triton's interpreter on CPU tensors) ----------------------------------------------
@@ -509,7 +468,7 @@ def test_triton_kernels_in_the_interpreter(tmp_path, monkeypatch, widths):
     """backend='triton' on CPU tensors (the kernels in Triton's interpreter, each call checked to launch
     some): softmax and log_softmax with -inf shards and a fully masked row, cross_entropy with every option,
     linear_cross_entropy in chunks; values and gradients against float64 torch."""
-    _spawn(tmp_path, monkeypatch, _triton_checks, len(widths), widths, interpret=True)
+    spawn_gloo(tmp_path, monkeypatch, _triton_checks, len(widths), widths, interpret=True)
 
 
 # ---- ranks that disagree, bad targets, double backward --------------------------------------------------------
@@ -627,7 +586,7 @@ def test_disagreeing_ranks_bad_targets_double_backward(tmp_path, monkeypatch):
     out = tmp_path / "out"
     out.mkdir()
     try:
-        _spawn(tmp_path, monkeypatch, _errors, 2, out)
+        spawn_gloo(tmp_path, monkeypatch, _errors, 2, out)
     finally:
         got = [json.loads(p.read_text()) if p.exists() else {} for p in (out / "rank0.json", out / "rank1.json")]
         print(json.dumps(got, indent=1))  # (shown when the test fails: what each rank saw, up to a hang)
@@ -800,7 +759,7 @@ def test_dtensor_inputs(tmp_path, monkeypatch, world):
     logits DTensor the full gradient; fs.linear_cross_entropy with W Shard(0) (x plain or replicated);
     fs.softmax / fs.log_softmax return Shard(1) DTensors; rows sharded or replicated logits raise
     NotImplementedError."""
-    _spawn(tmp_path, monkeypatch, _dtensor_checks, world)
+    spawn_gloo(tmp_path, monkeypatch, _dtensor_checks, world)
 
 
 # ---- one rank in-process -------------------------------------------------------------------------------------
