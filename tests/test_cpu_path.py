@@ -23,6 +23,7 @@ ALL = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 NATIVE = heuristics.Plan("torch", "native")
 NATIVE_CE = heuristics.Plan("torch", "native_cross_entropy")
 GRAPH_CE = heuristics.Plan("torch", "native_cross_entropy_graph")  # the backward: torch's own, no plan
+GRAPH = heuristics.Plan("torch", "native_graph")  # softmax under autograd with torch's graph: no backward plan
 INF = float("inf")
 
 
@@ -144,17 +145,73 @@ def test_float64_log_softmax_near_zero():
 
 
 def test_plain_and_autograd_routes():
-    """No grad needed (no_grad, a tensor that does not require grad): the direct call, no graph; autograd:
-    the eager Function (SoftmaxFunction), both passes native; nn.Parameter too."""
+    """No grad needed (no_grad, a tensor that does not require grad): the direct call, no graph; autograd on
+    a contiguous x in its own dtype: torch's graph (SoftmaxBackward0), its backward torch's own (no plan)
+    and equal to fs.softmax_backward's; nn.Parameter too."""
     x = torch.nn.Parameter(torch.randn(3, 7))
     with torch.no_grad():
         y, plans = run(fs.softmax, x)
     assert y.grad_fn is None and plans == [NATIVE]
-    (y, plans) = run(fs.log_softmax, x)
+    dy = torch.randn(3, 7)
+    for log, name in ((False, "SoftmaxBackward0"), (True, "LogSoftmaxBackward0")):
+        (y, plans) = run(FNS[log], x)
+        assert y.grad_fn.name() == name and plans == [GRAPH]
+        (dx,), plans = run(torch.autograd.grad, y, x, dy)
+        assert plans == [] and torch.equal(dx, BWD[log](dy, y.detach()))
+        torch.testing.assert_close(
+            dx, torch.autograd.grad((torch.log_softmax if log else torch.softmax)(x, -1), x, dy)[0]
+        )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_autograd_graph_is_the_library_gradient(dtype):
+    """torch's graph (fp32 and fp64 softmax, fp32 log_softmax): the forward the direct call's, its
+    gradient bit for bit fs.softmax_backward's from the same y, and the oracle's; double backward too."""
+    x = logits((6, 513), dtype, 8, special=False)
+    dy = torch.randn(6, 513, generator=torch.Generator().manual_seed(8)).to(dtype)
+    for log in (False, True) if dtype == torch.float32 else (False,):
+        xg = x.clone().requires_grad_()
+        y, plans = run(FNS[log], xg)
+        assert plans == [GRAPH] and torch.equal(y.detach(), FNS[log](x))
+        (dx,), plans = run(torch.autograd.grad, y, xg, dy, create_graph=True)
+        assert plans == [] and torch.equal(dx.detach(), BWD[log](dy, y.detach()))
+        assert compare_grad(dx.detach(), dy, y.detach(), -1, log)[1] is None
+        (ddx,) = torch.autograd.grad(dx, xg, dy)
+        ref = torch.autograd.grad(
+            torch.autograd.grad(FNS[log](xg, backend="torch"), xg, dy, create_graph=True)[0], xg, dy
+        )
+        torch.testing.assert_close(ddx, ref[0], rtol=0.05, atol=1e-2 * float(ref[0].abs().max()))
+
+
+@pytest.mark.parametrize("case", ["masked_row", "nan_row", "strided", "dtype_out", "bf16", "bf16_log", "fp64_log"])
+def test_autograd_function_where_the_graph_cannot(case):
+    """The eager Function (SoftmaxFunction, both passes native) where torch's graph would not give the
+    library's output or gradient: a fully masked row (torch's gradient NaN, the library's 0) or a NaN row
+    (found by the same check), a non-contiguous x (torch's output is not laid out as x), another output
+    dtype, 16-bit x (torch's double backward would run in 16 bits), fp64 log_softmax (another formula)."""
+    dtype = {"bf16": torch.bfloat16, "bf16_log": torch.bfloat16, "fp64_log": torch.float64}.get(case, torch.float32)
+    x = logits((4, 33), dtype, 3, special=False)
+    log, kw = case.endswith("log"), {}
+    if case == "masked_row":
+        x[2] = -INF
+    elif case == "nan_row":
+        x[1, 5] = float("nan")
+    elif case == "strided":
+        x = x.t().contiguous().t()
+    elif case == "dtype_out":
+        kw["dtype"] = torch.float64
+    xg = x.clone().requires_grad_()
+    y, plans = run(FNS[log], xg, **kw)
     assert y.grad_fn.name() == "SoftmaxFunctionBackward" and plans == [NATIVE]
-    (dx,), plans = run(torch.autograd.grad, y, x, torch.ones_like(y))
-    assert plans == [NATIVE]
-    torch.testing.assert_close(dx, torch.autograd.grad(torch.log_softmax(x, -1), x, torch.ones_like(y))[0])
+    dy = torch.randn(4, 33).to(y.dtype)
+    (dx,), plans = run(torch.autograd.grad, y, xg, dy)
+    assert plans == [NATIVE] and dx.dtype == x.dtype
+    if case == "masked_row":
+        assert (dx[2] == 0).all() and (y[2] == (-INF if log else 0)).all()
+    elif case == "nan_row":
+        assert dx[1].isnan().all() and not dx[0].isnan().any()
+    else:
+        assert compare_grad(dx, dy, y.detach(), -1, log, x.dtype)[1] is None
 
 
 def test_errors_before_any_work():

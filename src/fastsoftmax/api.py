@@ -31,11 +31,15 @@ def _cpu_ok(x, dim, dtype, backend) -> bool:
 
 def _cpu(x, dim, dtype, log: bool, backend):
     """The CPU's direct path (see _cpu_ok): torch's own kernels with the conventions applied
-    (dispatch.cpu_softmax); under autograd the eager Function, whose pass reaches the same kernels. None:
-    the full path runs."""
+    (dispatch.cpu_softmax); under autograd, for a contiguous x and no other output dtype, torch's own graph
+    where its output has no NaN row (dispatch.cpu_softmax_graph), else the eager Function, whose passes
+    reach the same kernels. None: the full path runs."""
     if not _cpu_ok(x, dim, dtype, backend):
         return None
     if x.requires_grad and torch.is_grad_enabled():
+        if (dtype is None or dtype == x.dtype) and x.is_contiguous():
+            if (y := dispatch.cpu_softmax_graph(x, dim % x.dim(), log)) is not None:
+                return y
         return ops.softmax.eager.apply(x, dim, log, dtype, backend)
     return dispatch.cpu_softmax(x, dim % x.dim(), log, dtype or x.dtype)
 

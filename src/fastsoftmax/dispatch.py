@@ -18,12 +18,14 @@ from .backends.torch import (
     NATIVE,
     NATIVE_CE,
     NATIVE_CE_GRAPH,
+    NATIVE_GRAPH,
     TorchBackend,
     native_cross_entropy,
     native_cross_entropy_backward,
     native_cross_entropy_graph,
     native_softmax,
     native_softmax_backward,
+    native_softmax_graph,
 )
 from .backends.triton import TritonBackend
 from .errors import BackendFailed
@@ -190,6 +192,14 @@ def cpu_softmax(x, dim, log, out_dtype):
     return native_softmax(x, dim, log, out_dtype)
 
 
+def cpu_softmax_graph(x, dim, log):
+    """cpu_softmax of a contiguous x that requires grad, in x's dtype, with torch's autograd graph
+    (backends/torch.py's native_softmax_graph); None where the eager Function must run."""
+    if (y := native_softmax_graph(x, dim, log)) is not None:
+        heuristics.record(NATIVE_GRAPH)
+    return y
+
+
 def cpu_softmax_backward(dy, y, dim, log, out_dtype):
     """softmax_backward's counterpart of cpu_softmax."""
     heuristics.record(NATIVE)
@@ -351,6 +361,7 @@ __all__ = [
     "cpu_flat",
     "cpu_softmax",
     "cpu_softmax_backward",
+    "cpu_softmax_graph",
     "cross_entropy",
     "cross_entropy_backward",
     "flat",

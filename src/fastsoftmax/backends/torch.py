@@ -188,7 +188,6 @@ _BITS = {
     torch.float16: (ctypes.c_uint16, "H", 0x7C00, 0x5640, 1 << 15, None),
     torch.bfloat16: (ctypes.c_uint16, "H", 0x7F80, 0x42C8, 1 << 15, None),
 }
-_SCALAR = {"f": ctypes.c_float, "d": ctypes.c_double}
 _memory = ctypes.pythonapi.PyMemoryView_FromMemory  # (address, bytes, PyBUF_READ): a read-only view
 _memory.restype, _memory.argtypes = ctypes.py_object, (ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int)
 
@@ -212,11 +211,10 @@ def _firsts(t: torch.Tensor, dim: int, fmt: str):
 def _any_nan_first(t: torch.Tensor, dim: int) -> bool:
     """Whether a row of the contiguous t starts with NaN; may also say so for a first column that holds
     both +inf and -inf (callers confirm)."""
-    _, bits_fmt, inf, _, sign, fmt = _BITS[t.dtype]
+    uint, bits_fmt, inf, _, sign, fmt = _BITS[t.dtype]
+    if t.numel() == t.shape[dim]:  # one row: its first element's bits
+        return uint.from_address(t.data_ptr()).value & (sign - 1) > inf
     if fmt is not None:
-        if t.numel() == t.shape[dim]:  # one row: its first element
-            v = _SCALAR[fmt].from_address(t.data_ptr()).value
-            return v != v
         values = _firsts(t, dim, fmt)
         if values is not None:
             s = sum(values)  # NaN iff one is NaN (or both infinities are there)
@@ -302,6 +300,23 @@ def native_softmax(x: torch.Tensor, dim: int, log: bool, out_dtype: torch.dtype)
     if _any_nan_first(y, dim):  # a fully masked row, or one holding NaN or +inf (which stays NaN)
         y.masked_fill_(x.amax(dim, keepdim=True) == float("-inf"), float("-inf") if log else 0.0)
     return y
+
+
+NATIVE_GRAPH = heuristics.Plan("torch", "native_graph")  # the forward; the backward is torch's own (no plan)
+
+
+def native_softmax_graph(x: torch.Tensor, dim: int, log: bool) -> torch.Tensor | None:
+    """native_softmax of a contiguous fp32 or fp64 x that requires grad (fp64 log_softmax excepted: another
+    formula), in x's dtype, with torch's autograd graph: its C++ backward runs the kernel
+    native_softmax_backward runs for y and dy of x's dtype, and its double backward the formula of the
+    library's (in x's dtype: for 16-bit x it would lose the fp32 digits the library keeps), at a fraction
+    of a Python Function's host time. None where it does not apply, or where a row's first output is NaN: a
+    fully masked row, whose gradient torch makes NaN and the library 0 (or a row holding NaN or +inf); the
+    caller then takes the Function."""
+    if x.dtype is not torch.float32 and (log or x.dtype is not torch.float64):
+        return None
+    y = torch._log_softmax(x, dim, False) if log else torch._softmax(x, dim, False)
+    return None if _any_nan_first(y, dim) else y
 
 
 def native_softmax_backward(
