@@ -180,16 +180,17 @@ NATIVE = heuristics.Plan("torch", "native")
 CHUNK = 1 << 18  # elements of a chunk of fp32 rows (1 MiB, about a core's L2): dev/cpu_speed.py chunks
 READ_ROWS = 64  # rows whose first elements are read from memory (more: torch ops, a few us whatever M)
 _WIDER = {torch.float16: 1, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}  # exact conversions upwards
-# per dtype: (its bits as an unsigned int, their memoryview format, the bits of +inf, of 100.0, the sign bit;
-# the memoryview format of its values, where Python has one)
+# per dtype: (its bits as an unsigned int, the bits of +inf, of 100.0, the sign bit; its values as a ctypes
+# type, where Python has one)
 _BITS = {
-    torch.float32: (ctypes.c_uint32, "I", 0x7F800000, 0x42C80000, 1 << 31, "f"),
-    torch.float64: (ctypes.c_uint64, "Q", 0x7FF0000000000000, 0x4059000000000000, 1 << 63, "d"),
-    torch.float16: (ctypes.c_uint16, "H", 0x7C00, 0x5640, 1 << 15, None),
-    torch.bfloat16: (ctypes.c_uint16, "H", 0x7F80, 0x42C8, 1 << 15, None),
+    torch.float32: (ctypes.c_uint32, 0x7F800000, 0x42C80000, 1 << 31, ctypes.c_float),
+    torch.float64: (ctypes.c_uint64, 0x7FF0000000000000, 0x4059000000000000, 1 << 63, ctypes.c_double),
+    torch.float16: (ctypes.c_uint16, 0x7C00, 0x5640, 1 << 15, None),
+    torch.bfloat16: (ctypes.c_uint16, 0x7F80, 0x42C8, 1 << 15, None),
 }
-_memory = ctypes.pythonapi.PyMemoryView_FromMemory  # (address, bytes, PyBUF_READ): a read-only view
-_memory.restype, _memory.argtypes = ctypes.py_object, (ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int)
+# ctypes arrays as long as any tensor: from_address reads nothing, and a slice reads only what it names
+_SPAN = 1 << 40
+_SPANS = {c: c * _SPAN for b in _BITS.values() for c in (b[0], b[4]) if c is not None}
 
 
 def _last(x: torch.Tensor, dim: int) -> bool:
@@ -197,30 +198,30 @@ def _last(x: torch.Tensor, dim: int) -> bool:
     return dim == x.dim() - 1 or all(s == 1 for s in x.shape[dim + 1 :])
 
 
-def _firsts(t: torch.Tensor, dim: int, fmt: str):
-    """Each row's first element along dim of a contiguous t, read from its memory as ``fmt`` (a list) where
-    its rows lie in memory and there are at most READ_ROWS of them (a torch op on a small tensor costs as
-    much as the softmax of a row of 4096); else None."""
+def _firsts(t: torch.Tensor, dim: int, ctype):
+    """Each row's first element along dim of a contiguous t, read from its memory as ``ctype`` (a list)
+    where its rows lie in memory and there are at most READ_ROWS of them (a torch op on a small tensor costs
+    as much as the softmax of a row of 4096); else None."""
     n = t.shape[dim]
     m = t.numel() // n
     if m > READ_ROWS or (m > 1 and not _last(t, dim)):
         return None
-    return _memory(t.data_ptr(), ((m - 1) * n + 1) * t.element_size(), 0x100).cast(fmt)[::n].tolist()
+    return _SPANS[ctype].from_address(t.data_ptr())[0 : (m - 1) * n + 1 : n]
 
 
 def _any_nan_first(t: torch.Tensor, dim: int) -> bool:
     """Whether a row of the contiguous t starts with NaN; may also say so for a first column that holds
     both +inf and -inf (callers confirm)."""
-    uint, bits_fmt, inf, _, sign, fmt = _BITS[t.dtype]
+    uint, inf, _, sign, value = _BITS[t.dtype]
     if t.numel() == t.shape[dim]:  # one row: its first element's bits
         return uint.from_address(t.data_ptr()).value & (sign - 1) > inf
-    if fmt is not None:
-        values = _firsts(t, dim, fmt)
+    if value is not None:
+        values = _firsts(t, dim, value)
         if values is not None:
             s = sum(values)  # NaN iff one is NaN (or both infinities are there)
             return s != s
     else:
-        bits = _firsts(t, dim, bits_fmt)
+        bits = _firsts(t, dim, uint)
         if bits is not None:
             return any(b & (sign - 1) > inf for b in bits)
     return bool(t.select(dim, 0).isnan().any())
@@ -229,8 +230,8 @@ def _any_nan_first(t: torch.Tensor, dim: int) -> bool:
 def _any_underflow_first(t: torch.Tensor, dim: int) -> bool:
     """Whether a row of the contiguous t starts below -100 (its exp may be 0 in fp32, as every exp of a
     fully masked row is); NaN does not."""
-    _, bits_fmt, inf, hundred, sign, _ = _BITS[t.dtype]
-    bits = _firsts(t, dim, bits_fmt)
+    uint, inf, hundred, sign, _ = _BITS[t.dtype]
+    bits = _firsts(t, dim, uint)
     if bits is None:
         return bool((t.select(dim, 0) < -100.0).any())
     return any(b & sign and hundred < b & (sign - 1) <= inf for b in bits)
