@@ -87,6 +87,14 @@ FULL_ONLY = {
         "RTX5090" in item.name
     ),  # B200: clusters
     "test_compose.py::test_opcheck_layouts": lambda item: _p(item, "name") not in ("contiguous", "permuted"),
+    # V = 5003 (several chunks of the loss kernels) on Triton in bf16; fp16 and fp32 at V = 7 and 513
+    "test_cross_entropy.py::test_matches_torch": lambda item: (
+        "5003-triton" in item.name and "bfloat16" not in item.name
+    ),
+    "test_ce_options.py::test_options_match_reference": lambda item: (
+        "5003-triton" in item.name and "bfloat16" not in item.name
+    ),
+    "test_lce.py::test_designs_with_several_chunks": lambda item: "float32-triton" in item.name,  # bf16 kept
     "test_forward.py::test_non_contiguous": lambda item: _p(item, "path") == "split" and _not_fp32(item),
     "test_bench.py::test_cpu_masked_smoke_run": lambda item: True,
     "test_tp.py::test_cross_entropy_every_option": lambda item: "3-" in item.name,
