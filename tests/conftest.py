@@ -140,3 +140,17 @@ def pytest_terminal_summary(terminalreporter):
     if WORST:
         worst = ", ".join(f"{k} {v:.3f}" for k, v in sorted(WORST.items()))
         terminalreporter.write_line(f"worst error as a fraction of the tolerance, per output dtype: {worst}")
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    """A gloo group of this process alone (world size 1): the distributed functions run in-process."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import torch.nn.functional as F
 
 from fastsoftmax.reference import compare, random_logits, special_rows  # noqa: F401
 
@@ -103,3 +104,25 @@ def spawn_gloo(tmp_path, monkeypatch, fn, world, *args, interpret=False):
             for p in ctx.processes:
                 p.join()
             pytest.fail(f"{fn.__name__} on {world} processes: no result after {DEADLINE_S} s (a hang?)")
+
+
+def ref_loss(logits, target, ignore_index=-100, reduction="mean", eps=0.0, class_weight=None, softcap=None, z_loss=0.0):
+    """(loss, z_term) in float64: softcap first, then torch's F.cross_entropy (weight=, label_smoothing=) plus
+    z_loss * logsumexp(z)^2 per row not ignored, reduced over the rows not ignored (the mean: by their
+    number, not by the weight sum). Differentiable in logits when it is a float64 leaf."""
+    v = logits.shape[-1]
+    x = logits.double().reshape(-1, v)
+    t = target.reshape(-1).long()
+    z = softcap * torch.tanh(x / softcap) if softcap is not None else x
+    w = class_weight.double() if class_weight is not None else None
+    ce = F.cross_entropy(z, t, weight=w, label_smoothing=eps, reduction=reduction, ignore_index=ignore_index)
+    keep = t != ignore_index
+    zrow = torch.where(keep, z_loss * torch.logsumexp(z, -1).square(), 0.0)
+    if reduction == "mean":
+        zterm = zrow.sum() / keep.sum()
+    elif reduction == "sum":
+        zterm = zrow.sum()
+    else:
+        ce, zrow = ce.reshape(target.shape), zrow.reshape(target.shape)
+        zterm = zrow
+    return ce + zterm, zterm

@@ -5,7 +5,7 @@ gradcheck and double backward, torch.compile, torch.func, poisoned outputs; erro
 
 import pytest
 import torch
-import torch.nn.functional as F
+from helpers import ref_loss
 
 import fastsoftmax as fs
 from fastsoftmax import heuristics
@@ -17,28 +17,6 @@ CAP, ZL, EPS = 15.0, 0.01, 0.1
 
 
 # ---- the float64 reference -----------------------------------------------------------------------------
-
-
-def ref_loss(logits, target, ignore_index=-100, reduction="mean", eps=0.0, class_weight=None, softcap=None, z_loss=0.0):
-    """(loss, z_term) in float64: softcap first, then torch's F.cross_entropy (weight=, label_smoothing=) plus
-    z_loss * logsumexp(z)^2 per row not ignored, reduced over the rows not ignored (the mean: by their
-    number, not by the weight sum). Differentiable in logits when it is a float64 leaf."""
-    v = logits.shape[-1]
-    x = logits.double().reshape(-1, v)
-    t = target.reshape(-1).long()
-    z = softcap * torch.tanh(x / softcap) if softcap is not None else x
-    w = class_weight.double() if class_weight is not None else None
-    ce = F.cross_entropy(z, t, weight=w, label_smoothing=eps, reduction=reduction, ignore_index=ignore_index)
-    keep = t != ignore_index
-    zrow = torch.where(keep, z_loss * torch.logsumexp(z, -1).square(), 0.0)
-    if reduction == "mean":
-        zterm = zrow.sum() / keep.sum()
-    elif reduction == "sum":
-        zterm = zrow.sum()
-    else:
-        ce, zrow = ce.reshape(target.shape), zrow.reshape(target.shape)
-        zterm = zrow
-    return ce + zterm, zterm
 
 
 def hand_loss(logits, target, ignore_index, reduction, eps, class_weight, softcap, z_loss):

@@ -207,18 +207,6 @@ def test_forward_has_no_host_sync_and_captures_in_a_cuda_graph(tmp_path, device)
         dist.destroy_process_group()
 
 
-@pytest.fixture
-def one_rank(tmp_path):
-    """A gloo group of this process alone (world size 1): the distributed functions run in-process."""
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.mark.parametrize("backend", ["triton", "torch", "auto"])
 def test_slice_work_branch_is_the_one_asked_for(one_rank, backend):
     """Each branch of distributed._impl forced and checked: backend='triton' runs triton/shard.py's kernels

@@ -11,6 +11,7 @@ fs.softmax."""
 import json
 import os
 
+import helpers
 import pytest
 import torch
 import torch.distributed as dist
@@ -28,28 +29,9 @@ LCE_TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float64: dict(rtol=1
 # ---- the float64 reference on the gathered problem, in one process ---------------------------------------
 
 
-def ref_loss(logits, target, *, ignore_index=-100, reduction="mean", label_smoothing=0.0, class_weight=None,
-             softcap=None, z_loss=0.0):  # fmt: skip
-    """(loss, z-loss term) in float64: z = softcap * tanh(x / softcap), torch's F.cross_entropy of z (weight=,
-    label_smoothing=) plus z_loss * logsumexp(z)^2 on the rows not ignored (the mean: over their number).
-    Differentiable in logits (any (..., V) shape, targets shaped (...))."""
-    v = logits.shape[-1]
-    x = logits.double().reshape(-1, v)
-    t = target.reshape(-1).long()
-    z = softcap * torch.tanh(x / softcap) if softcap is not None else x
-    w = class_weight.double() if class_weight is not None else None
-    ce = F.cross_entropy(
-        z, t, weight=w, ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing
-    )
-    keep = t != ignore_index
-    zrow = torch.where(keep, z_loss * torch.logsumexp(z, -1).square(), 0.0)
-    if reduction == "mean":
-        zterm = zrow.sum() / keep.sum()
-    elif reduction == "sum":
-        zterm = zrow.sum()
-    else:
-        ce, zterm = ce.reshape(target.shape), zrow.reshape(target.shape)
-    return ce + zterm, zterm
+def ref_loss(logits, target, *, label_smoothing=0.0, **options):
+    """helpers.ref_loss with fs.cross_entropy's keyword for the smoothing: (loss, z-loss term) in float64."""
+    return helpers.ref_loss(logits, target, eps=label_smoothing, **options)
 
 
 def leaf64(t):
@@ -763,18 +745,6 @@ def test_dtensor_inputs(tmp_path, monkeypatch, world):
 
 
 # ---- one rank in-process -------------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def one_rank(tmp_path):
-    """A gloo group of this process alone (world size 1): the distributed functions run in-process."""
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def test_float64_output_of_a_float32_shard(one_rank):
