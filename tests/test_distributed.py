@@ -242,3 +242,11 @@ def test_slice_work_branch_is_the_one_asked_for(one_rank, backend):
     torch.testing.assert_close(dx.double(), dref, **tol)
     torch.testing.assert_close(y.double(), torch.log_softmax(x, -1), **tol)
     torch.testing.assert_close(dy.double(), 1 - torch.softmax(x, -1) * V, **tol)
+    xm = x32.clone()
+    xm[3] = float("-inf")  # a row masked everywhere: log_softmax -inf, its gradient 0 (not dy)
+    with heuristics.force(poison=True):
+        for log in (False, True):
+            xs = xm.clone().requires_grad_()
+            y = (fsd.log_softmax if log else fsd.softmax)(xs, backend=backend)
+            (dxm,) = torch.autograd.grad(y, xs, torch.linspace(-1, 2, V).expand(M, V))
+            assert (dxm[3] == 0).all() and dxm[2].isfinite().all() and (dxm[2] != 0).any(), (log, dxm[3])

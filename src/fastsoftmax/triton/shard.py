@@ -95,11 +95,13 @@ def shard_apply(
     SOFTCAP: tl.constexpr,
 ):
     """out = MODE's function of the slice x (and d: dy in the backwards) and the row's merged numbers: lse
-    (modes 0-2), a, b, cc and t (mode 2), s in a_ptr (modes 3, 4). out may be x (in place)."""
+    (modes 0-2, 4), a, b, cc and t (mode 2), s in a_ptr (modes 3, 4). out may be x (in place)."""
     row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     row_ok = row < n_rows
-    if MODE <= 2:
-        lse = safe_max(tl.load(lse_ptr + row, mask=row_ok, other=0.0))  # (a row -inf everywhere: exp(-inf) = 0)
+    if MODE <= 2 or MODE == 4:
+        lse = tl.load(lse_ptr + row, mask=row_ok, other=0.0)
+        masked = lse == float("-inf")  # (a row -inf on every rank: exp(-inf) = 0; its log_softmax gradient 0)
+        lse = safe_max(lse)
     if MODE >= 2:
         a = tl.load(a_ptr + row, mask=row_ok, other=0.0)
     if MODE == 2:
@@ -134,7 +136,7 @@ def shard_apply(
             if MODE == 3:
                 y = x * (dy - a[:, None])
             else:
-                y = dy - row_exp(x) * a[:, None]
+                y = tl.where(masked[:, None], 0.0, dy - row_exp(x) * a[:, None])
         tl.store(out_ptr + row[:, None] * so + cols, y.to(out_ptr.dtype.element_ty), mask=ok)
 
 
