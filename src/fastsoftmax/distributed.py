@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from . import checks, compose, dispatch, dtypes, heuristics, options
 from .backends.torch import capped, reduce_terms, row_grads
+from .lm_head import chunk_logits, rows_per_chunk
 from .reference import logsumexp_torch
 
 # ---- the collectives and the merge -------------------------------------------------------------------------
@@ -143,9 +144,6 @@ class _Kernels:
 class _TorchOps:
     """The same in torch ops (the CPU, float64, backend='torch')."""
 
-    def __init__(self, x, backward: bool):
-        pass
-
     def stats(self, x, w, cap, smooth):
         z = capped(x.to(_wide(x)), cap)
         lse = logsumexp_torch(z)
@@ -185,7 +183,7 @@ def _impl(x, backend: str, backward: bool = False):
     """The slice's worker for x: the kernels where the loss kernels run x (dispatch.loss_backend), else
     torch ops; a slice without rows or columns is torch ops' (nothing to launch). Recorded (Plan 'shard')."""
     kernels = x.numel() and dispatch.loss_backend(x, backend).name == "triton"
-    impl = _Kernels(x, backward) if kernels else _TorchOps(x, backward)
+    impl = _Kernels(x, backward) if kernels else _TorchOps()
     heuristics.record(heuristics.Plan("triton" if kernels else "torch", "shard"))
     return impl
 
@@ -241,13 +239,14 @@ class _Softmax(torch.autograd.Function):
         return dx.reshape(dy.shape), None, None, None, None
 
 
-def _check_shard(fn, x, group, backend="auto", target=None):
-    """The shard's (and the target's) checks: what can fail before a collective, with _need_group."""
+def _check_shard(fn, x, backend=None, target=None):
+    """The shard's (and the target's, and a softmax's backend) checks: what can fail before a collective,
+    with _need_group. (The losses' backend: checks.cross_entropy_options, in _loss_checks.)"""
     if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point:
         raise TypeError(f"{fn}: expected a floating-point torch.Tensor shard")
     if x.dim() < 1:
         raise ValueError(f"{fn}: the shard needs the split class dim (the last)")
-    if backend not in ("auto", "triton", "torch"):
+    if backend is not None and backend not in dispatch.LOSS_BACKENDS:
         raise ValueError(f"{fn}: backend must be 'auto', 'triton' or 'torch', got {backend!r}")
     if target is not None:
         checks.target(fn, x, target)
@@ -266,7 +265,7 @@ def softmax(
     backend: str = "auto",
 ) -> torch.Tensor:
     """Softmax along the last dim of logits whose last dim is split across ``group`` (this rank's slice)."""
-    _check_shard("distributed.softmax", x, group, backend)
+    _check_shard("distributed.softmax", x, backend)
     _need_group("distributed.softmax")
     return _Softmax.apply(x, False, group, dtype, backend)
 
@@ -279,7 +278,7 @@ def log_softmax(
     backend: str = "auto",
 ) -> torch.Tensor:
     """Log-softmax along the last dim of logits whose last dim is split across ``group``."""
-    _check_shard("distributed.log_softmax", x, group, backend)
+    _check_shard("distributed.log_softmax", x, backend)
     _need_group("distributed.log_softmax")
     return _Softmax.apply(x, True, group, dtype, backend)
 
@@ -391,8 +390,8 @@ class _CrossEntropy(torch.autograd.Function):
         return dx.reshape(ctx.shape), None, None, None, None, None, None
 
 
-def _loss_checks(fn, ignore_index, reduction, label_smoothing, v_device, class_weight, softcap, z_loss, ret_z):
-    checks.loss_options(fn, ignore_index, reduction, label_smoothing)
+def _loss_checks(fn, ignore_index, reduction, label_smoothing, backend, v_device, class_weight, softcap, z_loss, ret_z):
+    checks.cross_entropy_options(fn, ignore_index, reduction, label_smoothing, backend)
     checks.loss_extras(fn, v_device, class_weight, softcap, z_loss, ret_z)
     return options.Loss(
         ignore_index, reduction, float(label_smoothing), None if softcap is None else float(softcap), float(z_loss)
@@ -417,10 +416,10 @@ def cross_entropy(
     is this rank's slice and ``class_weight`` its slice of the class weights) with global class indices as
     targets, on every rank."""
     fn = "distributed.cross_entropy"
-    _check_shard(fn, logits, group, backend, target)
+    _check_shard(fn, logits, target=target)
     v_device = (logits.shape[-1], logits.device)
     o = _loss_checks(
-        fn, ignore_index, reduction, label_smoothing, v_device, class_weight, softcap, z_loss, return_z_loss
+        fn, ignore_index, reduction, label_smoothing, backend, v_device, class_weight, softcap, z_loss, return_z_loss
     )
     _need_group(fn)
     w = class_weight.contiguous() if class_weight is not None else None
@@ -436,8 +435,6 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, target, bias, w, o, group, backend, memory, out_dtype):
-        from .lm_head import rows_per_chunk  # noqa: PLC0415 (lm_head imports the kernels' rules)
-
         fn = "distributed.linear_cross_entropy"
         t = dispatch.flat_target(target)
         x2 = x.reshape(t.shape[0], x.shape[-1])
@@ -453,9 +450,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
             impl = _impl(buf, backend)
             for r0 in range(0, n, step):
                 r1 = min(r0 + step, n)
-                local[r0:r1] = rows.local_stats(impl, _chunk_logits(x2[r0:r1], weight, bias, buf), wide, r0)
+                local[r0:r1] = rows.local_stats(impl, chunk_logits(x2[r0:r1], weight, bias, buf[: r1 - r0]), wide, r0)
         else:
-            local.copy_(rows.local_stats(_TorchOps(x2, False), x2.new_empty((n, 0)), wide))
+            local.copy_(rows.local_stats(_TorchOps(), x2.new_empty((n, 0)), wide))
         ce, zr = rows.merge(_gather(local, group), v_total, w_total)
         loss, z = _loss_out(rows, ce, zr, out_dtype)
         ctx.mark_non_differentiable(z)
@@ -468,6 +465,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad, _grad_z):
         _no_double_backward("distributed.linear_cross_entropy")
+
         x2, weight, bias = ctx.saved_tensors
         rows, o, step = ctx.rows, ctx.rows.o, ctx.step
         need_x, need_w, _, need_b = ctx.needs_input_grad[:4]
@@ -485,7 +483,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             for r0 in range(0, n, step):
                 r1 = min(r0 + step, n)
                 xc = x2[r0:r1]
-                logits = _chunk_logits(xc, weight, bias, buf)
+                logits = chunk_logits(xc, weight, bias, buf[: r1 - r0])
                 s = slice(r0, r1)
                 w = rows.w_local
                 impl.dlogits(logits, lse[s], a[s], b[s], cc[s], rows.code[s], w, o.softcap, o.smoothing != 0, logits)
@@ -499,15 +497,6 @@ class _LinearCrossEntropy(torch.autograd.Function):
             dist.all_reduce(dx, group=ctx.group)  # (every rank's slice of the classes contributes to dx)
             dx = dx.reshape(ctx.x_shape)
         return dx, dw, None, (db.to(bias.dtype) if need_b else None), None, None, None, None, None, None
-
-
-def _chunk_logits(xc, weight, bias, buf):
-    logits = buf[: xc.shape[0]]
-    if bias is not None:
-        torch.addmm(bias, xc, weight.t(), out=logits)
-    else:
-        torch.mm(xc, weight.t(), out=logits)
-    return logits
 
 
 def linear_cross_entropy(
@@ -534,11 +523,9 @@ def linear_cross_entropy(
     fs.linear_cross_entropy's."""
     fn = "distributed.linear_cross_entropy"
     checks.linear_cross_entropy(x, weight, target, bias, memory, fn=fn, min_v=0)
-    if backend not in ("auto", "triton", "torch"):
-        raise ValueError(f"{fn}: backend must be 'auto', 'triton' or 'torch', got {backend!r}")
     v_device = (weight.shape[0], weight.device)
     o = _loss_checks(
-        fn, ignore_index, reduction, label_smoothing, v_device, class_weight, softcap, z_loss, return_z_loss
+        fn, ignore_index, reduction, label_smoothing, backend, v_device, class_weight, softcap, z_loss, return_z_loss
     )
     _need_group(fn)
     w = class_weight.contiguous() if class_weight is not None else None

@@ -108,6 +108,16 @@ def rows_per_chunk(x, v: int, memory: int | None) -> int:
     return rules.chunk_rows(n, d, v, x.element_size(), memory if memory else None, _free(x))
 
 
+def chunk_logits(xc, weight, bias, out):
+    """out = xc @ weight^T (+ bias): one cuBLAS GEMM into the chunk buffer (NaN first under
+    heuristics.force(poison=True): the GEMM must write it all)."""
+    if heuristics.poisoning():
+        out.fill_(float("nan"))
+    if bias is not None:
+        return torch.addmm(bias, xc, weight.t(), out=out)
+    return torch.mm(xc, weight.t(), out=out)
+
+
 def _sweep(x, weight, bias, t, cw, o, backend, memory, design, wants, g=None, stats=None, out_dtype=None):
     """One pass over the chunks. Forward (``stats`` None): returns (loss, z-loss, stats, dx, dw, db), the
     gradients for ``wants`` (x, weight, bias) for a unit upstream gradient when the design is lce_chunked,
@@ -138,12 +148,7 @@ def _sweep(x, weight, bias, t, cw, o, backend, memory, design, wants, g=None, st
     for r0 in range(0, n, rows):
         r1 = min(r0 + rows, n)
         xc, logits = x[r0:r1], buf[: r1 - r0]
-        if heuristics.poisoning():
-            logits.fill_(float("nan"))
-        if bias is not None:
-            torch.addmm(bias, xc, weight.t(), out=logits)
-        else:
-            torch.mm(xc, weight.t(), out=logits)
+        chunk_logits(xc, weight, bias, logits)
         if forward:
             k.forward(logits, r0, r1, stats, rows_loss, rows_z)
         if grads:
