@@ -250,3 +250,26 @@ def test_slice_work_branch_is_the_one_asked_for(one_rank, backend):
             y = (fsd.log_softmax if log else fsd.softmax)(xs, backend=backend)
             (dxm,) = torch.autograd.grad(y, xs, torch.linspace(-1, 2, V).expand(M, V))
             assert (dxm[3] == 0).all() and dxm[2].isfinite().all() and (dxm[2] != 0).any(), (log, dxm[3])
+
+
+def test_torch_func_and_fake_tensors_are_refused_clearly(one_rank):
+    """torch.func transforms and fake tensors cannot carry the collectives: every public function refuses
+    them with NotImplementedError naming itself, before any collective."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import fastsoftmax.distributed as fsd
+
+    x, t, w = torch.randn(4, 10), torch.randint(0, 10, (4,)), torch.randn(10, 3)
+    calls = {
+        "distributed.softmax": lambda a: fsd.softmax(a),
+        "distributed.log_softmax": lambda a: fsd.log_softmax(a),
+        "distributed.cross_entropy": lambda a: fsd.cross_entropy(a, t),
+        "distributed.linear_cross_entropy": lambda a: fsd.linear_cross_entropy(a[:, :3], w, t),
+    }
+    for fn, call in calls.items():
+        with pytest.raises(NotImplementedError, match=f"{fn}: torch.func"):
+            torch.func.grad(lambda a, call=call: call(a).sum())(x)
+        with pytest.raises(NotImplementedError, match=f"{fn}: torch.func"):
+            torch.vmap(call)(x[None])
+        with FakeTensorMode() as mode, pytest.raises(NotImplementedError, match=f"{fn}: torch.func"):
+            call(mode.from_tensor(x))

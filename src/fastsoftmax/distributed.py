@@ -253,6 +253,13 @@ def _check_shard(fn, x, backend=None, target=None):
 
 
 def _need_group(fn: str) -> None:
+    """An initialised process group, and no torch.func transform or dispatch mode (fake tensors): the
+    statistics cross ranks through collectives, which neither can carry."""
+    if compose.transforms_active() or compose.dispatch_modes():
+        raise NotImplementedError(
+            f"{fn}: torch.func transforms, fake tensors and dispatch modes are not supported (the statistics "
+            "cross ranks through collectives); call it outside them"
+        )
     if not dist.is_initialized():
         raise RuntimeError(f"{fn}: torch.distributed is not initialised (init_process_group first)")
 
