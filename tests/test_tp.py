@@ -8,6 +8,7 @@ Triton kernels in the interpreter; ranks that disagree (the same ValueError on e
 backward refused; DTensor inputs (Shard on the classes) through fs.cross_entropy, fs.linear_cross_entropy and
 fs.softmax."""
 
+import contextlib
 import json
 import os
 
@@ -51,7 +52,7 @@ def ref_grad(loss, x64, grad, target, ignore_index):
 def close(got, want, dtype, what, tol=TOL):
     """got within tol[dtype] of want (NaN equal to NaN, inf to inf of the same sign). torch.isclose rather
     than torch.testing.assert_close, whose first call imports torch.distributed.tensor (seconds a process)."""
-    got, want = got.detach().double(), want.detach().double()
+    got, want = got.detach().double().cpu(), want.detach().double().cpu()
     assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)}, expected {tuple(want.shape)}"
     rtol, atol = tol[dtype]["rtol"], tol[dtype]["atol"]
     ok = torch.isclose(got, want, rtol=rtol, atol=atol, equal_nan=True)
@@ -287,7 +288,7 @@ LCE_MEMORY = 160  # bytes of logits a chunk may hold: 1-13 rows a chunk for thes
 
 
 def _lce_one(fsd, rank, lo, hi, dtype, opts, reduction, *, bias=True, memory=LCE_MEMORY, shape=None, wrt="xwb",
-             backend="auto", tol=LCE_TOL, what=""):  # fmt: skip
+             backend="auto", tol=LCE_TOL, what="", dev="cpu"):  # fmt: skip
     """One call against F.cross_entropy(F.linear(x, W, b)) in float64: the loss (and z-loss term), dx (full,
     the same on every rank), dW and db (the rank's slices)."""
     ii = opts.get("ignore_index", -100)
@@ -296,10 +297,11 @@ def _lce_one(fsd, rank, lo, hi, dtype, opts, reduction, *, bias=True, memory=LCE
     if shape is not None:
         x, t = x.reshape(*shape, D), t.reshape(shape)
     local, full = split_options(opts, dtype, lo, hi)
-    xr = x.clone().requires_grad_("x" in wrt)
-    wr = w[lo:hi].clone().requires_grad_("w" in wrt)
-    br = b[lo:hi].clone().requires_grad_("b" in wrt) if bias else None
-    out = fsd.linear_cross_entropy(xr, wr, t, br, reduction=reduction, memory=memory, backend=backend, **local)
+    xr = x.to(dev, copy=True).requires_grad_("x" in wrt)
+    wr = w[lo:hi].to(dev, copy=True).requires_grad_("w" in wrt)
+    br = b[lo:hi].to(dev, copy=True).requires_grad_("b" in wrt) if bias else None
+    local = {k: v.to(dev) if torch.is_tensor(v) else v for k, v in local.items()}
+    out = fsd.linear_cross_entropy(xr, wr, t.to(dev), br, reduction=reduction, memory=memory, backend=backend, **local)
     loss, z = out if opts.get("return_z_loss") else (out, None)
     x64, w64 = leaf64(x), leaf64(w)
     b64 = leaf64(b) if bias else None
@@ -311,7 +313,7 @@ def _lce_one(fsd, rank, lo, hi, dtype, opts, reduction, *, bias=True, memory=LCE
     ours = [p for p, k in ((xr, "x"), (wr, "w"), (br, "b")) if p is not None and k in wrt]
     refs = [p for p, k in ((x64, "x"), (w64, "w"), (b64, "b")) if p is not None and k in wrt]
     g = upstream(reduction, ref.shape, dtype)
-    got = torch.autograd.grad(loss, ours, g)
+    got = torch.autograd.grad(loss, ours, g.to(dev))
     want = torch.autograd.grad(ref, refs, g.double())
     for p, dp, dref in zip(ours, got, want, strict=True):
         name = "dx" if p is xr else "dW" if p is wr else "db"
@@ -384,18 +386,38 @@ def _count_interpreted_launches():
     return launches
 
 
-def _triton_checks(rank, world, widths):
+def _count_gpu_launches(stack):
+    """Counts every Triton kernel launched on the GPU from now on in this (child) process, through Triton's
+    launch hook (registered in ``stack``; a hook also turns the library's replay off, so none is missed)."""
+    from triton import knobs
+
+    launches = []
+    stack.enter_context(helpers.triton_hook(knobs.runtime, "launch_enter_hook", lambda m: launches.append(m)))
+    return launches
+
+
+def _triton_checks(rank, world, widths, dev="cpu"):
+    """The checks below on CPU tensors (the interpreter), or on ``dev`` 'cuda' (compiled kernels: every rank
+    on GPU 0, gloo carrying the collectives through host copies)."""
+    with contextlib.ExitStack() as stack:
+        if dev == "cpu":
+            assert os.environ.get("TRITON_INTERPRET") == "1"
+            launches = _count_interpreted_launches()
+        else:
+            launches = _count_gpu_launches(stack)
+        _triton_cases(rank, widths, dev, launches)
+
+
+def _triton_cases(rank, widths, dev, launches):
     import fastsoftmax.distributed as fsd
 
-    assert os.environ.get("TRITON_INTERPRET") == "1"
-    launches = _count_interpreted_launches()
     lo, hi = bounds(widths, rank)
     f32 = torch.float32
     x = ce_logits(f32, rows=TM)  # rows 1 (all -inf), 2 and 6 (-inf shards), an outlier of 80
     x64 = x.double()
     for log, fn in ((False, fsd.softmax), (True, fsd.log_softmax)):
         what = f"rank {rank} widths {widths} triton {fn.__name__}"
-        xs = x[:, lo:hi].clone().requires_grad_()
+        xs = x[:, lo:hi].clone().to(dev).requires_grad_()
         n0 = len(launches)
         y = fn(xs, backend="triton")
         ref = torch.log_softmax(x64, -1) if log else torch.softmax(x64, -1)
@@ -407,7 +429,7 @@ def _triton_checks(rank, world, widths):
         r = torch.log_softmax(x64g, -1) if log else torch.softmax(x64g, -1)
         (dref,) = torch.autograd.grad(r, x64g, dy)
         dref[1] = 0.0
-        (dx,) = torch.autograd.grad(y, xs, dy[:, lo:hi].float())
+        (dx,) = torch.autograd.grad(y, xs, dy[:, lo:hi].float().to(dev))
         close(dx, dref[:, lo:hi], f32, f"{what}: gradient")
         assert len(launches) > n0 or hi == lo, f"{what}: no Triton kernel ran"
     cases = [("plain", {}, "mean", True), ("all", CE_CASES[-1][1], "none", True)]
@@ -419,9 +441,10 @@ def _triton_checks(rank, world, widths):
         ii = opts.get("ignore_index", -100)
         t = targets(TM, ii)
         local, full = split_options(opts, f32, lo, hi)
-        xs = xc[:, lo:hi].clone().requires_grad_()
+        xs = xc[:, lo:hi].clone().to(dev).requires_grad_()
         n0 = len(launches)
-        out = fsd.cross_entropy(xs, t, reduction=reduction, backend="triton", **local)
+        local = {k: v.to(dev) if torch.is_tensor(v) else v for k, v in local.items()}
+        out = fsd.cross_entropy(xs, t.to(dev), reduction=reduction, backend="triton", **local)
         loss, z = out if opts.get("return_z_loss") else (out, None)
         xr = leaf64(xc)
         ref, zref = ref_loss(xr, t, reduction=reduction, **full)
@@ -429,19 +452,19 @@ def _triton_checks(rank, world, widths):
         if z is not None:
             close(z, zref, f32, f"{what}: z-loss term")
         g = upstream(reduction, ref.shape, f32)
-        (dx,) = torch.autograd.grad(loss, xs, g)
+        (dx,) = torch.autograd.grad(loss, xs, g.to(dev))
         close(dx, ref_grad(ref, xr, g, t, ii)[:, lo:hi], f32, f"{what}: dlogits")
         assert len(launches) > n0 or hi == lo, f"{what}: no Triton kernel ran"
     n0 = len(launches)
-    xs = x[:, lo:hi].clone().requires_grad_()
-    fsd.cross_entropy(xs, targets(TM), backend="torch", label_smoothing=EPS, softcap=CAP).backward()
+    xs = x[:, lo:hi].clone().to(dev).requires_grad_()
+    fsd.cross_entropy(xs, targets(TM).to(dev), backend="torch", label_smoothing=EPS, softcap=CAP).backward()
     fsd.softmax(xs, backend="torch").sum().backward()
     assert len(launches) == n0, f"rank {rank}: backend='torch' launched {launches[n0:]}"
     for name, opts, reduction, bias in (("all", LCE_CASES[-1][1], "mean", True), ("plain", {}, "none", False)):
         n0 = len(launches)
         what = f"rank {rank} widths {widths} triton linear_cross_entropy {name} {reduction}"
         _lce_one(fsd, rank, lo, hi, f32, opts, reduction, bias=bias, memory=3 * V * 4, shape=(TM, 1), backend="triton",
-                 what=what)  # fmt: skip
+                 what=what, dev=dev)  # fmt: skip
         assert len(launches) > n0 or hi == lo, f"{what}: no Triton kernel ran"
 
 
@@ -451,6 +474,15 @@ def test_triton_kernels_in_the_interpreter(tmp_path, monkeypatch, widths):
     some): softmax and log_softmax with -inf shards and a fully masked row, cross_entropy with every option,
     linear_cross_entropy in chunks; values and gradients against float64 torch."""
     spawn_gloo(tmp_path, monkeypatch, _triton_checks, len(widths), widths, interpret=True)
+
+
+@pytest.mark.parametrize("widths", [(5, 18), (5, 0, 18)], ids=["2-uneven", "3-empty"])
+def test_triton_kernels_on_the_gpu(device, tmp_path, monkeypatch, widths):
+    """The same checks with compiled kernels (--device cuda): every rank's tensors on GPU 0, gloo carrying
+    the collectives; Triton's launch hook counts the launches."""
+    if device != "cuda":
+        pytest.skip("needs --device cuda: the interpreter's run is test_triton_kernels_in_the_interpreter")
+    spawn_gloo(tmp_path, monkeypatch, _triton_checks, len(widths), widths, "cuda")
 
 
 # ---- ranks that disagree, bad targets, double backward --------------------------------------------------------
