@@ -131,13 +131,14 @@ def test_torch_16bit_log_softmax_needs_the_fp32_rows():
 
 
 def test_float64_log_softmax_near_zero():
-    """fp64 log_softmax of rows that one logit leads by ~40 (its output about -1e-12): torch's subtracts max
-    + log(sum) rounded to the max's ulp, past the fp64 tolerance near 0 (1e-15); the native path takes the
+    """fp64 log_softmax of rows that one logit leads by ~40 (its output about -1e-12): torch's can subtract
+    max + log(sum) rounded to the max's ulp, past the fp64 tolerance near 0 (1e-15); the native path takes the
     max out first, as the reference does. Rows in memory and not, fp32 in with dtype=float64 out."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(64, 513, generator=gen, dtype=torch.float64) * 3
     x[:, 7] += 40
-    assert compare(torch.log_softmax(x, -1), x, -1, True)[1] is not None  # (if not, torch fixed it)
+    # (torch's own is outside the tolerance on some CPUs, this CI's among them, and within it on others, the
+    # H200 machine's host among them: nothing is asserted of it)
     for t, dim, od in ((x, -1, None), (x.t().contiguous(), 0, None), (x.t(), 0, None), (x.float(), -1, x.dtype)):
         y, plans = run(fs.log_softmax, t, dim, dtype=od)
         assert plans == [NATIVE]

@@ -208,25 +208,25 @@ def test_forward_has_no_host_sync_and_captures_in_a_cuda_graph(tmp_path, device)
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch", "auto"])
-def test_slice_work_branch_is_the_one_asked_for(one_rank, backend):
+def test_slice_work_branch_is_the_one_asked_for(one_rank, backend, device):
     """Each branch of distributed._impl forced and checked: backend='triton' runs triton/shard.py's kernels
-    (here in Triton's interpreter), 'torch' and 'auto' on CPU tensors torch ops: the plans recorded say
-    which, on the forward and the backward. Outputs are poisoned with NaN first, so an element a kernel
-    skips fails the comparison with float64 torch."""
+    (on the CPU in Triton's interpreter), 'torch' torch ops, 'auto' torch ops on CPU tensors and the kernels
+    on CUDA ones: the plans recorded say which, on the forward and the backward. Outputs are poisoned with
+    NaN first, so an element a kernel skips fails the comparison with float64 torch."""
     import fastsoftmax.distributed as fsd
     from fastsoftmax import heuristics
 
-    want = "triton" if backend == "triton" else "torch"
+    want = "torch" if backend == "torch" or (backend == "auto" and device == "cpu") else "triton"
     x = full_logits(torch.float64)
     x[1] = torch.randn(V, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
-    x32 = x.float()
+    x32 = x.float().to(device)
     t = targets()
     w = torch.rand(V, generator=torch.Generator().manual_seed(4)) + 0.5
     tol = dict(atol=2e-5, rtol=2e-5)
-    opts = dict(label_smoothing=0.1, class_weight=w, softcap=20.0, z_loss=1e-3, backend=backend)
+    opts = dict(label_smoothing=0.1, class_weight=w.to(device), softcap=20.0, z_loss=1e-3, backend=backend)
     with heuristics.force(poison=True), heuristics.recording() as plans:
         xs = x32.clone().requires_grad_()
-        loss = fsd.cross_entropy(xs, t, **opts)
+        loss = fsd.cross_entropy(xs, t.to(device), **opts)
         (dx,) = torch.autograd.grad(loss, xs)
         y = fsd.log_softmax(xs, backend=backend)
         (dy,) = torch.autograd.grad(y, xs, torch.ones_like(y))
@@ -238,17 +238,17 @@ def test_slice_work_branch_is_the_one_asked_for(one_rank, backend):
     keep = t != -100
     ref = F.cross_entropy(z, t, weight=w.double(), label_smoothing=0.1) + (1e-3 * lse[keep] ** 2).mean()
     (dref,) = torch.autograd.grad(ref, xr)
-    torch.testing.assert_close(loss.double(), ref.detach(), **tol)
-    torch.testing.assert_close(dx.double(), dref, **tol)
-    torch.testing.assert_close(y.double(), torch.log_softmax(x, -1), **tol)
-    torch.testing.assert_close(dy.double(), 1 - torch.softmax(x, -1) * V, **tol)
+    torch.testing.assert_close(loss.double().cpu(), ref.detach(), **tol)
+    torch.testing.assert_close(dx.double().cpu(), dref, **tol)
+    torch.testing.assert_close(y.double().cpu(), torch.log_softmax(x, -1), **tol)
+    torch.testing.assert_close(dy.double().cpu(), 1 - torch.softmax(x, -1) * V, **tol)
     xm = x32.clone()
     xm[3] = float("-inf")  # a row masked everywhere: log_softmax -inf, its gradient 0 (not dy)
     with heuristics.force(poison=True):
         for log in (False, True):
             xs = xm.clone().requires_grad_()
             y = (fsd.log_softmax if log else fsd.softmax)(xs, backend=backend)
-            (dxm,) = torch.autograd.grad(y, xs, torch.linspace(-1, 2, V).expand(M, V))
+            (dxm,) = torch.autograd.grad(y, xs, torch.linspace(-1, 2, V, device=device).expand(M, V))
             assert (dxm[3] == 0).all() and dxm[2].isfinite().all() and (dxm[2] != 0).any(), (log, dxm[3])
 
 

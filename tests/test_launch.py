@@ -92,7 +92,7 @@ def test_native_launcher_builds_and_agrees_on_desc(native, tmp_path):
     assert launch.problem([(ctypes.c_uint64, 0)] * 65, [])
     with pytest.raises(ValueError, match="Desc holds"):
         launch.Launch(0xF00, (1, 1, 1), 32, 0, 1, [(ctypes.c_uint64, 0)] * 65)
-    assert launch.problem(args, [[(0, 0)]] * 9)  # more addresses than MAX_ADDRESSES
+    assert launch.problem(args, [[(0, 0)]] * (launch.MAX_ADDRESSES + 1))  # more addresses than MAX_ADDRESSES
     assert launch.problem(args, [[(0, 0)] * 33])  # more places than MAX_FILLS
     assert launch.problem(args, [[(1, 0)]])  # 8 bytes do not fit in an int32 parameter
     assert launch.problem(args, [[(4, 0)]])  # no such parameter
@@ -254,7 +254,7 @@ def test_triton_kernels_launch_cannot_make_are_refused(native):
         (_fake_ck(SIG, shared=300 * 1024), "oversized shared memory"),
         (_fake_ck({**SIG, "t": ("i32", "i32")}), "tuple argument"),
         (_fake_ck({**SIG, "t": "fp16"}), "of type fp16"),
-        (_fake_ck({**SIG, **{f"p{i}": "*fp32" for i in range(8)}}), "more arguments than a prepared launch"),
+        (_fake_ck({**SIG, **{f"p{i}": "*fp32" for i in range(launch.MAX_ADDRESSES)}}), "more arguments than a"),
     ]
     for ck, why in cases:
         names = list(ck.src.signature)
@@ -637,3 +637,30 @@ def test_native_launch_steps_checks_its_steps(hot):
         hot.launch_steps(0, ((desc, (0, 0, 2, 0)),), (4096, 1))
     with pytest.raises(TypeError, match="a step is"):
         hot.launch_steps(0, ((desc,),), (4096,))
+
+
+def test_every_kernel_fits_a_prepared_launch():
+    """Every Triton kernel the library launches (its pointer arguments named *_ptr) has at most
+    launch.MAX_ADDRESSES of them and at most MAX_PARAMS parameters with Triton's two scratch pointers, so its
+    prepared launch can be built. shard_apply's 9 addresses did not fit the 8 a Desc held: only a GPU run
+    found it (BackendFailed at its first launch); the interpreter never builds a Desc."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    import fastsoftmax.triton as kernels
+
+    seen = {}
+    for info in pkgutil.iter_modules(kernels.__path__):
+        mod = importlib.import_module(f"fastsoftmax.triton.{info.name}")
+        for name, k in vars(mod).items():  # (@triton.jit functions, compiled or interpreted)
+            fn = getattr(k, "fn", None)
+            if callable(fn) and hasattr(k, "arg_names") and fn.__module__ == mod.__name__:
+                params = inspect.signature(fn).parameters.values()
+                runtime = [p.name for p in params if "constexpr" not in str(p.annotation)]
+                if any(n.endswith("_ptr") for n in runtime) and not name.startswith("_"):
+                    seen[name] = (sum(n.endswith("_ptr") for n in runtime), len(runtime) + 2)
+    assert {"shard_apply", "shard_stats", "ce_bwd", "softmax_fwd_split_write"} <= set(seen), sorted(seen)
+    too_many = {n: c for n, c in seen.items() if c[0] > launch.MAX_ADDRESSES or c[1] > launch.MAX_PARAMS}
+    limits = f"{launch.MAX_ADDRESSES}, {launch.MAX_PARAMS}"
+    assert not too_many, f"(addresses, parameters) past a Desc's {limits}: {too_many}"

@@ -35,7 +35,7 @@ typedef CUresult (*PrimaryCtxRetain)(void**, int);
 
 #define MAX_PARAMS 64
 #define MAX_BYTES 1024
-#define MAX_ADDRESSES 8
+#define MAX_ADDRESSES 16
 #define MAX_FILLS 32
 
 typedef struct {  // launch.py's Desc, field for field

@@ -65,7 +65,7 @@ def error_name(code: int) -> str:
     return name.value.decode()
 
 
-MAX_PARAMS, MAX_BYTES, MAX_ADDRESSES, MAX_FILLS = 64, 1024, 8, 32  # fastlaunch.c's
+MAX_PARAMS, MAX_BYTES, MAX_ADDRESSES, MAX_FILLS = 64, 1024, 16, 32  # fastlaunch.c's (shard_apply: 9 addresses)
 
 
 class Desc(ctypes.Structure):
