@@ -98,13 +98,18 @@ def test_requires_grad_goes_through_the_eager_function(device):
         assert fs.softmax(x).grad_fn is None
 
 
-def test_backward_rejects_a_non_tensor_dy():
-    """A list as dy is a TypeError naming dy (the replay's first look must not read .requires_grad on it)."""
-    y = torch.softmax(torch.randn(2, 3), -1)
+def test_backward_rejects_a_non_tensor_dy(device):
+    """A list as dy is a TypeError naming dy (the replay's first look must not read .requires_grad on it);
+    so is None, after forwards of y's shape were seen (replayed on CUDA, the CPU's direct path on the CPU):
+    the forward's key and path must not take a backward whose dy is missing."""
+    y = torch.softmax(torch.randn(2, 3, device=device), -1)
+    for _ in range(2):
+        fs.softmax(y), fs.log_softmax(y)
     with pytest.raises(TypeError, match="dy to be a torch.Tensor"):
         fs.softmax_backward([[1.0, 2.0, 3.0]] * 2, y)
-    with pytest.raises(TypeError, match="dy to be a torch.Tensor"):
-        fs.log_softmax_backward(None, y)
+    for backward in (fs.softmax_backward, fs.log_softmax_backward):
+        with pytest.raises(TypeError, match="dy to be a torch.Tensor"):
+            backward(None, y)
 
 
 def test_forward_returns_the_logsumexp(device):

@@ -145,6 +145,76 @@ def test_float64_log_softmax_near_zero():
         assert_close(y, t, dim, True, od)
 
 
+def _direct_cases(dtype):
+    """(name, call(fn_kind), whether the C path takes it) for test_direct_path_in_c_and_in_python; fn_kind
+    picks the public function or fastpath.fast's direct call."""
+    x = logits((5, 37, 3), dtype, 41, special=False)
+    masked = x.clone()
+    masked[2, :, 1] = -INF  # a fully masked row along dim 1: its first output NaN in torch's result
+    y = torch.softmax(x.double(), -1).to(dtype)
+    dy = logits((5, 37, 3), dtype, 42, special=False)
+    fp32, wide = dtype is torch.float32, dtype in (torch.float32, torch.float64)
+    cases = []
+    for dim in (0, 1, -1):
+        cases += [(f"softmax dim {dim}", (x, None, dim, None, False, "auto"), True)]
+        cases += [(f"log_softmax dim {dim}", (x, None, dim, None, True, "auto"), fp32)]
+    cases += [
+        ("masked row", (masked, None, 1, None, False, "auto"), False),
+        ("masked row, log", (masked, None, 1, None, True, "auto"), False),
+        ("transposed", (x.transpose(0, 1), None, 0, None, False, "auto"), False),
+        ("dtype=float64", (x, None, -1, torch.float64, False, "auto"), dtype is torch.float64),
+        ("backend='torch'", (x, None, -1, None, False, "torch"), False),
+        ("requires grad", (x.clone().requires_grad_(), None, 1, None, False, "auto"), wide),
+        ("requires grad, log", (x.clone().requires_grad_(), None, 1, None, True, "auto"), fp32),
+        ("softmax_backward", (y, dy, -1, None, False, "auto"), True),
+        ("softmax_backward dim 0", (y, dy, 0, None, False, "auto"), True),
+        ("log_softmax_backward", (y.log(), dy, -1, None, True, "auto"), False),
+        ("backward, dy of another dtype", (y, dy.double(), -1, None, False, "auto"), dtype is torch.float64),
+    ]
+    return cases
+
+
+def _public(args):
+    """The public function a fastpath.fast argument tuple stands for, called; its output (and x's gradient
+    for a forward of an x that requires grad)."""
+    x, d, dim, dtype, log, backend = args
+    if d is not None:
+        return (BWD[log](d, x, dim, dtype=dtype, backend=backend),)
+    y = FNS[log](x, dim, dtype=dtype, backend=backend)
+    if not x.requires_grad:
+        return (y,)
+    (g,) = torch.autograd.grad(y, x, torch.linspace(-1, 1, y.numel()).reshape(y.shape).to(y.dtype))
+    return y, g
+
+
+@pytest.mark.parametrize("dtype", ALL, ids=str)
+def test_direct_path_in_c_and_in_python(monkeypatch, dtype):
+    """The CPU's direct path runs in C (fastlaunch_cpu.c, fastpath.fast's answer) where fastlaunch builds,
+    and in Python (api._cpu) for what C hands over or where fastpath.fast steps aside. Each case forced both
+    ways: which ran (fastpath.fast's direct answer: a tensor, or None), the plans recorded, outputs and
+    gradients bit-equal. Rows along dims 0, 1 and 2 of a contiguous (5, 37, 3); a fully masked row (C's scan
+    of the rows' first elements hands it over); layouts, dtype=, backends and autograd C leaves alone;
+    softmax_backward."""
+    from fastsoftmax import fastpath
+
+    if fastpath._native() is None:
+        pytest.fail("fastlaunch did not build here (the project's CI has a C compiler)")
+    for name, args, in_c in _direct_cases(dtype):
+        direct = fastpath.fast(*args)  # (with autograd on, as the public call below)
+        assert (direct is not None) == in_c, (name, dtype)
+        with heuristics.recording() as plans_c:
+            got = _public(args)
+        with monkeypatch.context() as m:
+            m.setattr(fastpath, "fast", lambda *a: None)
+            with heuristics.recording() as plans_py:
+                want = _public(args)
+        assert plans_c == plans_py and (plans_c[0] in (NATIVE, GRAPH) or not in_c), (name, plans_c, plans_py)
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True, msg=f"{name} {dtype}")
+        if in_c:
+            torch.testing.assert_close(direct.detach(), want[0].detach(), rtol=0, atol=0, equal_nan=True)
+
+
 def test_plain_and_autograd_routes():
     """No grad needed (no_grad, a tensor that does not require grad): the direct call, no graph; autograd on
     a contiguous x in its own dtype: torch's graph (SoftmaxBackward0), its backward torch's own (no plan)

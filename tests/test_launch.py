@@ -557,7 +557,9 @@ def test_native_softmax_key_is_the_tuple(hot):
     empty = torch.randn(4, 8)
     empty.untyped_storage().resize_(0)
     assert hot.softmax_key(empty, None, -1, None, False, "auto", False) is None
-    assert hot.softmax_fast(x, None, -1, None, False, "auto") is None  # a CPU tensor: nothing replayed
+    # a CPU tensor: nothing replayed, the CPU's direct path (torch's kernel: equal to its softmax)
+    assert torch.equal(hot.softmax_fast(x, None, -1, None, False, "auto"), torch.softmax(x, -1))
+    assert hot.softmax_fast(x, None, -1, None, False, "torch") is None  # (only backend='auto' takes it)
 
 
 @needs_cc

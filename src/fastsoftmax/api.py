@@ -161,7 +161,7 @@ def softmax_backward(
 ) -> torch.Tensor:
     """dx = y * (dy - sum(y * dy)) along dim, from softmax's output y; 0 on fully masked rows (y all 0).
     mask, scale, causal: the forward's (dx = scale * dz, 0 at masked positions)."""
-    if mask is None and scale is None and causal is False:  # no mask: a replay (fastpath), or the CPU's direct path
+    if mask is None and scale is None and causal is False and dy is not None:  # a replay, or the CPU's direct path
         if not _compiling() and (dx := fastpath.fast(y, dy, dim, dtype, False, backend)) is not None:
             return dx
         if (dx := _cpu_backward(dy, y, dim, dtype, False, backend)) is not None:
@@ -182,7 +182,7 @@ def log_softmax_backward(
 ) -> torch.Tensor:
     """dx = dy - exp(y) * sum(dy) along dim, from log_softmax's output y; 0 on fully masked rows (y all -inf).
     mask, scale, causal: as softmax_backward."""
-    if mask is None and scale is None and causal is False:  # no mask: a replay (fastpath), or the CPU's direct path
+    if mask is None and scale is None and causal is False and dy is not None:  # a replay, or the CPU's direct path
         if not _compiling() and (dx := fastpath.fast(y, dy, dim, dtype, True, backend)) is not None:
             return dx
         if (dx := _cpu_backward(dy, y, dim, dtype, True, backend)) is not None:

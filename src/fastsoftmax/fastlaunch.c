@@ -220,10 +220,9 @@ static int needs_grad(PyObject* t) {
     return rg <= 0 ? rg : call_truthy(g_grad_enabled);
 }
 
-// 1 when only plain eager calls can be under way: no torch.func transform or forward-mode AD level, no
-// dispatch mode, no jit trace, no autocast, no heuristics.force block, no launch hook registered with Triton
-// (fastpath.py's checks, in its order); 0 otherwise; -1 with an error.
-static int plain_state(void) {
+// 1 when no torch.func transform, forward-mode AD level, dispatch mode or jit trace is under way
+// (compose.eager's checks but torch.compile's, which callers make); 0 otherwise; -1 with an error.
+static int eager_state(void) {
     int t;
     if ((t = call_truthy(g_functorch)) != 0) return t < 0 ? -1 : 0;
     PyObject* lvl = PyObject_GetAttr(g_fwad, s_level);
@@ -237,7 +236,14 @@ static int plain_state(void) {
     if (!tr) return -1;
     t = tr == Py_None;
     Py_DECREF(tr);
-    if (!t) return 0;
+    return t;
+}
+
+// 1 when only plain eager calls can be under way: eager_state's, and no autocast, no heuristics.force block,
+// no launch hook registered with Triton (fastpath.py's checks, in its order); 0 otherwise; -1 with an error.
+static int plain_state(void) {
+    int t;
+    if ((t = eager_state()) != 1) return t;
     if ((t = call_truthy(g_autocast)) != 0) return t < 0 ? -1 : 0;
     if ((t = attr_is(g_heuristics, s_force, Py_None)) != 1) return t;
     PyObject* hooks[] = {s_enter, s_exit};
@@ -294,6 +300,8 @@ static int device_current(PyObject* dev_obj) {
     }
     return cur == primary_ctx[dev];
 }
+
+#include "fastlaunch_cpu.c"  // the CPU's direct path (cpu_fast), on the probes above
 
 // The key of a softmax-family call (fastpath.key): (x.shape, x.stride(), x.dtype, x.get_device(), x's address
 // mod 16, dim, dtype, log, backend) and for a backward (dy.stride(), dy.dtype, dy's address mod 16, (dy's -
@@ -363,7 +371,8 @@ static PyObject* softmax_key(PyObject* self, PyObject* const* args, Py_ssize_t n
 }
 
 // softmax_fast(x, dy_or_None, dim, dtype, log, backend) -> the replayed output, or None (the full path runs):
-// fastpath.py's replay of a softmax-family call seen before.
+// fastpath.py's replay of a softmax-family call seen before; for a tensor not on CUDA, the CPU's direct path
+// (fastlaunch_cpu.c) once configure_cpu() has run.
 static PyObject* softmax_fast(PyObject* self, PyObject* const* args, Py_ssize_t n) {
     if (!configured()) return NULL;
     if (n != 6) {
@@ -373,7 +382,7 @@ static PyObject* softmax_fast(PyObject* self, PyObject* const* args, Py_ssize_t 
     PyObject *x = args[0], *d = args[1];
     if (Py_TYPE(x) != (PyTypeObject*)g_tensor) Py_RETURN_NONE;
     int t = is_cuda(x);
-    if (t <= 0) return t < 0 ? NULL : Py_NewRef(Py_None);
+    if (t <= 0) return t < 0 ? NULL : cpu_fast(x, d, args[2], args[3], args[4], args[5]);
     if ((t = needs_grad(x)) != 0) return t < 0 ? NULL : Py_NewRef(Py_None);
     if ((t = plain_state()) != 1) return t < 0 ? NULL : Py_NewRef(Py_None);
     if (d != Py_None) {
@@ -619,6 +628,8 @@ static PyMethodDef methods[] = {
     {"softmax_fast", (PyCFunction)(void (*)(void))softmax_fast, METH_FASTCALL,
      "a softmax-family call seen before, replayed; None: the full path runs"},
     {"loss_key", (PyCFunction)(void (*)(void))loss_key, METH_FASTCALL, "a cross-entropy call's key, or None"},
+    {"configure_cpu", (PyCFunction)(void (*)(void))configure_cpu, METH_FASTCALL,
+     "torch's CPU kernels and the plans for the CPU's direct path (fastpath.py)"},
     {"launch_steps", (PyCFunction)(void (*)(void))launch_steps, METH_FASTCALL,
      "launch_steps(stream, steps, bases) -> 0 or the first failed launch's CUresult"},
     {"desc_size", desc_size, METH_NOARGS, "sizeof(Desc), for launch.py's check of its layout"},

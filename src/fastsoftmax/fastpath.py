@@ -64,10 +64,14 @@ def key(x, d, dim, dtype, log: bool, backend):
 
 def fast(x, d, dim, dtype, log: bool, backend):
     """The public functions' first step for a call with no mask, scale or causal (after checking that
-    torch.compile is not tracing): the replayed output, or None (then the full path runs: autograd, a call
-    not recorded yet, anything the replay must not take). fastlaunch.c's softmax_fast once the first CUDA
-    call has configured it (its checks: compose.route's for a plain call, autocast's and the replay's)."""
-    return None
+    torch.compile is not tracing): the replayed output, or for a CPU tensor the CPU's direct path
+    (fastlaunch_cpu.c), or None (then the full path runs: autograd, a call not recorded yet, anything the
+    replay must not take). fastlaunch.c's softmax_fast once the first call of a plain tensor has configured
+    it (its checks: compose.route's for a plain call, autocast's and the replay's); where fastlaunch cannot
+    be built, None always (the CPU's Python path then runs; a CUDA call's full path raises)."""
+    if not ENABLED or type(x) is not torch.Tensor or (mod := _native()) is None:
+        return None
+    return mod.softmax_fast(x, d, dim, dtype, log, backend)
 
 
 # ---- recording (launch.py holds the recording itself) ---------------------------------------------------
@@ -346,8 +350,9 @@ class _CrossEntropyReplay(torch.autograd.Function):
 
 
 def _native():
-    """fastlaunch, configured for the replay (built on first use, by the first CUDA call); None where it cannot
-    be built. Once configured, ``fast`` and ``loss_key`` are its functions."""
+    """fastlaunch, configured for the replay and the CPU's direct path (built on first use, by the first call
+    of a plain tensor); None where it cannot be built. Once configured, ``fast`` and ``loss_key`` are its
+    functions."""
     if not _native_mod:
         with _native_lock:
             if not _native_mod:
@@ -358,6 +363,12 @@ def _native():
                     return None
                 from triton import knobs
 
+                from . import dispatch  # noqa: PLC0415 (its DEVICES, read per call: tests take the CPU off)
+                from .backends.torch import NATIVE, NATIVE_GRAPH  # noqa: PLC0415 (the plans the CPU's path records)
+
+                floats = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+                kernels = (torch._softmax, torch._log_softmax, torch._softmax_backward_data)
+                mod.configure_cpu(*kernels, NATIVE, NATIVE_GRAPH, floats, dispatch)
                 mod.configure(
                     torch.Tensor,
                     torch.dtype,

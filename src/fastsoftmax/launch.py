@@ -317,14 +317,14 @@ def describe() -> str:
 
 
 def native_entry() -> str:
-    """The cache entry name of fastlaunch.c built for this Python (its source, ABI and the cache format)."""
+    """The cache entry name of fastlaunch.c built for this Python (its sources, ABI and the cache format)."""
     import hashlib
     import sysconfig
     from pathlib import Path
 
     from . import cache
 
-    code = Path(__file__).with_name("fastlaunch.c").read_bytes()
+    code = b"".join(Path(__file__).with_name(f).read_bytes() for f in ("fastlaunch.c", "fastlaunch_cpu.c"))
     suffix = sysconfig.get_config_var("EXT_SUFFIX")
     return f"fastlaunch-{hashlib.sha256(code + suffix.encode() + bytes([cache.FORMAT])).hexdigest()[:16]}{suffix}"
 
