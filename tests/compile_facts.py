@@ -160,7 +160,7 @@ def ce_facts():
 
 def shard_facts():
     """triton/shard.py's kernels (the tensor-parallel slice's statistics and outputs) at the cross-entropy
-    launch shapes distributed.py takes, for slices of 128256 and 256000 classes split in two and an odd
+    launch shapes shard_merge.py takes, for slices of 128256 and 256000 classes split in two and an odd
     slice, sm_90a: shard_stats with smoothing and softcap, shard_apply's dlogits (mode 2) and softmax (0)."""
 
     from fastsoftmax.heuristics import cross_entropy as ce_rules
