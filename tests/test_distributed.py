@@ -209,7 +209,7 @@ def test_forward_has_no_host_sync_and_captures_in_a_cuda_graph(tmp_path, device)
 
 @pytest.mark.parametrize("backend", ["triton", "torch", "auto"])
 def test_slice_work_branch_is_the_one_asked_for(one_rank, backend, device):
-    """Each branch of shard_merge.impl forced and checked: backend='triton' runs triton/shard.py's kernels
+    """Each branch of shard_merge.slice_work forced and checked: backend='triton' runs triton/shard.py's kernels
     (on the CPU in Triton's interpreter), 'torch' torch ops, 'auto' torch ops on CPU tensors and the kernels
     on CUDA ones: the plans recorded say which, on the forward and the backward. Outputs are poisoned with
     NaN first, so an element a kernel skips fails the comparison with float64 torch."""

@@ -58,11 +58,11 @@ class _Softmax(torch.autograd.Function):
         if dtype == torch.float64:  # (computed in float64 then, as fs.softmax does: torch ops)
             x2 = x2.double()
         shard_merge.agree(fn, x, x2.shape[1], x2.shape[0], group, (log, str(dtype)))
-        impl = shard_merge.impl(x2, backend)
-        local = shard_merge.stats(impl, x2, None, None, False)[0]
+        impl = shard_merge.slice_work(x2, backend)
+        local = shard_merge.slice_stats(impl, x2, None, None, False)[0]
         lse = shard_merge.merge_lse(shard_merge.gather(local, group))
-        out = shard_merge.out(x2.shape, dtype or x.dtype, x.device)
-        y = impl.normalise(x2, lse.to(shard_merge.wide(x2)), log, out) if x2.numel() else out
+        out = shard_merge.empty_out(x2.shape, dtype or x.dtype, x.device)
+        y = impl.normalise(x2, lse.to(shard_merge.wide_dtype(x2)), log, out) if x2.numel() else out
         ctx.save_for_backward(y, lse)
         ctx.log, ctx.group, ctx.x_dtype, ctx.backend, ctx.fn = log, group, x.dtype, backend, fn
         return y.reshape(x.shape)
@@ -74,10 +74,10 @@ class _Softmax(torch.autograd.Function):
         dy2 = dy.reshape(y.shape)
         if dy2.stride(-1) != 1:
             dy2 = dy2.contiguous()
-        impl = shard_merge.impl(y, ctx.backend, backward=True)
+        impl = shard_merge.slice_work(y, ctx.backend, backward=True)
         s = impl.dot(y, dy2, ctx.log) if y.numel() else torch.zeros(y.shape[0], dtype=lse.dtype, device=y.device)
         dist.all_reduce(s, group=ctx.group)
-        dx = shard_merge.out(y.shape, ctx.x_dtype, y.device)
+        dx = shard_merge.empty_out(y.shape, ctx.x_dtype, y.device)
         if y.numel():
             impl.softmax_backward(y, dy2, s.to(lse.dtype), lse, ctx.log, dx)
         return dx.reshape(dy.shape), None, None, None, None
@@ -157,8 +157,8 @@ class _CrossEntropy(torch.autograd.Function):
         offset, v_total, w_total = shard_merge.agree(fn, x, xf.shape[1], t.shape[0], group, _options_key(o, w), w)
         dispatch.assert_targets(t, v_total, o.ignore_index, fn)
         rows = shard_merge.Rows(t, o, offset, xf.shape[-1], w)
-        impl = shard_merge.impl(xf, backend)
-        gathered = shard_merge.gather(rows.local_stats(impl, xf, shard_merge.wide(xf)), group)
+        impl = shard_merge.slice_work(xf, backend)
+        gathered = shard_merge.gather(rows.local_stats(impl, xf, shard_merge.wide_dtype(xf)), group)
         ce, zr = rows.merge(gathered, v_total, w_total)
         loss, z = _loss_out(rows, ce, zr, out_dtype)
         ctx.mark_non_differentiable(z)
@@ -174,11 +174,11 @@ class _CrossEntropy(torch.autograd.Function):
         (xf,) = ctx.saved_tensors
         rows = ctx.rows
         a, b, cc = rows.coefficients(grad)
-        dx = shard_merge.out(xf.shape, xf.dtype, xf.device)
+        dx = shard_merge.empty_out(xf.shape, xf.dtype, xf.device)
         if xf.numel():
-            impl = shard_merge.impl(xf, ctx.backend, backward=True)
+            impl = shard_merge.slice_work(xf, ctx.backend, backward=True)
             o = rows.o
-            lse = rows.lse.to(shard_merge.wide(xf))
+            lse = rows.lse.to(shard_merge.wide_dtype(xf))
             impl.dlogits(xf, lse, a, b, cc, rows.code, rows.w_local, o.softcap, o.smoothing != 0, dx)
         return dx.reshape(ctx.shape), None, None, None, None, None, None
 
@@ -235,12 +235,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
         offset, v_total, w_total = shard_merge.agree(fn, x2, v_local, n, group, _options_key(o, w, (x.shape[-1],)), w)
         dispatch.assert_targets(t, v_total, o.ignore_index, fn)
         rows = shard_merge.Rows(t, o, offset, v_local, w)
-        wide = shard_merge.wide(x2)
+        wide = shard_merge.wide_dtype(x2)
         local = torch.empty((n, 4), dtype=wide, device=x.device)
         step = rows_per_chunk(x2, v_local, memory) if n and v_local else max(n, 1)
         if n and v_local:
             buf = torch.empty((min(step, n), v_local), dtype=x2.dtype, device=x.device)
-            impl = shard_merge.impl(buf, backend)
+            impl = shard_merge.slice_work(buf, backend)
             for r0 in range(0, n, step):
                 r1 = min(r0 + step, n)
                 local[r0:r1] = rows.local_stats(impl, chunk_logits(x2[r0:r1], weight, bias, buf[: r1 - r0]), wide, r0)
@@ -265,13 +265,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
         need_b = need_b and bias is not None
         n, v_local = x2.shape[0], weight.shape[0]
         a, b, cc = rows.coefficients(grad)
-        wide = shard_merge.wide(x2)
+        wide = shard_merge.wide_dtype(x2)
         dx = torch.zeros_like(x2) if need_x else None
         dw = torch.zeros_like(weight) if need_w else None
         db = torch.zeros(v_local, dtype=wide, device=x2.device) if need_b else None
         if n and v_local:
             buf = torch.empty((min(step, n), v_local), dtype=x2.dtype, device=x2.device)
-            impl = shard_merge.impl(buf, ctx.backend, backward=True)
+            impl = shard_merge.slice_work(buf, ctx.backend, backward=True)
             lse = rows.lse.to(wide)
             for r0 in range(0, n, step):
                 r1 = min(r0 + step, n)

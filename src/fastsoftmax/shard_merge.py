@@ -8,7 +8,7 @@ numbers per row of the losses' backward. Between the two collectives is O(rows) 
 
 The slice's own work is the kernels' (triton/shard.py: one read of the slice for its statistics, one read
 and one write for the output or dlogits) on CUDA tensors, torch ops on the CPU and for float64 (``backend``
-as fs.cross_entropy's): impl() picks _Kernels or TorchOps, which answer the same calls.
+as fs.cross_entropy's): slice_work() picks _Kernels or TorchOps, which answer the same calls.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def agree(fn: str, x: torch.Tensor, width: int, rows: int, group, opts: tuple, w
 # ---- the slice's work: the kernels, or torch ops ------------------------------------------------------------
 
 
-def wide(x) -> torch.dtype:
+def wide_dtype(x) -> torch.dtype:
     """The dtype the slice's statistics are kept in: float64 for float64 x, else float32."""
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
@@ -93,14 +93,14 @@ class _Kernels:
     def stats(self, x, w, cap, smooth):
         """(each row's logsumexp of capped x, its sum of w * z or None), fp32."""
         m = x.shape[0]
-        lse = out(m, torch.float32, x.device)
-        sums = out(m, torch.float32, x.device) if smooth else lse
+        lse = empty_out(m, torch.float32, x.device)
+        sums = empty_out(m, torch.float32, x.device) if smooth else lse
         self.k.stats(x, None, w, lse, sums, cap, self.shape, smooth=smooth)
         return lse, (sums if smooth else None)
 
     def dot(self, y, dy, log: bool):
         """Each row's sum of dy (log) or of y * dy, fp32."""
-        s = out(y.shape[0], torch.float32, y.device)
+        s = empty_out(y.shape[0], torch.float32, y.device)
         self.k.stats(y, dy, None, s, s, None, self.shape, dot=not log, logdot=log)
         return s
 
@@ -121,14 +121,14 @@ class TorchOps:
     """The same in torch ops (the CPU, float64, backend='torch')."""
 
     def stats(self, x, w, cap, smooth):
-        z = capped(x.to(wide(x)), cap)
+        z = capped(x.to(wide_dtype(x)), cap)
         lse = logsumexp_torch(z)
         if not smooth:
             return lse, None
         return lse, (z * w.to(z.dtype) if w is not None else z).sum(-1)
 
     def dot(self, y, dy, log: bool):
-        acc = wide(y) if dy.dtype != torch.float64 else torch.float64
+        acc = wide_dtype(y) if dy.dtype != torch.float64 else torch.float64
         return (dy.to(acc) if log else y.to(acc) * dy.to(acc)).sum(-1)
 
     def normalise(self, x, lse, log: bool, out):
@@ -155,7 +155,7 @@ def _safe(lse):
     return torch.where(lse == float("-inf"), 0.0, lse)
 
 
-def impl(x, backend: str, backward: bool = False):
+def slice_work(x, backend: str, backward: bool = False):
     """The slice's worker for x: the kernels where the loss kernels run x (dispatch.loss_backend), else
     torch ops; a slice without rows or columns is torch ops' (nothing to launch). Recorded (Plan 'shard')."""
     kernels = x.numel() and dispatch.loss_backend(x, backend).name == "triton"
@@ -164,16 +164,16 @@ def impl(x, backend: str, backward: bool = False):
     return worker
 
 
-def out(shape, dtype, device):
+def empty_out(shape, dtype, device):
     """An output the kernels write whole (NaN first under heuristics.force(poison=True): a test hook)."""
     t = torch.empty(shape, dtype=dtype, device=device)
     return t.fill_(float("nan")) if heuristics.poisoning() else t
 
 
-def stats(impl, x, w, cap, smooth):
+def slice_stats(impl, x, w, cap, smooth):
     """impl.stats, or for an empty slice -inf logsumexps and zero sums."""
     if x.shape[-1] == 0 or x.shape[0] == 0:
-        lse = torch.full(x.shape[:1], float("-inf"), dtype=wide(x), device=x.device)
+        lse = torch.full(x.shape[:1], float("-inf"), dtype=wide_dtype(x), device=x.device)
         return lse, (torch.zeros_like(lse) if smooth else None)
     return impl.stats(x, w, cap, smooth)
 
@@ -199,7 +199,7 @@ class Rows:
         rows r0 to r0 + m of the call."""
         o = self.o
         smooth = o.smoothing != 0.0
-        lse, swz = stats(impl, x, self.w_local, o.softcap, smooth)
+        lse, swz = slice_stats(impl, x, self.w_local, o.softcap, smooth)
         m = x.shape[0]
         if x.shape[-1] and m:
             own, local = self.own[r0 : r0 + m], self.local[r0 : r0 + m]
