@@ -488,7 +488,7 @@ def test_triton_kernels_in_the_interpreter(device, tmp_path, monkeypatch, widths
 @pytest.mark.parametrize("widths", [(5, 18), (5, 0, 18)], ids=["2-uneven", "3-empty"])
 def test_triton_kernels_on_the_gpu(device, tmp_path, monkeypatch, widths):
     """The same checks with compiled kernels (--device cuda): every rank's tensors on GPU 0, gloo carrying
-    the collectives; Triton's launch hook counts the launches."""
+    the collectives; launch.submit, patched, counts the launches."""
     if device != "cuda":
         pytest.skip("needs --device cuda: the interpreter's run is test_triton_kernels_in_the_interpreter")
     spawn_gloo(tmp_path, monkeypatch, _triton_checks, len(widths), widths, "cuda")

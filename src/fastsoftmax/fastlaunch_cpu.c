@@ -23,10 +23,18 @@ static PyObject* configure_cpu(PyObject* self, PyObject* const* args, Py_ssize_t
                                          "dispatch)");
         return NULL;
     }
-    if (!s_is_cpu && (!(s_is_cpu = PyUnicode_InternFromString("is_cpu")) ||
-                      !(s_devices = PyUnicode_InternFromString("DEVICES")) ||
-                      !(s_cpu = PyUnicode_InternFromString("cpu"))))
-        return NULL;
+    if (!s_is_cpu) {  // (all three set together, or none)
+        PyObject* is_cpu = PyUnicode_InternFromString("is_cpu");
+        PyObject* devices = PyUnicode_InternFromString("DEVICES");
+        PyObject* cpu = PyUnicode_InternFromString("cpu");
+        if (!is_cpu || !devices || !cpu) {
+            Py_XDECREF(is_cpu);
+            Py_XDECREF(devices);
+            Py_XDECREF(cpu);
+            return NULL;
+        }
+        s_devices = devices, s_cpu = cpu, s_is_cpu = is_cpu;
+    }
     PyObject** slots[] = {&g_softmax, &g_log_softmax, &g_softmax_bwd, &g_plan_native, &g_plan_graph};
     for (int i = 0; i < 5; ++i) Py_XSETREF(*slots[i], Py_NewRef(args[i]));
     Py_XSETREF(g_dispatch, Py_NewRef(args[6]));
@@ -52,7 +60,10 @@ static int plain_cpu(PyObject* t, PyObject* dim_obj, long* dim, long long* outer
     int ok = attr_is(t, s_is_cpu, Py_True);
     if (ok <= 0) return ok;
     PyObject* c = call_method(t, s_is_contiguous);
-    if (!c) return -1;
+    if (!c) {  // (a sparse layout has none: the Python path says what it says)
+        PyErr_Clear();
+        return 0;
+    }
     ok = c == Py_True;
     Py_DECREF(c);
     if (!ok) return 0;
@@ -133,12 +144,13 @@ static PyObject* cpu_fast(PyObject* x, PyObject* d, PyObject* dim, PyObject* dty
         Py_RETURN_NONE;
     long dm;
     long long outer, n, inner;
-    int t = plain_cpu(x, dim, &dm, &outer, &n, &inner);
-    if (t <= 0) return t < 0 ? NULL : Py_NewRef(Py_None);
+    // first: under a torch.func transform x is a wrapper (still exactly torch.Tensor) whose data_ptr raises
+    int t = eager_state();
+    if (t != 1) return t < 0 ? NULL : Py_NewRef(Py_None);
+    if ((t = plain_cpu(x, dim, &dm, &outer, &n, &inner)) <= 0) return t < 0 ? NULL : Py_NewRef(Py_None);
     int k = float_kind(x);
     if (k < 0) return k < -1 ? NULL : Py_NewRef(Py_None);
     if (dtype != Py_None && dtype != g_floats[k]) Py_RETURN_NONE;
-    if ((t = eager_state()) != 1) return t < 0 ? NULL : Py_NewRef(Py_None);
     PyObject* devices = PyObject_GetAttr(g_dispatch, s_devices);  // (a device without a path: the full path raises)
     t = devices ? PySequence_Contains(devices, s_cpu) : -1;
     Py_XDECREF(devices);
@@ -173,8 +185,11 @@ static PyObject* cpu_fast(PyObject* x, PyObject* d, PyObject* dim, PyObject* dty
     }
     if (log == Py_True && k != F32) Py_RETURN_NONE;           // fp64: the reference's formula; 16-bit: fp32 rows
     if (grad && (k == F16 || k == BF16)) Py_RETURN_NONE;       // 16-bit under autograd: the eager Function
-    PyObject* a[3] = {x, dim, Py_False};
+    PyObject* dim_n = PyLong_FromLong(dm);  // (normalised, as the Python path passes it: the graph saves it)
+    if (!dim_n) return NULL;
+    PyObject* a[3] = {x, dim_n, Py_False};
     PyObject* y = PyObject_Vectorcall(log == Py_True ? g_log_softmax : g_softmax, a, 3, NULL);
+    Py_DECREF(dim_n);
     if (!y) return NULL;
     unsigned long long py = address_of(y);
     if (!py || any_nan_first(py, k, outer, n, inner)) {

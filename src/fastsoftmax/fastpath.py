@@ -22,7 +22,7 @@ that need no autograd, no heuristics.force or test poisoning active, no logsumex
 place (not copied into another layout, not addressed from a 16-byte boundary before them), and only
 launches made through launch.submit. Everything else always takes the full path. Launch hooks registered
 with Triton turn the replay off (they must see every launch; the Triton kernels then launch through Triton
-itself). FASTSOFTMAX_FAST_LAUNCH=0 turns the replay off.
+itself). FASTSOFTMAX_FAST_LAUNCH=0 turns the replay off, and the CPU's direct path in C (the Python one runs).
 """
 
 from __future__ import annotations
@@ -361,7 +361,11 @@ def _native():
                 except BackendFailed:
                     _native_mod.append(None)
                     return None
-                from triton import knobs
+                try:
+                    from triton import knobs
+                except ImportError:  # (no Triton: the CPU's Python path runs; CUDA calls raise on the full path)
+                    _native_mod.append(None)
+                    return None
 
                 from . import dispatch  # noqa: PLC0415 (its DEVICES, read per call: tests take the CPU off)
                 from .backends.torch import NATIVE, NATIVE_GRAPH  # noqa: PLC0415 (the plans the CPU's path records)
