@@ -53,9 +53,11 @@ static int float_kind(PyObject* t) {
     return k;
 }
 
-// 1 when t is a contiguous CPU tensor (exactly torch.Tensor) with elements and storage; its sizes' product before dim
-// (outer), at dim (n) and after it (inner) set, dim normalised. 0: not one; -1: error
-static int plain_cpu(PyObject* t, PyObject* dim_obj, long* dim, long long* outer, long long* n, long long* inner) {
+// 1 when t is a contiguous CPU tensor (exactly torch.Tensor) with elements and storage; its shape (a new
+// reference), its sizes' product before dim (outer), at dim (n) and after it (inner) set, dim normalised.
+// 0: not one; -1: error
+static int plain_cpu(PyObject* t, PyObject* dim_obj, PyObject** shape_out, long* dim, long long* outer, long long* n,
+                     long long* inner) {
     if (Py_TYPE(t) != (PyTypeObject*)g_tensor) return 0;
     int ok = attr_is(t, s_is_cpu, Py_True);
     if (ok <= 0) return ok;
@@ -97,10 +99,12 @@ static int plain_cpu(PyObject* t, PyObject* dim_obj, long* dim, long long* outer
         if (i == d) m = s;
         if (i > d) in *= s;
     }
-    Py_DECREF(shape);
     unsigned long long a = address_of(t);  // (a storage resized to 0 bytes: the full path says so)
-    if (!a) return PyErr_Occurred() ? -1 : 0;
-    *dim = d, *outer = o, *n = m, *inner = in;
+    if (!a) {
+        Py_DECREF(shape);
+        return PyErr_Occurred() ? -1 : 0;
+    }
+    *shape_out = shape, *dim = d, *outer = o, *n = m, *inner = in;
     return 1;
 }
 
@@ -142,59 +146,74 @@ static PyObject* cpu_fast(PyObject* x, PyObject* d, PyObject* dim, PyObject* dty
     if (!g_softmax || !PyUnicode_Check(backend) || PyUnicode_CompareWithASCIIString(backend, "auto") != 0 ||
         !PyLong_CheckExact(dim) || (log != Py_True && log != Py_False) || (d != Py_None && log == Py_True))
         Py_RETURN_NONE;
-    long dm;
-    long long outer, n, inner;
     // first: under a torch.func transform x is a wrapper (still exactly torch.Tensor) whose data_ptr raises
     int t = eager_state();
     if (t != 1) return t < 0 ? NULL : Py_NewRef(Py_None);
-    if ((t = plain_cpu(x, dim, &dm, &outer, &n, &inner)) <= 0) return t < 0 ? NULL : Py_NewRef(Py_None);
+    long dm;
+    long long outer, n, inner;
+    PyObject *shape = NULL, *out = NULL, *dim_n = NULL;
+    if ((t = plain_cpu(x, dim, &shape, &dm, &outer, &n, &inner)) <= 0) return t < 0 ? NULL : Py_NewRef(Py_None);
+    PyObject* result = Py_None;  // (borrowed until the end: None hands the call to the Python path)
     int k = float_kind(x);
-    if (k < 0) return k < -1 ? NULL : Py_NewRef(Py_None);
-    if (dtype != Py_None && dtype != g_floats[k]) Py_RETURN_NONE;
+    if (k < 0 || (dtype != Py_None && dtype != g_floats[k])) {
+        if (k < -1) result = NULL;
+        goto done;
+    }
     PyObject* devices = PyObject_GetAttr(g_dispatch, s_devices);  // (a device without a path: the full path raises)
     t = devices ? PySequence_Contains(devices, s_cpu) : -1;
     Py_XDECREF(devices);
-    if (t <= 0) return t < 0 ? NULL : Py_NewRef(Py_None);
-    int grad = needs_grad(x);
-    if (grad < 0) return NULL;
-    if (d != Py_None) {  // softmax_backward(dy, y): x is y here
-        long dm2;
+    int grad = t == 1 ? needs_grad(x) : t;
+    if (t != 1 || grad < 0) {
+        if (t < 0 || grad < 0) result = NULL;
+        goto done;
+    }
+    if (!(dim_n = PyLong_FromLong(dm))) {  // (normalised, as the Python path passes it: the graph saves it)
+        result = NULL;
+        goto done;
+    }
+    if (d != Py_None) {  // softmax_backward(dy, y): x is y here; dy of y's shape and dtype, neither needing grad
+        if (grad) goto done;
+        PyObject* d_shape = NULL;
+        long d_dim;
         long long o2, n2, i2;
-        if (grad || (t = plain_cpu(d, dim, &dm2, &o2, &n2, &i2)) <= 0) return t < 0 ? NULL : Py_NewRef(Py_None);
-        if (o2 != outer || n2 != n || i2 != inner || (t = float_kind(d)) != k) return t < -1 ? NULL : Py_NewRef(Py_None);
-        if ((t = needs_grad(d)) != 0) return t < 0 ? NULL : Py_NewRef(Py_None);
-        PyObject* shapes[2] = {PyObject_GetAttr(x, s_shape), PyObject_GetAttr(d, s_shape)};
-        t = shapes[0] && shapes[1] ? PyObject_RichCompareBool(shapes[0], shapes[1], Py_EQ) : -1;
-        Py_XDECREF(shapes[0]);
-        Py_XDECREF(shapes[1]);
-        if (t <= 0) return t < 0 ? NULL : Py_NewRef(Py_None);
-        PyObject* dim_n = PyLong_FromLong(dm);
-        if (!dim_n) return NULL;
-        PyObject* xd = PyObject_GetAttr(x, s_dtype);
-        PyObject* a[4] = {d, x, dim_n, xd};
-        PyObject* dx = xd ? PyObject_Vectorcall(g_softmax_bwd, a, 4, NULL) : NULL;
-        Py_DECREF(dim_n);
-        Py_XDECREF(xd);
-        if (!dx) return NULL;
-        unsigned long long pdx = address_of(dx);
-        if (!pdx || any_nan_first(pdx, k, outer, n, inner)) {  // (fully masked rows: the Python path's fix)
-            Py_DECREF(dx);
-            return PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
+        if ((t = plain_cpu(d, dim, &d_shape, &d_dim, &o2, &n2, &i2)) == 1) {
+            t = PyObject_RichCompareBool(shape, d_shape, Py_EQ);
+            Py_DECREF(d_shape);
         }
-        return recorded(dx, g_plan_native);
+        if (t == 1) {
+            int kd = float_kind(d);
+            t = kd < -1 ? -1 : kd == k;
+        }
+        if (t == 1) {
+            int g = needs_grad(d);
+            t = g < 0 ? -1 : !g;
+        }
+        if (t != 1) {
+            if (t < 0) result = NULL;
+            goto done;
+        }
+        PyObject* a[4] = {d, x, dim_n, g_floats[k]};
+        out = PyObject_Vectorcall(g_softmax_bwd, a, 4, NULL);
+    } else {
+        if ((log == Py_True && k != F32) || (grad && (k == F16 || k == BF16)))
+            goto done;  // log: fp64 takes the reference's formula, 16-bit fp32 rows; 16-bit autograd: the Function
+        PyObject* a[3] = {x, dim_n, Py_False};
+        out = PyObject_Vectorcall(log == Py_True ? g_log_softmax : g_softmax, a, 3, NULL);
     }
-    if (log == Py_True && k != F32) Py_RETURN_NONE;           // fp64: the reference's formula; 16-bit: fp32 rows
-    if (grad && (k == F16 || k == BF16)) Py_RETURN_NONE;       // 16-bit under autograd: the eager Function
-    PyObject* dim_n = PyLong_FromLong(dm);  // (normalised, as the Python path passes it: the graph saves it)
-    if (!dim_n) return NULL;
-    PyObject* a[3] = {x, dim_n, Py_False};
-    PyObject* y = PyObject_Vectorcall(log == Py_True ? g_log_softmax : g_softmax, a, 3, NULL);
-    Py_DECREF(dim_n);
-    if (!y) return NULL;
-    unsigned long long py = address_of(y);
-    if (!py || any_nan_first(py, k, outer, n, inner)) {
-        Py_DECREF(y);
-        return PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
+    if (!out) {
+        result = NULL;
+        goto done;
     }
-    return recorded(y, grad ? g_plan_graph : g_plan_native);
+    unsigned long long p = address_of(out);
+    if (!p) {
+        if (PyErr_Occurred()) result = NULL;
+    } else if (!any_nan_first(p, k, outer, n, inner)) {  // (a row starting with NaN: the Python path fixes it)
+        result = recorded(out, d == Py_None && grad ? g_plan_graph : g_plan_native);
+        out = NULL;  // (recorded() took it)
+    }
+done:
+    Py_DECREF(shape);
+    Py_XDECREF(dim_n);
+    Py_XDECREF(out);
+    return result == Py_None ? Py_NewRef(Py_None) : result;
 }
