@@ -2,7 +2,9 @@
 and torch's interleaved) of fs.softmax, fs.log_softmax, their backward, fs.cross_entropy forward and
 forward + backward, beside torch's, on 1x4096 and 8x4096 fp32/bf16
 (issue: portability, host time <= torch's) and on the cross-entropy suite's 1024x256000; then cProfile's
-top functions of fs.cross_entropy forward + backward. Usage: python dev/host_calls.py [OUT.json] [profile]"""
+top functions of fs.cross_entropy forward + backward. --python-calls: fastlaunch.c reaching torch through
+Python, as where fastlaunch_torch.cpp cannot be built. Usage: python dev/host_calls.py [OUT.json] [profile]
+[--python-calls]"""
 
 import cProfile
 import io
@@ -61,7 +63,14 @@ def cases(m: int, v: int, dtype: torch.dtype) -> dict:
 
 
 def main() -> None:
-    out = sys.argv[1] if len(sys.argv) > 1 and sys.argv[1] != "profile" else None
+    out = sys.argv[1] if len(sys.argv) > 1 and sys.argv[1].endswith(".json") else None
+    from fastsoftmax import fastpath, launch
+
+    fs.softmax(torch.randn(1, device="cuda"))  # (fastlaunch built and configured)
+    if "--python-calls" in sys.argv:
+        fastpath._native().configure_torch(None)
+        fastpath.clear()
+    print("launch:", launch.describe(), flush=True)
     records = []
     for m, v in ((1, 4096), (8, 4096), (1024, 256000)):
         for dtype in (torch.float32, torch.bfloat16):
@@ -75,7 +84,10 @@ def main() -> None:
                 print(json.dumps(rec), flush=True)
                 records.append(rec)
     if out:
-        doc = dict(what="host us per eager call", torch=torch.__version__, device=torch.cuda.get_device_name())
+        import triton
+
+        doc = dict(what="host us per eager call", torch=torch.__version__, triton=triton.__version__)
+        doc |= dict(device=torch.cuda.get_device_name(), launch=launch.describe())
         with open(out, "w") as f:
             json.dump(doc | dict(records=records), f, indent=1)
     if "profile" in sys.argv:

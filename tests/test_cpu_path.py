@@ -145,9 +145,10 @@ def test_float64_log_softmax_near_zero():
         assert_close(y, t, dim, True, od)
 
 
-def _direct_cases(dtype):
+def _direct_cases(dtype, cpp: bool):
     """(name, call(fn_kind), whether the C path takes it) for test_direct_path_in_c_and_in_python; fn_kind
-    picks the public function or fastpath.fast's direct call."""
+    picks the public function or fastpath.fast's direct call. cpp: fastlaunch.c reaches torch through C++
+    (16-bit log_softmax in C then)."""
     x = logits((5, 37, 3), dtype, 41, special=False)
     masked = x.clone()
     masked[2, :, 1] = -INF  # a fully masked row along dim 1: its first output NaN in torch's result
@@ -157,7 +158,7 @@ def _direct_cases(dtype):
     cases = []
     for dim in (0, 1, -1):
         cases += [(f"softmax dim {dim}", (x, None, dim, None, False, "auto"), True)]
-        cases += [(f"log_softmax dim {dim}", (x, None, dim, None, True, "auto"), fp32)]
+        cases += [(f"log_softmax dim {dim}", (x, None, dim, None, True, "auto"), fp32 or (cpp and not wide))]
     cases += [
         ("masked row", (masked, None, 1, None, False, "auto"), False),
         ("masked row, log", (masked, None, 1, None, True, "auto"), False),
@@ -187,19 +188,37 @@ def _public(args):
     return y, g
 
 
+@pytest.fixture(params=["torch_in_cpp", "torch_via_python"])
+def reach(request):
+    """How fastlaunch.c reaches torch: through fastlaunch_torch.cpp, or through Python's calls (as where the
+    C++ part cannot be built); checked by the form of its keys, and restored afterwards."""
+    from fastsoftmax import fastpath, launch
+
+    mod = fastpath._native()
+    if mod is None:
+        pytest.fail("fastlaunch did not build here (the project's CI has a C compiler)")
+    if request.param == "torch_in_cpp" and launch.torch_calls() is None:
+        pytest.fail(f"fastlaunch_torch.cpp did not build here (the CI has a C++ compiler): {launch.describe()}")
+    if request.param == "torch_via_python":
+        mod.configure_torch(None)
+    key = mod.softmax_key(torch.randn(2, 3), None, -1, None, False, "auto", False)
+    assert isinstance(key, bytes) == (request.param == "torch_in_cpp")
+    yield request.param
+    mod.configure_torch(launch.torch_calls())
+    fastpath.clear()
+
+
 @pytest.mark.parametrize("dtype", ALL, ids=str)
-def test_direct_path_in_c_and_in_python(monkeypatch, dtype):
+def test_direct_path_in_c_and_in_python(monkeypatch, dtype, reach):
     """The CPU's direct path runs in C (fastlaunch_cpu.c, fastpath.fast's answer) where fastlaunch builds,
-    and in Python (api._cpu) for what C hands over or where fastpath.fast steps aside. Each case forced both
-    ways: which ran (fastpath.fast's direct answer: a tensor, or None), the plans recorded, outputs and
-    gradients bit-equal. Rows along dims 0, 1 and 2 of a contiguous (5, 37, 3); a fully masked row (C's scan
-    of the rows' first elements hands it over); layouts, dtype=, backends and autograd C leaves alone;
-    softmax_backward."""
+    reaching torch through C++ or through Python, and in Python (api._cpu) for what C hands over or where
+    fastpath.fast steps aside. Each case forced both ways: which ran (fastpath.fast's direct answer: a
+    tensor, or None), the plans recorded, outputs and gradients bit-equal. Rows along dims 0, 1 and 2 of a
+    contiguous (5, 37, 3); a fully masked row (C's scan of the rows' first elements hands it over); layouts,
+    dtype=, backends and autograd C leaves alone; softmax_backward."""
     from fastsoftmax import fastpath
 
-    if fastpath._native() is None:
-        pytest.fail("fastlaunch did not build here (the project's CI has a C compiler)")
-    for name, args, in_c in _direct_cases(dtype):
+    for name, args, in_c in _direct_cases(dtype, reach == "torch_in_cpp"):
         direct = fastpath.fast(*args)  # (with autograd on, as the public call below)
         assert (direct is not None) == in_c, (name, dtype)
         with heuristics.recording() as plans_c:

@@ -157,6 +157,7 @@ def test_load_native_takes_the_cache_without_a_compiler(tmp_path, monkeypatch):
 
 
 def test_info_says_how_kernels_and_replays_launch(monkeypatch):
+    """fs.info()['replay']: fastlaunch.c's state, and how it reaches torch (C++ or Python's calls)."""
     import fastsoftmax as fs
 
     monkeypatch.setattr(launch, "_native_mod", [])
@@ -164,7 +165,12 @@ def test_info_says_how_kernels_and_replays_launch(monkeypatch):
     monkeypatch.setattr(launch, "_native_mod", [BackendFailed("no C compiler")])
     assert fs.info()["replay"] == "unavailable (no C compiler)"
     monkeypatch.setattr(launch, "_native_mod", [object()])
+    monkeypatch.setattr(launch, "_torch_mod", [])
     assert fs.info()["replay"] == "fastlaunch.c"
+    monkeypatch.setattr(launch, "_torch_mod", [BackendFailed("no C++ compiler")])
+    assert fs.info()["replay"] == "fastlaunch.c, torch reached through Python's calls (no C++ compiler)"
+    monkeypatch.setattr(launch, "_torch_mod", [object()])
+    assert fs.info()["replay"] == "fastlaunch.c, torch reached through fastlaunch_torch.cpp"
     monkeypatch.setattr(fastpath, "ENABLED", False)
     assert fs.info()["replay"] == "off (FASTSOFTMAX_FAST_LAUNCH=0)"
 
@@ -523,12 +529,41 @@ def _softmax_key(x, d, dim, dtype, log, backend):
     return k
 
 
+@pytest.fixture
+def python_calls(hot):
+    """hot, reaching torch through Python's calls (as where fastlaunch_torch.cpp cannot be built); the
+    table restored afterwards."""
+    hot.configure_torch(None)
+    fastpath.clear()
+    yield hot
+    hot.configure_torch(launch.torch_calls())
+    fastpath.clear()
+
+
+def _unkeyed(hot, x):
+    """The arguments no key is made of, in either form; None asserted for each."""
+    for args in (
+        (x, None, 1.0, None, False, "auto"),
+        (x, None, True, None, False, "auto"),  # (a bool is not an int here, as type(dim) is int)
+        (x, None, -1, "float32", False, "auto"),
+        (x, None, -1, None, False, None),
+        (torch.nn.Parameter(x), None, -1, None, False, "auto"),
+        (x, [1.0], -1, None, False, "auto"),
+        ([1.0], None, -1, None, False, "auto"),
+    ):
+        assert hot.softmax_key(*args, False) is None, args
+    empty = torch.randn(4, 8)
+    empty.untyped_storage().resize_(0)
+    assert hot.softmax_key(empty, None, -1, None, False, "auto", False) is None
+
+
 @needs_cc
-def test_native_softmax_key_is_the_tuple(hot):
-    """softmax_key builds the very tuple the recording stores (shape, strides, dtype, device, address mod 16,
-    dim, output dtype, log, backend; and dy's), for layouts and addresses of every kind; None for what the
-    replay never keys (a non-int dim, a dtype that is not one, a backend that is not a str, a Parameter or a
-    list, no storage, and CPU tensors unless asked)."""
+def test_native_softmax_key_is_the_tuple(python_calls):
+    """Through Python's calls, softmax_key builds the very tuple the recording stores (shape, strides, dtype,
+    device, address mod 16, dim, output dtype, log, backend; and dy's), for layouts and addresses of every
+    kind; None for what the replay never keys (a non-int dim, a dtype that is not one, a backend that is not
+    a str, a Parameter or a list, no storage, and CPU tensors unless asked)."""
+    hot = python_calls
     base = torch.randn(6, 40)
     cases = [
         (base, None, -1, None, False),
@@ -544,47 +579,66 @@ def test_native_softmax_key_is_the_tuple(hot):
         assert hash(got) == hash(_softmax_key(x, d, dim, dtype, log, "auto"))
         assert hot.softmax_key(x, d, dim, dtype, log, "auto") is None  # CPU tensors: no replay
     x = base
-    for args in (
-        (x, None, 1.0, None, False, "auto"),
-        (x, None, True, None, False, "auto"),  # (a bool is not an int here, as type(dim) is int)
-        (x, None, -1, "float32", False, "auto"),
-        (x, None, -1, None, False, None),
-        (torch.nn.Parameter(x), None, -1, None, False, "auto"),
-        (x, [1.0], -1, None, False, "auto"),
-        ([1.0], None, -1, None, False, "auto"),
-    ):
-        assert hot.softmax_key(*args, False) is None, args
-    empty = torch.randn(4, 8)
-    empty.untyped_storage().resize_(0)
-    assert hot.softmax_key(empty, None, -1, None, False, "auto", False) is None
+    _unkeyed(hot, x)
     # a CPU tensor: nothing replayed, the CPU's direct path (torch's kernel: equal to its softmax)
     assert torch.equal(hot.softmax_fast(x, None, -1, None, False, "auto"), torch.softmax(x, -1))
     assert hot.softmax_fast(x, None, -1, None, False, "torch") is None  # (only backend='auto' takes it)
 
 
 @needs_cc
-def test_native_loss_key_is_the_tuple_and_steps_aside(hot):
-    """loss_key: the tuple the cross-entropy recording stores, whether the logits need a gradient included;
-    None for what the replay never takes (class weights, strided logits or targets, fp64 or empty logits,
-    options of other types) and while anything but a plain eager call may be under way: a torch.func
-    transform, a forward-mode AD level, a dispatch mode, autocast, heuristics.force, a Triton launch hook."""
-    from torch.utils._python_dispatch import TorchDispatchMode
+def test_native_packed_key_tells_calls_apart(hot):
+    """Through fastlaunch_torch.cpp (torch's calls in C++) the key is packed bytes: equal for calls alike in
+    every keyed field (another tensor of the same layout and alignment, a view 16 bytes on), different when
+    any one field differs (shape, strides, dtype, address mod 16, dim, output dtype, log, backend; dy's
+    strides, dtype, address, shape); None where the tuple is None, and for a backend that is not one."""
+    if launch.torch_calls() is None:
+        pytest.fail(f"fastlaunch_torch.cpp did not build here (the CI has a C++ compiler): {launch.describe()}")
 
-    x, t = torch.randn(6, 40), torch.randint(0, 40, (6,), dtype=torch.int32)
-    opts = (-100, "mean", 0.1, None, 0.0, False, "auto")
+    def k(x, d=None, dim=-1, dtype=None, log=False, backend="auto"):
+        return hot.softmax_key(x, d, dim, dtype, log, backend, False)
+
+    buf, flat = torch.randn(9 * 48), torch.randn(9 * 48)
+    base, other = buf[:384].view(8, 48), flat[:384].view(8, 48)
+    ref = k(base)
+    assert isinstance(ref, bytes) and k(other) == ref and k(buf[4:388].view(8, 48)) == ref
+    keys = [
+        ref,
+        k(base[:4]),
+        k(base.t().contiguous().t()),
+        k(base.double()),
+        k(buf[1:385].view(8, 48)),
+        k(base, dim=1),
+        k(base, dim=0),
+        k(base, dtype=torch.float64),
+        k(base, log=True),
+        k(base, backend="triton"),
+        k(base, other),
+        k(base, other.t().contiguous().t()),
+        k(base, other.double()),
+        k(base, flat[1:385].view(8, 48)),
+        k(base, flat[:384].view(4, 96)),
+    ]
+    assert None not in keys and len(set(keys)) == len(keys)
+    assert k(base, other) == k(base, torch.randn(8, 48)) and k(base, other) != k(other, base.t())
+    _unkeyed(hot, base)
+    assert k(base, backend="fast") is None and k(base, log=1) is None
+    assert hot.softmax_key(base, None, -1, None, False, "auto") is None  # CPU tensors: no replay
+    assert torch.equal(hot.softmax_fast(base, None, -1, None, False, "auto"), torch.softmax(base, -1))
+
+
+def _loss_key_steps_aside(hot, x, t, opts):
+    """loss_key's None for what the replay never takes (class weights, strided logits or targets, fp64 or
+    empty logits, options of other types) and while anything but a plain eager call may be under way: a
+    torch.func transform, a forward-mode AD level, a dispatch mode, autocast, heuristics.force, a Triton
+    launch hook; the key unchanged afterwards."""
+    import torch.autograd.forward_ad as fwad
+    from torch.utils._python_dispatch import TorchDispatchMode
 
     def key(x=x, t=t, w=None, opts=opts):
         return hot.loss_key(x, t, w, *opts, False)
 
-    px, pt = x.data_ptr(), t.data_ptr()
-    want = (x.shape, x.dtype, -1, px % 16, t.shape, t.dtype, pt % 16, False, *opts[:6], "auto", -1)
-    assert key() == want
-    xg = x.clone().requires_grad_()
-    assert key(xg)[7] is True
-    with torch.no_grad():
-        assert key(xg)[7] is False
-    assert key(opts=(-100, "sum", 0, 30.0, 1e-4, True, "triton"))[9:15] == ("sum", 0, 30.0, 1e-4, True, "triton")
-    assert hot.loss_key(x, t, None, *opts) is None  # CPU tensors: no replay
+    want = key()
+    assert want is not None
     for bad in (
         dict(w=torch.ones(40)),
         dict(x=torch.randn(40, 6).t()),
@@ -598,7 +652,6 @@ def test_native_loss_key_is_the_tuple_and_steps_aside(hot):
         dict(opts=(*opts[:6], None)),
     ):
         assert key(**bad) is None, bad
-    import torch.autograd.forward_ad as fwad
 
     class Mode(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -621,6 +674,67 @@ def test_native_loss_key_is_the_tuple_and_steps_aside(hot):
     with triton_hook(knobs.runtime, "launch_exit_hook", hook):
         assert key() is None
     assert key() == want
+
+
+@needs_cc
+def test_native_loss_key_is_the_tuple_and_steps_aside(python_calls):
+    """Through Python's calls, loss_key is the tuple the cross-entropy recording stores, whether the logits
+    need a gradient included; None for what the replay never takes (_loss_key_steps_aside)."""
+    hot = python_calls
+    x, t = torch.randn(6, 40), torch.randint(0, 40, (6,), dtype=torch.int32)
+    opts = (-100, "mean", 0.1, None, 0.0, False, "auto")
+
+    def key(x=x, t=t, w=None, opts=opts):
+        return hot.loss_key(x, t, w, *opts, False)
+
+    px, pt = x.data_ptr(), t.data_ptr()
+    want = (x.shape, x.dtype, -1, px % 16, t.shape, t.dtype, pt % 16, False, *opts[:6], "auto", -1)
+    assert key() == want
+    xg = x.clone().requires_grad_()
+    assert key(xg)[7] is True
+    with torch.no_grad():
+        assert key(xg)[7] is False
+    assert key(opts=(-100, "sum", 0, 30.0, 1e-4, True, "triton"))[9:15] == ("sum", 0, 30.0, 1e-4, True, "triton")
+    assert hot.loss_key(x, t, None, *opts) is None  # CPU tensors: no replay
+    _loss_key_steps_aside(hot, x, t, opts)
+
+
+@needs_cc
+def test_native_packed_loss_key(hot):
+    """Through fastlaunch_torch.cpp, loss_key's tuple holds the logits' and targets' dims packed and their
+    dtypes as numbers, the rest as the tuple's (the replay reads the device, the gradient flag and the
+    options by position): equal for calls alike, different when a shape, dtype, alignment or option
+    differs; None as the tuple's (_loss_key_steps_aside)."""
+    if launch.torch_calls() is None:
+        pytest.fail(f"fastlaunch_torch.cpp did not build here (the CI has a C++ compiler): {launch.describe()}")
+    buf, tb = torch.randn(7 * 40), torch.randint(0, 40, (12,), dtype=torch.int32)
+    x, t = buf[:240].view(6, 40), tb[:6]
+    opts = (-100, "mean", 0.1, None, 0.0, False, "auto")
+
+    def key(x=x, t=t, opts=opts):
+        return hot.loss_key(x, t, None, *opts, False)
+
+    want = key()
+    assert isinstance(want[0], bytes) and want[2] == -1 and want[7] is False and want[8:15] == opts
+    assert key(buf[4:244].view(6, 40), tb[4:10]) == want
+    xg = x.clone().requires_grad_()
+    assert key(xg)[7] is True
+    with torch.no_grad():
+        assert key(xg)[7] is False
+    keys = [
+        want,
+        key(buf[:200].view(5, 40), tb[:5]),
+        key(buf[:240].view(2, 3, 40), tb[:6].view(2, 3)),
+        key(x.bfloat16()),
+        key(t=t.long()),
+        key(buf[1:241].view(6, 40)),
+        key(t=tb[1:7]),
+        key(opts=(-1, *opts[1:])),
+        key(opts=(*opts[:6], "triton")),
+    ]
+    assert None not in keys and len(set(keys)) == len(keys)
+    assert hot.loss_key(x, t, None, *opts) is None  # CPU tensors: no replay
+    _loss_key_steps_aside(hot, x, t, opts)
 
 
 @needs_cc

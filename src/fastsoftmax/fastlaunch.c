@@ -13,6 +13,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "fastlaunch_torch.h"
+
 typedef int CUresult;
 typedef struct {
     unsigned grid_x, grid_y, grid_z, block_x, block_y, block_z, smem;
@@ -158,6 +160,31 @@ static PyObject *g_tensor, *g_dtype_type, *g_cache, *g_grad_enabled, *g_functorc
 static PyObject *s_shape, *s_stride, *s_dtype, *s_get_device, *s_data_ptr, *s_is_cuda, *s_requires_grad,
     *s_level, *s_force, *s_enter, *s_exit, *s_calls, *s_native, *s_is_contiguous, *s_numel, *kw_dtype;
 
+// torch's calls in C++ (fastlaunch_torch.cpp), or NULL where it could not be built: Python's probes then
+static const FtCalls* ft;
+static PyObject* ft_capsule;  // (holds the table)
+
+// configure_torch(capsule or None): the table fastlaunch_torch.table() returns; before configure(), as calls
+// are keyed otherwise with it (fastpath.py)
+static PyObject* configure_torch(PyObject* self, PyObject* cap) {
+    if (cap == Py_None) {
+        ft = NULL;
+        Py_CLEAR(ft_capsule);
+        Py_RETURN_NONE;
+    }
+    const FtCalls* calls = (const FtCalls*)PyCapsule_GetPointer(cap, FT_CAPSULE);
+    if (!calls) return NULL;
+    if (calls->abi != FT_ABI || calls->meta_size != (int)sizeof(FtMeta)) {
+        PyErr_Format(PyExc_RuntimeError, "fastlaunch_torch's table (ABI %d, Meta of %d bytes) is not this one's",
+                     calls->abi, calls->meta_size);
+        return NULL;
+    }
+    Py_INCREF(cap);
+    Py_XSETREF(ft_capsule, cap);
+    ft = calls;
+    Py_RETURN_NONE;
+}
+
 static int configured(void) {
     if (g_cache) return 1;
     PyErr_SetString(PyExc_RuntimeError, "fastlaunch: configure() first");
@@ -285,9 +312,7 @@ static void* primary_ctx[MAX_DEVICES];
 
 // 1 when device dev's primary context (torch's) is current on this thread, the one whose modules hold the
 // recorded kernels (torch's current device is dev); 0 when another context or none is; -1 with an error.
-static int device_current(PyObject* dev_obj) {
-    long dev = PyLong_AsLong(dev_obj);
-    if (dev == -1 && PyErr_Occurred()) return -1;
+static int device_current(long dev) {
     if (dev < 0 || dev >= MAX_DEVICES) return 0;
     if (!launch_kernel && load_driver() < 0) return -1;
     void* cur = NULL;
@@ -303,16 +328,21 @@ static int device_current(PyObject* dev_obj) {
 
 #include "fastlaunch_cpu.c"  // the CPU's direct path (cpu_fast), on the probes above
 
-// The key of a softmax-family call (fastpath.key): (x.shape, x.stride(), x.dtype, x.get_device(), x's address
-// mod 16, dim, dtype, log, backend) and for a backward (dy.stride(), dy.dtype, dy's address mod 16, (dy's -
-// x's address) mod 16, dy.shape, dy.get_device()). Py_None (a new reference) when the call cannot be keyed.
-static PyObject* make_softmax_key(PyObject* x, PyObject* d, PyObject* dim, PyObject* dtype, PyObject* log,
-                                  PyObject* backend, int cuda_only, unsigned long long* px_out,
-                                  unsigned long long* pd_out) {
-    if (Py_TYPE(x) != (PyTypeObject*)g_tensor || !PyLong_CheckExact(dim) || !PyUnicode_CheckExact(backend))
-        Py_RETURN_NONE;
+// A softmax-family call's arguments, probed once for its key (fastpath.key) and its replay
+typedef struct {
+    unsigned long long px, pd;  // x's and dy's addresses (pd 0 without dy)
+    long device;                // x's CUDA index, -1 on the CPU
+    int x_grad, d_grad;         // their requires_grad (0 where softmax_fast asked before the key)
+} Probe;
+
+// The key of a softmax-family call through Python's probes (no fastlaunch_torch): the tuple (x.shape,
+// x.stride(), x.dtype, x.get_device(), x's address mod 16, dim, dtype, log, backend) and for a backward
+// (dy.stride(), dy.dtype, dy's address mod 16, (dy's - x's address) mod 16, dy.shape, dy.get_device()).
+// Py_None (a new reference) when the call cannot be keyed.
+static PyObject* tuple_softmax_key(PyObject* x, PyObject* d, PyObject* dim, PyObject* dtype, PyObject* log,
+                                   PyObject* backend, int cuda_only, Probe* p) {
+    if (!PyUnicode_CheckExact(backend)) Py_RETURN_NONE;
     if (dtype != Py_None && !PyObject_TypeCheck(dtype, (PyTypeObject*)g_dtype_type)) Py_RETURN_NONE;
-    if (d != Py_None && Py_TYPE(d) != (PyTypeObject*)g_tensor) Py_RETURN_NONE;
     if (cuda_only) {
         int c = is_cuda(x);
         if (c <= 0) return c < 0 ? NULL : Py_NewRef(Py_None);
@@ -348,13 +378,70 @@ static PyObject* make_softmax_key(PyObject* x, PyObject* d, PyObject* dim, PyObj
         if (!items[i]) bad = 1;
         PyTuple_SET_ITEM(k, i, items[i] ? items[i] : Py_NewRef(Py_None));
     }
-    if (bad) {
+    if (bad || ((p->device = PyLong_AsLong(items[3])) == -1 && PyErr_Occurred())) {
         Py_DECREF(k);
         return NULL;
     }
-    *px_out = px;
-    *pd_out = pd;
+    p->px = px, p->pd = pd;
+    p->x_grad = p->d_grad = 0;  // (softmax_fast asked needs_grad before)
     return k;
+}
+
+static const char* const BACKENDS[] = {"auto", "triton", "cuda", "torch"};
+
+// The same key through torch's C++ calls (fastlaunch_torch.cpp): the same fields packed into bytes, the
+// output dtype as its ScalarType number and the backend as its index in BACKENDS (another string: no key;
+// the full path raises). A process keys every call one way: fastpath configures fastlaunch_torch first.
+static PyObject* packed_softmax_key(PyObject* x, PyObject* d, PyObject* dim, PyObject* dtype, PyObject* log,
+                                    PyObject* backend, int cuda_only, Probe* p, const FtMeta* x_meta) {
+    int b = -1;
+    if (PyUnicode_CheckExact(backend))
+        for (int i = 0; i < 4 && b < 0; ++i)
+            if (PyUnicode_CompareWithASCIIString(backend, BACKENDS[i]) == 0) b = i;
+    int dt = dtype == Py_None ? -1 : ft->dtype_code(dtype);
+    if (b < 0 || (dtype != Py_None && dt < 0) || (log != Py_True && log != Py_False)) Py_RETURN_NONE;
+    int overflow;
+    long dm = PyLong_AsLongAndOverflow(dim, &overflow);
+    if (overflow || (dm == -1 && PyErr_Occurred())) return NULL;
+    FtMeta mx, md;
+    if (x_meta)
+        mx = *x_meta;
+    else if (!ft->meta(x, &mx))
+        Py_RETURN_NONE;  // (no storage, a wrapper: the full path)
+    if (!mx.address) Py_RETURN_NONE;
+    if (d != Py_None && (!ft->meta(d, &md) || !md.address)) Py_RETURN_NONE;
+    if (cuda_only && (!mx.cuda || (d != Py_None && !md.cuda))) Py_RETURN_NONE;
+    long long k[2 * (3 + 2 * FT_MAX_DIMS) + 4];
+    int n = 0;
+    FtMeta* ms[2] = {&mx, &md};
+    for (int t = 0; t < (d == Py_None ? 1 : 2); ++t) {
+        const FtMeta* m = ms[t];
+        k[n++] = m->ndim;
+        for (int i = 0; i < m->ndim; ++i) k[n++] = m->sizes[i];
+        for (int i = 0; i < m->ndim; ++i) k[n++] = m->strides[i];
+        k[n++] = m->dtype;
+        k[n++] = m->device;
+        k[n++] = (long long)(m->address % 16);
+    }
+    if (d != Py_None) k[n++] = (long long)((md.address - mx.address) % 16);
+    k[n++] = dm;
+    k[n++] = dt;
+    k[n++] = log == Py_True;
+    k[n++] = b;
+    p->px = mx.address, p->pd = d == Py_None ? 0 : md.address;
+    p->device = mx.device;
+    p->x_grad = mx.requires_grad, p->d_grad = d == Py_None ? 0 : md.requires_grad;
+    return PyBytes_FromStringAndSize((const char*)k, (Py_ssize_t)(n * sizeof k[0]));
+}
+
+// The key of a softmax-family call (x_meta: x's, where the caller has it): Py_None (a new reference) when it
+// cannot be keyed.
+static PyObject* make_softmax_key(PyObject* x, PyObject* d, PyObject* dim, PyObject* dtype, PyObject* log,
+                                  PyObject* backend, int cuda_only, Probe* p, const FtMeta* x_meta) {
+    if (Py_TYPE(x) != (PyTypeObject*)g_tensor || !PyLong_CheckExact(dim)) Py_RETURN_NONE;
+    if (d != Py_None && Py_TYPE(d) != (PyTypeObject*)g_tensor) Py_RETURN_NONE;
+    if (ft) return packed_softmax_key(x, d, dim, dtype, log, backend, cuda_only, p, x_meta);
+    return tuple_softmax_key(x, d, dim, dtype, log, backend, cuda_only, p);
 }
 
 // softmax_key(x, dy_or_None, dim, dtype, log, backend[, cuda_only=True]) -> the call's key, or None
@@ -366,9 +453,12 @@ static PyObject* softmax_key(PyObject* self, PyObject* const* args, Py_ssize_t n
     }
     int cuda_only = n == 7 ? PyObject_IsTrue(args[6]) : 1;
     if (cuda_only < 0) return NULL;
-    unsigned long long px, pd;
-    return make_softmax_key(args[0], args[1], args[2], args[3], args[4], args[5], cuda_only, &px, &pd);
+    Probe p;
+    return make_softmax_key(args[0], args[1], args[2], args[3], args[4], args[5], cuda_only, &p, NULL);
 }
+
+// a tensor's requires_grad as probed, and torch.is_grad_enabled(): 1, 0, or -1 with an error
+static int probed_grad(int requires_grad) { return requires_grad ? call_truthy(g_grad_enabled) : 0; }
 
 // softmax_fast(x, dy_or_None, dim, dtype, log, backend) -> the replayed output, or None (the full path runs):
 // fastpath.py's replay of a softmax-family call seen before; for a tensor not on CUDA, the CPU's direct path
@@ -381,32 +471,36 @@ static PyObject* softmax_fast(PyObject* self, PyObject* const* args, Py_ssize_t 
     }
     PyObject *x = args[0], *d = args[1];
     if (Py_TYPE(x) != (PyTypeObject*)g_tensor) Py_RETURN_NONE;
-    int t = is_cuda(x);
-    if (t <= 0) return t < 0 ? NULL : cpu_fast(x, d, args[2], args[3], args[4], args[5]);
-    if ((t = needs_grad(x)) != 0) return t < 0 ? NULL : Py_NewRef(Py_None);
-    if ((t = plain_state()) != 1) return t < 0 ? NULL : Py_NewRef(Py_None);
-    if (d != Py_None) {
-        if (Py_TYPE(d) != (PyTypeObject*)g_tensor) Py_RETURN_NONE;
-        if ((t = needs_grad(d)) != 0) return t < 0 ? NULL : Py_NewRef(Py_None);
+    int t;
+    FtMeta m;
+    if (ft) {  // (a torch.func wrapper has no storage: cpu_fast's first check refuses it)
+        if (!ft->meta(x, &m) || !m.cuda) return cpu_fast(x, d, args[2], args[3], args[4], args[5]);
+    } else {
+        if ((t = is_cuda(x)) <= 0) return t < 0 ? NULL : cpu_fast(x, d, args[2], args[3], args[4], args[5]);
+        if ((t = needs_grad(x)) != 0 || (t = plain_state()) != 1) return t < 0 ? NULL : Py_NewRef(Py_None);
+        if (d != Py_None && Py_TYPE(d) == (PyTypeObject*)g_tensor && (t = needs_grad(d)) != 0)
+            return t < 0 ? NULL : Py_NewRef(Py_None);
     }
-    unsigned long long px = 0, pd = 0;
-    PyObject* key = make_softmax_key(x, d, args[2], args[3], args[4], args[5], 1, &px, &pd);
+    Probe p;
+    PyObject* key = make_softmax_key(x, d, args[2], args[3], args[4], args[5], 1, &p, ft ? &m : NULL);
     if (!key || key == Py_None) return key;
-    PyObject* entry = PyDict_GetItemWithError(g_cache, key);
+    PyObject *result = NULL, *entry = NULL, *native = NULL, *y = NULL, *st = NULL, *dev = NULL;
+    if (ft && ((t = probed_grad(p.x_grad)) != 0 || (t = probed_grad(p.d_grad)) != 0 || (t = plain_state()) != 1)) {
+        result = t < 0 ? NULL : Py_NewRef(Py_None);
+        goto done;
+    }
+    entry = PyDict_GetItemWithError(g_cache, key);
     Py_XINCREF(entry);  // (held: Python code below may clear the cache)
-    PyObject* dev = PyTuple_GET_ITEM(key, 3);
-    Py_INCREF(dev);
-    Py_DECREF(key);
-    PyObject *result = NULL, *native = NULL, *y = NULL, *st = NULL;
     if (!entry) {
         result = PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
         goto done;
     }
-    t = device_current(dev);
+    t = device_current(p.device);
     if (t <= 0) {  // another device is current: its context would not hold this kernel
         result = t < 0 ? NULL : Py_NewRef(Py_None);
         goto done;
     }
+    if (!(dev = PyLong_FromLong(p.device))) goto done;
     if (!(native = PyObject_GetAttr(entry, s_native))) goto done;
     if (native == Py_None) {  // several launches or a workspace: the entry's own replay
         PyObject* a[3] = {x, d, dev};
@@ -421,15 +515,19 @@ static PyObject* softmax_fast(PyObject* self, PyObject* const* args, Py_ssize_t 
     unsigned long long desc = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(native, 0));
     if (desc == (unsigned long long)-1 && PyErr_Occurred()) goto done;
     PyObject* out_dtype = PyTuple_GET_ITEM(native, 1);
-    if (out_dtype == Py_None) {
-        y = PyObject_Vectorcall(g_empty_like, &x, 1, NULL);
+    unsigned long long py = 0;
+    if (ft) {
+        y = ft->empty_like(x, out_dtype == Py_None ? -1 : ft->dtype_code(out_dtype), &py);
     } else {
-        PyObject* a[2] = {x, out_dtype};
-        y = PyObject_Vectorcall(g_empty_like, a, 1, kw_dtype);
+        if (out_dtype == Py_None) {
+            y = PyObject_Vectorcall(g_empty_like, &x, 1, NULL);
+        } else {
+            PyObject* a[2] = {x, out_dtype};
+            y = PyObject_Vectorcall(g_empty_like, a, 1, kw_dtype);
+        }
+        if (y) py = address_of(y);
     }
-    if (!y) goto done;
-    unsigned long long py = address_of(y);
-    if (!py && PyErr_Occurred()) goto done;
+    if (!y || (!py && PyErr_Occurred())) goto done;
     if (py % 16) {  // never from torch's allocator; the recorded plan assumed an aligned output
         result = Py_NewRef(Py_None);
         goto done;
@@ -437,7 +535,7 @@ static PyObject* softmax_fast(PyObject* self, PyObject* const* args, Py_ssize_t 
     if (!(st = PyObject_Vectorcall(g_get_stream, &dev, 1, NULL))) goto done;
     unsigned long long stream = PyLong_AsUnsignedLongLong(st);
     if (stream == (unsigned long long)-1 && PyErr_Occurred()) goto done;
-    unsigned long long addr[4] = {px, py, pd, 0};
+    unsigned long long addr[4] = {p.px, py, p.pd, 0};
     CUresult r;
     if (launch_desc((const Desc*)(uintptr_t)desc, stream, addr, 4, &r) < 0) goto done;
     if (r != 0) {  // (no current context on this thread, say): the full path runs and reports
@@ -450,8 +548,9 @@ static PyObject* softmax_fast(PyObject* self, PyObject* const* args, Py_ssize_t 
     Py_DECREF(rec);
     result = Py_NewRef(y);
 done:
+    Py_DECREF(key);
     Py_XDECREF(entry);
-    Py_DECREF(dev);
+    Py_XDECREF(dev);
     Py_XDECREF(native);
     Py_XDECREF(y);
     Py_XDECREF(st);
@@ -459,6 +558,52 @@ done:
 }
 
 static int is_number(PyObject* o) { return PyLong_CheckExact(o) || PyFloat_CheckExact(o); }
+
+// loss_key's tuple through torch's C++ calls: (logits' dims, then target's, packed into bytes), their dtypes
+// as ScalarType numbers in place of logits.shape, logits.dtype, target.shape and target.dtype; the rest as
+// loss_key's. args: loss_key's, checked there up to the tensors.
+static PyObject* packed_loss_key(PyObject* const* args, int cuda_only) {
+    PyObject *x = args[0], *tg = args[1];
+    FtMeta mx, mt;
+    if (!ft->meta(x, &mx) || !ft->meta(tg, &mt) || !mx.address || !mt.address || !mx.numel) Py_RETURN_NONE;
+    if ((cuda_only && (!mx.cuda || !mt.cuda)) || !mx.contiguous || !mt.contiguous) Py_RETURN_NONE;
+    int known = 0;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(g_loss_dtypes); ++i)
+        known |= ft->dtype_code(PyTuple_GET_ITEM(g_loss_dtypes, i)) == mx.dtype;
+    if (!known) Py_RETURN_NONE;
+    int t = plain_state();
+    if (t != 1) return t < 0 ? NULL : Py_NewRef(Py_None);
+    int grad = probed_grad(mx.requires_grad);
+    if (grad < 0) return NULL;
+    if (cuda_only && (t = device_current(mx.device)) != 1) return t < 0 ? NULL : Py_NewRef(Py_None);
+    long long dims[2 * FT_MAX_DIMS + 2];
+    int n = 0;
+    dims[n++] = mx.ndim;
+    for (int i = 0; i < mx.ndim; ++i) dims[n++] = mx.sizes[i];
+    dims[n++] = mt.ndim;
+    for (int i = 0; i < mt.ndim; ++i) dims[n++] = mt.sizes[i];
+    PyObject* items[16];
+    items[0] = PyBytes_FromStringAndSize((const char*)dims, (Py_ssize_t)(n * sizeof dims[0]));
+    items[1] = PyLong_FromLong(mx.dtype);
+    items[2] = PyLong_FromLong(mx.device);
+    items[3] = PyLong_FromUnsignedLongLong(mx.address % 16);
+    items[4] = Py_NewRef(Py_None);  // (target's dims: in items[0])
+    items[5] = PyLong_FromLong(mt.dtype);
+    items[6] = PyLong_FromUnsignedLongLong(mt.address % 16);
+    items[7] = Py_NewRef(grad ? Py_True : Py_False);
+    for (int i = 3; i < 10; ++i) items[5 + i] = Py_NewRef(args[i]);  // ignore_index ... backend
+    items[15] = PyLong_FromLong(mt.device);
+    PyObject* k = PyTuple_New(16);
+    for (int i = 0; i < 16; ++i) {
+        if (!items[i] || !k) {
+            for (int j = i; j < 16; ++j) Py_XDECREF(items[j]);
+            Py_XDECREF(k);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(k, i, items[i]);
+    }
+    return k;
+}
 
 // loss_key(logits, target, class_weight, ignore_index, reduction, smoothing, softcap, z_loss, want_z,
 //          backend[, cuda_only=True]) -> the key of a cross-entropy call (fastpath.loss_key), or None:
@@ -481,6 +626,7 @@ static PyObject* loss_key(PyObject* self, PyObject* const* args, Py_ssize_t n) {
     if (!is_number(args[5]) || !is_number(args[7]) || !PyBool_Check(args[8])) Py_RETURN_NONE;
     if (args[6] != Py_None && !is_number(args[6])) Py_RETURN_NONE;
     int t;
+    if (ft) return packed_loss_key(args, cuda_only);
     if (cuda_only) {
         if ((t = is_cuda(x)) <= 0 || (t = is_cuda(tg)) <= 0) return t < 0 ? NULL : Py_NewRef(Py_None);
     }
@@ -538,7 +684,12 @@ static PyObject* loss_key(PyObject* self, PyObject* const* args, Py_ssize_t n) {
         Py_DECREF(k);
         return NULL;
     }
-    if (cuda_only && (t = device_current(items[2])) != 1) {  // (a replay launches on the current context)
+    long dev = cuda_only ? PyLong_AsLong(items[2]) : -1;
+    if (dev == -1 && PyErr_Occurred()) {
+        Py_DECREF(k);
+        return NULL;
+    }
+    if (cuda_only && (t = device_current(dev)) != 1) {  // (a replay launches on the current context)
         Py_DECREF(k);
         return t < 0 ? NULL : Py_NewRef(Py_None);
     }
@@ -551,9 +702,47 @@ fail_dtype:
     return NULL;
 }
 
-// launch_steps(stream, steps, bases) -> 0, or the first failed launch's CUresult (the ones after it are not
-// made). steps: ((desc address, (base index, byte offset, base index, byte offset, ...)), ...), one pair per
-// address slot of that Desc: the address is bases[index] + offset, or 0 for index -1.
+// The launches of steps ((desc address, (base index, byte offset, ...)), ...; one pair per address slot of
+// that Desc: the address is base[index] + offset, or 0 for index -1) on the stream: 0 with *r the first
+// failed launch's CUresult (the ones after it are not made) or 0; -1 with a Python error.
+static int run_steps(unsigned long long stream, PyObject* steps, const unsigned long long* base, Py_ssize_t nb,
+                     CUresult* r) {
+    *r = 0;
+    for (Py_ssize_t s = 0; s < PyTuple_GET_SIZE(steps); ++s) {
+        PyObject* step = PyTuple_GET_ITEM(steps, s);
+        if (!PyTuple_Check(step) || PyTuple_GET_SIZE(step) != 2 || !PyTuple_Check(PyTuple_GET_ITEM(step, 1))) {
+            PyErr_SetString(PyExc_TypeError, "launch_steps: a step is (desc, (index, offset, ...))");
+            return -1;
+        }
+        unsigned long long desc = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(step, 0));
+        if (desc == (unsigned long long)-1 && PyErr_Occurred()) return -1;
+        PyObject* slots = PyTuple_GET_ITEM(step, 1);
+        Py_ssize_t ns = PyTuple_GET_SIZE(slots) / 2;
+        if (ns > MAX_ADDRESSES || PyTuple_GET_SIZE(slots) % 2) {
+            PyErr_SetString(PyExc_ValueError, "launch_steps: (index, offset) pairs, at most MAX_ADDRESSES");
+            return -1;
+        }
+        unsigned long long addr[MAX_ADDRESSES];
+        for (Py_ssize_t i = 0; i < ns; ++i) {
+            long b = PyLong_AsLong(PyTuple_GET_ITEM(slots, 2 * i));
+            long long off = PyLong_AsLongLong(PyTuple_GET_ITEM(slots, 2 * i + 1));
+            if (PyErr_Occurred()) return -1;
+            if (b < -1 || b >= nb) {
+                PyErr_SetString(PyExc_IndexError, "launch_steps: a slot's base index is out of range");
+                return -1;
+            }
+            addr[i] = b < 0 ? 0 : base[b] + (unsigned long long)off;
+        }
+        if (launch_desc((const Desc*)(uintptr_t)desc, stream, addr, (size_t)ns, r) < 0) return -1;
+        if (*r != 0) return 0;
+    }
+    return 0;
+}
+
+#define MAX_BASES 16
+
+// launch_steps(stream, steps, bases) -> 0, or the first failed launch's CUresult (run_steps' steps; bases:
+// a tuple of addresses)
 static PyObject* launch_steps(PyObject* self, PyObject* const* args, Py_ssize_t n) {
     if (n != 3 || !PyTuple_Check(args[1]) || !PyTuple_Check(args[2])) {
         PyErr_SetString(PyExc_TypeError, "launch_steps(stream, steps: tuple, bases: tuple)");
@@ -561,10 +750,10 @@ static PyObject* launch_steps(PyObject* self, PyObject* const* args, Py_ssize_t 
     }
     unsigned long long stream = PyLong_AsUnsignedLongLong(args[0]);
     if (stream == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
-    PyObject *steps = args[1], *bases = args[2];
+    PyObject* bases = args[2];
     Py_ssize_t nb = PyTuple_GET_SIZE(bases);
-    unsigned long long base[16];
-    if (nb > 16) {
+    unsigned long long base[MAX_BASES];
+    if (nb > MAX_BASES) {
         PyErr_SetString(PyExc_ValueError, "launch_steps: at most 16 bases");
         return NULL;
     }
@@ -572,36 +761,78 @@ static PyObject* launch_steps(PyObject* self, PyObject* const* args, Py_ssize_t 
         base[i] = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(bases, i));
         if (base[i] == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
     }
-    for (Py_ssize_t s = 0; s < PyTuple_GET_SIZE(steps); ++s) {
-        PyObject* step = PyTuple_GET_ITEM(steps, s);
-        if (!PyTuple_Check(step) || PyTuple_GET_SIZE(step) != 2 || !PyTuple_Check(PyTuple_GET_ITEM(step, 1))) {
-            PyErr_SetString(PyExc_TypeError, "launch_steps: a step is (desc, (index, offset, ...))");
-            return NULL;
-        }
-        unsigned long long desc = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(step, 0));
-        if (desc == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
-        PyObject* slots = PyTuple_GET_ITEM(step, 1);
-        Py_ssize_t ns = PyTuple_GET_SIZE(slots) / 2;
-        if (ns > MAX_ADDRESSES || PyTuple_GET_SIZE(slots) % 2) {
-            PyErr_SetString(PyExc_ValueError, "launch_steps: (index, offset) pairs, at most MAX_ADDRESSES");
-            return NULL;
-        }
-        unsigned long long addr[MAX_ADDRESSES];
-        for (Py_ssize_t i = 0; i < ns; ++i) {
-            long b = PyLong_AsLong(PyTuple_GET_ITEM(slots, 2 * i));
-            long long off = PyLong_AsLongLong(PyTuple_GET_ITEM(slots, 2 * i + 1));
-            if (PyErr_Occurred()) return NULL;
-            if (b < -1 || b >= nb) {
-                PyErr_SetString(PyExc_IndexError, "launch_steps: a slot's base index is out of range");
-                return NULL;
-            }
-            addr[i] = b < 0 ? 0 : base[b] + (unsigned long long)off;
-        }
-        CUresult r;
-        if (launch_desc((const Desc*)(uintptr_t)desc, stream, addr, (size_t)ns, &r) < 0) return NULL;
-        if (r != 0) return PyLong_FromLong(r);
+    CUresult r;
+    if (run_steps(stream, args[1], base, nb, &r) < 0) return NULL;
+    return PyLong_FromLong(r);
+}
+
+// t's address (0 with an error set, or for no storage)
+static unsigned long long tensor_address(PyObject* t) {
+    FtMeta m;
+    if (ft && Py_TYPE(t) == (PyTypeObject*)g_tensor) return ft->meta(t, &m) ? m.address : 0;
+    return address_of(t);
+}
+
+// torch.empty_like(proto), its address in *addr: a new reference, NULL with an error
+static PyObject* alloc_like(PyObject* proto, unsigned long long* addr) {
+    if (ft && Py_TYPE(proto) == (PyTypeObject*)g_tensor) return ft->empty_like(proto, -1, addr);
+    PyObject* y = PyObject_Vectorcall(g_empty_like, &proto, 1, NULL);
+    if (y && !(*addr = address_of(y)) && PyErr_Occurred()) Py_CLEAR(y);
+    return y;
+}
+
+// launch_new(steps, device, tensors, protos, derived) -> the new tensors (a tuple), or None where a launch
+// failed (nothing is launched after it): the cross-entropy replay's calls (fastpath.py) in one. Allocates
+// torch.empty_like(p) for each p in protos, then launches steps (run_steps') on device's current stream with
+// the bases: the tensors' addresses, the new tensors', then base[i] + offset for each (i, offset) in derived.
+static PyObject* launch_new(PyObject* self, PyObject* const* args, Py_ssize_t n) {
+    if (!configured()) return NULL;
+    if (n != 5 || !PyTuple_Check(args[0]) || !PyTuple_Check(args[2]) || !PyTuple_Check(args[3]) ||
+        !PyTuple_Check(args[4])) {
+        PyErr_SetString(PyExc_TypeError, "launch_new(steps, device, tensors, protos, derived: tuples)");
+        return NULL;
     }
-    return PyLong_FromLong(0);
+    PyObject *tensors = args[2], *protos = args[3], *derived = args[4];
+    Py_ssize_t nt = PyTuple_GET_SIZE(tensors), np = PyTuple_GET_SIZE(protos), nd = PyTuple_GET_SIZE(derived);
+    if (nt + np + nd > MAX_BASES) {
+        PyErr_SetString(PyExc_ValueError, "launch_new: at most 16 bases");
+        return NULL;
+    }
+    unsigned long long base[MAX_BASES];
+    for (Py_ssize_t i = 0; i < nt; ++i)
+        if (!(base[i] = tensor_address(PyTuple_GET_ITEM(tensors, i))))
+            return PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
+    PyObject* out = PyTuple_New(np);
+    if (!out) return NULL;
+    for (Py_ssize_t i = 0; i < np; ++i) {
+        PyObject* y = alloc_like(PyTuple_GET_ITEM(protos, i), &base[nt + i]);
+        if (!y) goto fail;
+        PyTuple_SET_ITEM(out, i, y);
+    }
+    for (Py_ssize_t i = 0; i < nd; ++i) {
+        PyObject* pair = PyTuple_GET_ITEM(derived, i);
+        long b = PyTuple_Check(pair) && PyTuple_GET_SIZE(pair) == 2 ? PyLong_AsLong(PyTuple_GET_ITEM(pair, 0)) : -2;
+        long long off = b >= -1 ? PyLong_AsLongLong(PyTuple_GET_ITEM(pair, 1)) : 0;
+        if (PyErr_Occurred()) goto fail;
+        if (b < 0 || b >= nt + np + i) {
+            PyErr_SetString(PyExc_IndexError, "launch_new: a derived base is (an earlier base's index, offset)");
+            goto fail;
+        }
+        base[nt + np + i] = base[b] + (unsigned long long)off;
+    }
+    PyObject* st = PyObject_Vectorcall(g_get_stream, &args[1], 1, NULL);
+    if (!st) goto fail;
+    unsigned long long stream = PyLong_AsUnsignedLongLong(st);
+    Py_DECREF(st);
+    if (stream == (unsigned long long)-1 && PyErr_Occurred()) goto fail;
+    CUresult r;
+    if (run_steps(stream, args[0], base, nt + np + nd, &r) < 0) goto fail;
+    if (r == 0) return out;
+    Py_DECREF(out);
+    Py_RETURN_NONE;
+fail:
+    Py_DECREF(out);
+    return NULL;
 }
 
 static PyObject* desc_size(PyObject* self, PyObject* unused) { return PyLong_FromSize_t(sizeof(Desc)); }
@@ -624,6 +855,7 @@ static PyMethodDef methods[] = {
     {"launch", (PyCFunction)(void (*)(void))launch, METH_FASTCALL,
      "launch(desc, stream, *addresses) -> CUresult (as many addresses as the Desc has slots)"},
     {"configure", (PyCFunction)(void (*)(void))configure, METH_FASTCALL, "the probes and the cache (fastpath.py)"},
+    {"configure_torch", configure_torch, METH_O, "fastlaunch_torch's table (a capsule), or None"},
     {"softmax_key", (PyCFunction)(void (*)(void))softmax_key, METH_FASTCALL, "a softmax-family call's key, or None"},
     {"softmax_fast", (PyCFunction)(void (*)(void))softmax_fast, METH_FASTCALL,
      "a softmax-family call seen before, replayed; None: the full path runs"},
@@ -632,6 +864,8 @@ static PyMethodDef methods[] = {
      "torch's CPU kernels and the plans for the CPU's direct path (fastpath.py)"},
     {"launch_steps", (PyCFunction)(void (*)(void))launch_steps, METH_FASTCALL,
      "launch_steps(stream, steps, bases) -> 0 or the first failed launch's CUresult"},
+    {"launch_new", (PyCFunction)(void (*)(void))launch_new, METH_FASTCALL,
+     "launch_new(steps, device, tensors, protos, derived) -> the new tensors, or None"},
     {"desc_size", desc_size, METH_NOARGS, "sizeof(Desc), for launch.py's check of its layout"},
     {"limits", limits, METH_NOARGS, "(MAX_PARAMS, MAX_BYTES, MAX_ADDRESSES, MAX_FILLS)"},
     {"driver_layout", driver_layout, METH_NOARGS, "sizes and offsets of the driver structures used here"},

@@ -4,7 +4,8 @@
 // cost as much again (bench/results/cpu_torch.json). Taken here: backend 'auto', a contiguous torch.Tensor
 // on the CPU with elements, no other output dtype, an eager call (eager_state: api.py's _cpu_ok's checks;
 // autocast and heuristics.force leave the CPU's calls alone there too), and
-//   softmax of fp32, fp64, fp16, bf16; log_softmax of fp32 (the others: other formulas, see backends/torch.py);
+//   softmax of fp32, fp64, fp16, bf16; log_softmax of fp32, and of fp16 and bf16 in fp32 through
+//   fastlaunch_torch (fp64: another formula, see backends/torch.py);
 //   under autograd, fp32 and fp64 softmax and fp32 log_softmax (torch's graph, as native_softmax_graph);
 //   softmax_backward with dy and y of one dtype and no autograd.
 // Anything else returns None and the Python path runs, as does a call whose output has a row starting with
@@ -42,7 +43,7 @@ static PyObject* configure_cpu(PyObject* self, PyObject* const* args, Py_ssize_t
     Py_RETURN_NONE;
 }
 
-// x.dtype's index in g_floats, -1 for another dtype, -2 with an error
+// t.dtype's index in g_floats, -1 for another dtype, -2 with an error
 static int float_kind(PyObject* t) {
     PyObject* dt = PyObject_GetAttr(t, s_dtype);
     if (!dt) return -2;
@@ -53,59 +54,58 @@ static int float_kind(PyObject* t) {
     return k;
 }
 
-// 1 when t is a contiguous CPU tensor (exactly torch.Tensor) with elements and storage; its shape (a new
-// reference), its sizes' product before dim (outer), at dim (n) and after it (inner) set, dim normalised.
-// 0: not one; -1: error
-static int plain_cpu(PyObject* t, PyObject* dim_obj, PyObject** shape_out, long* dim, long long* outer, long long* n,
-                     long long* inner) {
+// A CPU tensor as cpu_fast takes it: its dims (at most FT_MAX_DIMS), kind (index in g_floats), address and
+// whether it requires grad (-1: not probed; needs_grad asks)
+typedef struct {
+    int ndim, kind, requires_grad;
+    long long sizes[FT_MAX_DIMS];
+    unsigned long long address;
+} CpuTensor;
+
+// 1 when t is a contiguous CPU tensor (exactly torch.Tensor) with elements and storage, of at most
+// FT_MAX_DIMS dims, *c filled (kind -1 for a dtype not in g_floats); 0: not one; -1: error
+static int plain_cpu(PyObject* t, CpuTensor* c) {
     if (Py_TYPE(t) != (PyTypeObject*)g_tensor) return 0;
+    if (ft) {
+        FtMeta m;
+        if (!ft->meta(t, &m) || m.cuda || !m.contiguous || !m.numel || !m.address) return 0;
+        c->ndim = m.ndim, c->address = m.address, c->requires_grad = m.requires_grad, c->kind = -1;
+        memcpy(c->sizes, m.sizes, sizeof m.sizes);
+        for (int i = 0; i < N_FLOATS; ++i)
+            if (ft->dtype_code(g_floats[i]) == m.dtype) c->kind = i;
+        return 1;
+    }
     int ok = attr_is(t, s_is_cpu, Py_True);
     if (ok <= 0) return ok;
-    PyObject* c = call_method(t, s_is_contiguous);
-    if (!c) {  // (a sparse layout has none: the Python path says what it says)
+    PyObject* cont = call_method(t, s_is_contiguous);
+    if (!cont) {  // (a sparse layout has none: the Python path says what it says)
         PyErr_Clear();
         return 0;
     }
-    ok = c == Py_True;
-    Py_DECREF(c);
+    ok = cont == Py_True;
+    Py_DECREF(cont);
     if (!ok) return 0;
     PyObject* shape = PyObject_GetAttr(t, s_shape);  // a torch.Size: a tuple of ints
     if (!shape) return -1;
-    if (!PyTuple_Check(shape)) {
-        Py_DECREF(shape);
-        return 0;
+    Py_ssize_t nd = PyTuple_Check(shape) ? PyTuple_GET_SIZE(shape) : FT_MAX_DIMS + 1;
+    ok = nd <= FT_MAX_DIMS;
+    for (Py_ssize_t i = 0; ok && i < nd; ++i) {
+        c->sizes[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(shape, i));
+        ok = c->sizes[i] > 0;  // (no elements, or an error: not taken)
     }
-    Py_ssize_t nd = PyTuple_GET_SIZE(shape);
-    long d = PyLong_AsLong(dim_obj);
-    if (d == -1 && PyErr_Occurred()) {
-        PyErr_Clear();
-        Py_DECREF(shape);
-        return 0;
-    }
-    if (nd == 0 || d < -nd || d >= nd) {  // (the full path raises its error)
-        Py_DECREF(shape);
-        return 0;
-    }
-    if (d < 0) d += nd;
-    long long o = 1, in = 1, m = 0;
-    for (Py_ssize_t i = 0; i < nd; ++i) {
-        long long s = PyLong_AsLongLong(PyTuple_GET_ITEM(shape, i));
-        if (s <= 0) {  // no elements (or an error): the full path
-            Py_DECREF(shape);
-            if (PyErr_Occurred()) return -1;
-            return 0;
-        }
-        if (i < d) o *= s;
-        if (i == d) m = s;
-        if (i > d) in *= s;
-    }
-    unsigned long long a = address_of(t);  // (a storage resized to 0 bytes: the full path says so)
-    if (!a) {
-        Py_DECREF(shape);
-        return PyErr_Occurred() ? -1 : 0;
-    }
-    *shape_out = shape, *dim = d, *outer = o, *n = m, *inner = in;
-    return 1;
+    Py_DECREF(shape);
+    if (!ok) return PyErr_Occurred() ? -1 : 0;
+    c->ndim = (int)nd;
+    if ((c->kind = float_kind(t)) < -1) return -1;
+    c->requires_grad = -1;
+    c->address = address_of(t);  // (a storage resized to 0 bytes: the full path says so)
+    return c->address ? 1 : PyErr_Occurred() ? -1 : 0;
+}
+
+// t's requires_grad (as probed, or asked) and torch.is_grad_enabled(): 1, 0, or -1 with an error
+static int cpu_grad(PyObject* t, const CpuTensor* c) {
+    if (c->requires_grad < 0) return needs_grad(t);
+    return c->requires_grad ? call_truthy(g_grad_enabled) : 0;
 }
 
 // Whether a row (along dim) of the contiguous tensor at addr starts with NaN, by its bits
@@ -141,6 +141,37 @@ static PyObject* recorded(PyObject* out, PyObject* plan) {
     return out;
 }
 
+// torch's kernel: op (FT_SOFTMAX, FT_LOG_SOFTMAX, FT_SOFTMAX_BACKWARD: a is dy, b is y) along the normalised
+// dim, in the dtype of g_floats[kind], with torch's autograd graph where graph is 1; its address in *address.
+// A new reference, or NULL with an error.
+static PyObject* cpu_kernel(int op, PyObject* a, PyObject* b, long dim, int kind, int graph,
+                            unsigned long long* address) {
+    PyObject* out;
+    if (ft) {
+        out = ft->cpu_op(op, a, b, dim, ft->dtype_code(g_floats[kind]), graph);
+    } else {
+        PyObject* dim_n = PyLong_FromLong(dim);  // (normalised, as the Python path passes it: the graph saves it)
+        if (!dim_n) return NULL;
+        if (op == FT_SOFTMAX_BACKWARD) {
+            PyObject* args[4] = {a, b, dim_n, g_floats[kind]};
+            out = PyObject_Vectorcall(g_softmax_bwd, args, 4, NULL);
+        } else {
+            PyObject* args[3] = {a, dim_n, Py_False};
+            out = PyObject_Vectorcall(op == FT_LOG_SOFTMAX ? g_log_softmax : g_softmax, args, 3, NULL);
+        }
+        Py_DECREF(dim_n);
+    }
+    if (!out) return NULL;
+    FtMeta m;
+    *address = ft ? (ft->meta(out, &m) ? m.address : 0) : address_of(out);
+    if (!*address) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "fastlaunch: torch's softmax gave no storage");
+        Py_DECREF(out);
+        return NULL;
+    }
+    return out;
+}
+
 // softmax_fast's CPU branch: (x, dy or None, dim, dtype, log, backend) as softmax_fast's arguments
 static PyObject* cpu_fast(PyObject* x, PyObject* d, PyObject* dim, PyObject* dtype, PyObject* log, PyObject* backend) {
     if (!g_softmax || !PyUnicode_Check(backend) || PyUnicode_CompareWithASCIIString(backend, "auto") != 0 ||
@@ -149,71 +180,46 @@ static PyObject* cpu_fast(PyObject* x, PyObject* d, PyObject* dim, PyObject* dty
     // first: under a torch.func transform x is a wrapper (still exactly torch.Tensor) whose data_ptr raises
     int t = eager_state();
     if (t != 1) return t < 0 ? NULL : Py_NewRef(Py_None);
-    long dm;
-    long long outer, n, inner;
-    PyObject *shape = NULL, *out = NULL, *dim_n = NULL;
-    if ((t = plain_cpu(x, dim, &shape, &dm, &outer, &n, &inner)) <= 0) return t < 0 ? NULL : Py_NewRef(Py_None);
-    PyObject* result = Py_None;  // (borrowed until the end: None hands the call to the Python path)
-    int k = float_kind(x);
-    if (k < 0 || (dtype != Py_None && dtype != g_floats[k])) {
-        if (k < -1) result = NULL;
-        goto done;
+    CpuTensor cx, cd;
+    if ((t = plain_cpu(x, &cx)) <= 0) return t < 0 ? NULL : Py_NewRef(Py_None);
+    if (cx.kind < 0 || (dtype != Py_None && dtype != g_floats[cx.kind])) Py_RETURN_NONE;
+    long dm = PyLong_AsLong(dim);
+    if (dm == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    if (dm < -cx.ndim || dm >= cx.ndim) Py_RETURN_NONE;  // (the full path raises its error)
+    if (dm < 0) dm += cx.ndim;
+    long long outer = 1, n = cx.sizes[dm], inner = 1;
+    for (int i = 0; i < cx.ndim; ++i) {
+        if (i < dm) outer *= cx.sizes[i];
+        if (i > dm) inner *= cx.sizes[i];
     }
     PyObject* devices = PyObject_GetAttr(g_dispatch, s_devices);  // (a device without a path: the full path raises)
     t = devices ? PySequence_Contains(devices, s_cpu) : -1;
     Py_XDECREF(devices);
-    int grad = t == 1 ? needs_grad(x) : t;
-    if (t != 1 || grad < 0) {
-        if (t < 0 || grad < 0) result = NULL;
-        goto done;
-    }
-    if (!(dim_n = PyLong_FromLong(dm))) {  // (normalised, as the Python path passes it: the graph saves it)
-        result = NULL;
-        goto done;
-    }
+    int grad = t == 1 ? cpu_grad(x, &cx) : t;
+    if (t != 1 || grad < 0) return t < 0 || grad < 0 ? NULL : Py_NewRef(Py_None);
+    PyObject* out;
+    unsigned long long p;
     if (d != Py_None) {  // softmax_backward(dy, y): x is y here; dy of y's shape and dtype, neither needing grad
-        if (grad) goto done;
-        PyObject* d_shape = NULL;
-        long d_dim;
-        long long o2, n2, i2;
-        if ((t = plain_cpu(d, dim, &d_shape, &d_dim, &o2, &n2, &i2)) == 1) {
-            t = PyObject_RichCompareBool(shape, d_shape, Py_EQ);
-            Py_DECREF(d_shape);
-        }
+        if ((t = plain_cpu(d, &cd)) == 1)
+            t = cd.ndim == cx.ndim && !memcmp(cd.sizes, cx.sizes, cx.ndim * sizeof cx.sizes[0]) && cd.kind == cx.kind;
         if (t == 1) {
-            int kd = float_kind(d);
-            t = kd < -1 ? -1 : kd == k;
-        }
-        if (t == 1) {
-            int g = needs_grad(d);
+            int g = cpu_grad(d, &cd);
             t = g < 0 ? -1 : !g;
         }
-        if (t != 1) {
-            if (t < 0) result = NULL;
-            goto done;
-        }
-        PyObject* a[4] = {d, x, dim_n, g_floats[k]};
-        out = PyObject_Vectorcall(g_softmax_bwd, a, 4, NULL);
+        if (t != 1 || grad) return t < 0 ? NULL : Py_NewRef(Py_None);
+        out = cpu_kernel(FT_SOFTMAX_BACKWARD, d, x, dm, cx.kind, 0, &p);
     } else {
-        if ((log == Py_True && k != F32) || (grad && (k == F16 || k == BF16)))
-            goto done;  // log: fp64 takes the reference's formula, 16-bit fp32 rows; 16-bit autograd: the Function
-        PyObject* a[3] = {x, dim_n, Py_False};
-        out = PyObject_Vectorcall(log == Py_True ? g_log_softmax : g_softmax, a, 3, NULL);
+        // log: fp64 takes the reference's formula, 16-bit fp32 rows (through fastlaunch_torch); 16-bit
+        // autograd: the Function
+        int low = cx.kind == F16 || cx.kind == BF16;
+        if ((log == Py_True && (cx.kind == F64 || (low && !ft))) || (grad && low)) Py_RETURN_NONE;
+        out = cpu_kernel(log == Py_True ? FT_LOG_SOFTMAX : FT_SOFTMAX, x, NULL, dm, cx.kind, grad, &p);
     }
-    if (!out) {
-        result = NULL;
-        goto done;
-    }
-    unsigned long long p = address_of(out);
-    if (!p) {
-        if (PyErr_Occurred()) result = NULL;
-    } else if (!any_nan_first(p, k, outer, n, inner)) {  // (a row starting with NaN: the Python path fixes it)
-        result = recorded(out, d == Py_None && grad ? g_plan_graph : g_plan_native);
-        out = NULL;  // (recorded() took it)
-    }
-done:
-    Py_DECREF(shape);
-    Py_XDECREF(dim_n);
-    Py_XDECREF(out);
-    return result == Py_None ? Py_NewRef(Py_None) : result;
+    if (!out || !any_nan_first(p, cx.kind, outer, n, inner))
+        return out ? recorded(out, d == Py_None && grad ? g_plan_graph : g_plan_native) : NULL;
+    Py_DECREF(out);  // (a row starting with NaN: the Python path fixes it)
+    Py_RETURN_NONE;
 }

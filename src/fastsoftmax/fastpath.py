@@ -183,7 +183,7 @@ def _make_replay(steps, plan, out_dtype):
 # fs.cross_entropy's eager call is two prepared launches (ce_fwd, ce_finish, whose device-side assertion
 # checks the targets on CUDA; ce_bwd in the backward) around argument checks, dispatch and planning in
 # Python. A call seen before, on contiguous CUDA logits and targets with no class weights, is replayed: its
-# buffers allocated and its recorded launches made with their addresses (fastlaunch.launch_steps), and where
+# buffers allocated and its recorded launches made with their addresses (fastlaunch.launch_new), and where
 # the logits need a gradient one autograd Function whose backward replays ce_bwd (recorded by the first
 # backward). Every address of a recorded launch has a role found by address when it is recorded: the
 # logits, the targets, the stats and their tail (the counts after the rows), the outputs, the upstream
@@ -269,26 +269,23 @@ class _LossReplay:
 
     def __init__(self, steps, m, buf_numel, z_off, loss, plan, k, backward, differentiable):
         (self.fwd, self.launches), self.m, self.plan = steps, m, plan  # (launches: what the steps point into)
-        self.z_off = z_off
         self.full_backward, self.differentiable = backward, differentiable
         self.opts = (k[8], k[9], float(k[10]), None if k[11] is None else float(k[11]), float(k[12]))
         self.want_z, self.backend, self.grad, self.device = k[13], k[14], k[7], k[2]
         self.bwd = None  # (steps, the upstream gradient's key, the plan, the Launches) once recorded
-        # allocations as empty_like of small prototypes: on the H200's host 1.6 us against torch.empty's 2.0
-        # (2.9 for a 0-d shape)
+        # allocations as empty_like of small prototypes (torch.empty would parse a shape)
         self.buf_like = torch.empty(buf_numel, dtype=torch.float32, device=loss.device)
         self.out_like = torch.empty_like(loss)
-        self.launch_steps = launch.native().launch_steps
+        self.protos = (self.buf_like, self.out_like, self.out_like) if self.want_z else (self.buf_like, self.out_like)
+        self.derived = () if self.want_z else ((2, z_off),)  # (the unwanted z-loss output: in the buffer)
+        self.launch_new = launch.native().launch_new
 
     def run(self, logits, target):
-        buf = _empty_like(self.buf_like)  # the stats and the workspaces
-        out = _empty_like(self.out_like)
-        pb = buf.data_ptr()
-        zout = _empty_like(self.out_like) if self.want_z else None
-        pz = zout.data_ptr() if zout is not None else pb + self.z_off
-        bases = (logits.data_ptr(), target.data_ptr(), pb, out.data_ptr(), pz)
-        if self.launch_steps(_stream(self.device), self.fwd, bases):
+        """The bases (logits, target, the buffer, the loss, the z-loss output), the buffer and outputs new."""
+        made = self.launch_new(self.fwd, self.device, (logits, target), self.protos, self.derived)
+        if made is None:
             return None
+        buf, out, zout = made if self.want_z else (*made, None)
         heuristics.record(self.plan)
         if self.grad:
             out = _CrossEntropyReplay.apply(logits, target, (out, buf), self)
@@ -299,12 +296,11 @@ class _LossReplay:
         first time)."""
         gk = (g.shape, g.stride(), g.dtype, g.data_ptr() % 16)
         b = self.bwd
-        if b is not None and b[1] == gk:
-            dx = torch.empty_like(logits)  # (contiguous logits: the full path's layout)
-            bases = (logits.data_ptr(), target.data_ptr(), stats.data_ptr(), g.data_ptr(), dx.data_ptr())
-            if not self.launch_steps(_stream(self.device), b[0], bases):
+        if b is not None and b[1] == gk:  # dx: empty_like(logits), contiguous as the full path's
+            made = self.launch_new(b[0], self.device, (logits, target, stats, g), (logits,), ())
+            if made is not None:
                 heuristics.record(b[2])
-                return dx
+                return made[0]
         rec = launch.start() if b is None else None
         try:
             dx = self.full_backward(logits, target, None, stats, g, *self.opts, self.backend)
@@ -319,12 +315,6 @@ class _LossReplay:
             if steps is not None and len(roles) == 6:
                 self.bwd = (steps[0], gk, plan, steps[1])
         return dx
-
-
-_empty_like = torch.empty_like
-
-
-_stream = torch._C._cuda_getCurrentRawStream if hasattr(torch._C, "_cuda_getCurrentRawStream") else None
 
 
 class _CrossEntropyReplay(torch.autograd.Function):
@@ -370,6 +360,10 @@ def _native():
                 from . import dispatch  # noqa: PLC0415 (its DEVICES, read per call: tests take the CPU off)
                 from .backends.torch import NATIVE, NATIVE_GRAPH  # noqa: PLC0415 (the plans the CPU's path records)
 
+                try:  # (first: it decides how calls are keyed)
+                    mod.configure_torch(launch.torch_calls())
+                except RuntimeError:  # a table of another ABI: Python's probes
+                    mod.configure_torch(None)
                 floats = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
                 kernels = (torch._softmax, torch._log_softmax, torch._softmax_backward_data)
                 mod.configure_cpu(*kernels, NATIVE, NATIVE_GRAPH, floats, dispatch)

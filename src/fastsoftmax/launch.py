@@ -313,7 +313,84 @@ def describe() -> str:
     if not _native_mod:
         return "fastlaunch.c (built on first launch)"
     mod = _native_mod[0]
-    return f"unavailable ({mod})" if isinstance(mod, Exception) else "fastlaunch.c"
+    if isinstance(mod, Exception):
+        return f"unavailable ({mod})"
+    if not _torch_mod:
+        return "fastlaunch.c"
+    calls = _torch_mod[0]
+    how = f"Python's calls ({calls})" if isinstance(calls, Exception) else "fastlaunch_torch.cpp"
+    return f"fastlaunch.c, torch reached through {how}"
+
+
+_torch_mod: list = []  # [fastlaunch_torch's capsule] once built and loaded, or [the BackendFailed saying why not]
+
+
+def torch_calls():
+    """The capsule of fastlaunch_torch.cpp's table (torch's calls in C++ for fastlaunch.c), built with the C++
+    compiler against the running torch on first use and cached per torch build; None where it cannot be
+    (describe() says why: fastlaunch.c then reaches torch through Python)."""
+    if not _torch_mod:
+        with _lib_lock:
+            if not _torch_mod:
+                from .errors import BackendFailed
+
+                what = "fastlaunch_torch.cpp, fastsoftmax's calls into torch"
+                try:
+                    mod = load_built(_torch_entry(), "fastlaunch_torch", _torch_command, _has_table, what, 600)
+                    _torch_mod.append(mod.table())
+                except Exception as e:  # the compiler's or the loader's failure, named
+                    _torch_mod.append(e if isinstance(e, BackendFailed) else BackendFailed(f"{what}: {e}"))
+    calls = _torch_mod[0]
+    return None if isinstance(calls, Exception) else calls
+
+
+def _torch_entry() -> str:
+    """The cache entry name of fastlaunch_torch.cpp built for this torch build and Python."""
+    import hashlib
+    import sysconfig
+    from pathlib import Path
+
+    import torch
+
+    from . import cache
+
+    code = b"".join(Path(__file__).with_name(f).read_bytes() for f in ("fastlaunch_torch.cpp", "fastlaunch_torch.h"))
+    build = f"{torch.__version__} {torch.version.git_version} {Path(torch.__file__).parent}".encode()
+    suffix = sysconfig.get_config_var("EXT_SUFFIX")
+    digest = hashlib.sha256(code + build + suffix.encode() + bytes([cache.FORMAT])).hexdigest()[:16]
+    return f"fastlaunch_torch-{digest}{suffix}"
+
+
+def _torch_command(so) -> list[str]:
+    """The C++ compiler's command building fastlaunch_torch.cpp into ``so``: $CXX (a command, its flags
+    included) where set, else c++ or g++ on PATH; against the running torch's headers and libraries, in its
+    C++ ABI (C++20: what torch's newest headers require; older ones compile under it too)."""
+    import os
+    import shlex
+    import shutil
+    from pathlib import Path
+
+    import torch
+
+    from .errors import BackendFailed
+
+    cxx = shlex.split(os.environ.get("CXX", ""))
+    path = shutil.which(cxx[0]) if cxx else shutil.which("c++") or shutil.which("g++")
+    include = compiler()[1]
+    if path is None or include is None:
+        raise BackendFailed("no C++ compiler (c++ or g++ on PATH, or $CXX)" if path is None else "no Python.h")
+    root = Path(torch.__file__).parent
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    src = Path(__file__).with_name("fastlaunch_torch.cpp")
+    return [path, *cxx[1:], "-O2", "-std=c++20", "-shared", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+            f"-I{root / 'include'}", f"-I{root / 'include' / 'torch' / 'csrc' / 'api' / 'include'}", f"-I{include}",
+            str(src), "-o", str(so), f"-L{root / 'lib'}", "-lc10", "-ltorch_cpu", "-ltorch_python",
+            f"-Wl,-rpath,{root / 'lib'}"]  # fmt: skip
+
+
+def _has_table(mod):
+    mod.table()
+    return mod
 
 
 def native_entry() -> str:
@@ -324,7 +401,8 @@ def native_entry() -> str:
 
     from . import cache
 
-    code = b"".join(Path(__file__).with_name(f).read_bytes() for f in ("fastlaunch.c", "fastlaunch_cpu.c"))
+    files = ("fastlaunch.c", "fastlaunch_cpu.c", "fastlaunch_torch.h")
+    code = b"".join(Path(__file__).with_name(f).read_bytes() for f in files)
     suffix = sysconfig.get_config_var("EXT_SUFFIX")
     return f"fastlaunch-{hashlib.sha256(code + suffix.encode() + bytes([cache.FORMAT])).hexdigest()[:16]}{suffix}"
 
@@ -347,28 +425,11 @@ def compiler() -> tuple[list[str] | None, str | None]:
 def _load_native():
     """fastlaunch: the verified cache entry loaded where there is one, else fastlaunch.c compiled (and
     stored); raises errors.BackendFailed when neither can be had."""
-    import subprocess
-    import tempfile
-    import warnings
     from pathlib import Path
 
-    from . import cache
     from .errors import BackendFailed
 
-    name = native_entry()
-    data = cache.load(name)
-    with tempfile.TemporaryDirectory(prefix="fastsoftmax-") as tmp:  # mode 0700: nobody else writes here
-        so = Path(tmp, name)
-        if data is not None:  # the verified entry's bytes, loaded from a file only this process wrote
-            so.write_bytes(data)
-            try:
-                return _checked(_import(so))
-            except Exception as e:  # an entry this interpreter cannot load: built again below
-                warnings.warn(
-                    f"fastsoftmax: the cached {name} did not load ({e}); rebuilding it", RuntimeWarning, stacklevel=4
-                )
-                cache.forget(name)
-                so = Path(tmp, "rebuilt-" + name)
+    def command(so):
         cc, include = compiler()
         if cc is None or include is None:
             missing = "a C compiler (cc or gcc on PATH, or $CC)" if cc is None else "Python's headers (Python.h)"
@@ -377,29 +438,52 @@ def _load_native():
                 "(Triton needs the same to build its own launchers); install one (e.g. gcc and the python3-dev "
                 "package)"
             )
-        src = Path(__file__).with_name("fastlaunch.c")
-        out = subprocess.run(
-            [*cc, "-O2", "-shared", "-fPIC", f"-I{include}", str(src), "-o", str(so), "-ldl"],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        return [*cc, "-O2", "-shared", "-fPIC", f"-I{include}", str(Path(__file__).with_name("fastlaunch.c")),
+                "-o", str(so), "-ldl"]  # fmt: skip
+
+    return load_built(native_entry(), "fastlaunch", command, _checked, "fastlaunch.c, fastsoftmax's kernel launcher")
+
+
+def load_built(name: str, module: str, command, check, what: str, timeout: int = 120):
+    """Extension module ``module``: the verified cache entry ``name`` loaded (from a private temporary copy)
+    where there is one, else built by the command ``command(path)`` returns and stored; ``check(module)``
+    returns it or raises. Raises errors.BackendFailed when neither can be had."""
+    import subprocess
+    import tempfile
+    import warnings
+    from pathlib import Path
+
+    from . import cache
+    from .errors import BackendFailed
+
+    data = cache.load(name)
+    with tempfile.TemporaryDirectory(prefix="fastsoftmax-") as tmp:  # mode 0700: nobody else writes here
+        so = Path(tmp, name)
+        if data is not None:  # the verified entry's bytes, loaded from a file only this process wrote
+            so.write_bytes(data)
+            try:
+                return check(_import(so, module))
+            except Exception as e:  # an entry this interpreter cannot load: built again below
+                warnings.warn(
+                    f"fastsoftmax: the cached {name} did not load ({e}); rebuilding it", RuntimeWarning, stacklevel=4
+                )
+                cache.forget(name)
+                so = Path(tmp, "rebuilt-" + name)
+        cmd = command(so)
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
         if out.returncode != 0:
-            raise BackendFailed(
-                f"fastlaunch.c, fastsoftmax's kernel launcher, did not compile with {cc[0]}: "
-                f"{(out.stderr or out.stdout).strip()[-2000:]}"
-            )
-        mod = _checked(_import(so))
+            raise BackendFailed(f"{what} did not compile with {cmd[0]}: {(out.stderr or out.stdout).strip()[-2000:]}")
+        mod = check(_import(so, module))
         cache.store(name, so.read_bytes())
     return mod
 
 
-def _import(so):
+def _import(so, module: str):
     import importlib.machinery
     import importlib.util
 
-    loader = importlib.machinery.ExtensionFileLoader("fastlaunch", str(so))
-    mod = importlib.util.module_from_spec(importlib.util.spec_from_loader("fastlaunch", loader))
+    loader = importlib.machinery.ExtensionFileLoader(module, str(so))
+    mod = importlib.util.module_from_spec(importlib.util.spec_from_loader(module, loader))
     loader.exec_module(mod)
     return mod
 

@@ -1,0 +1,121 @@
+// fastlaunch's torch calls in C++: what fastlaunch.c otherwise asks of torch through Python (a tensor's shape,
+// strides, dtype, device, address; an allocation; torch's CPU softmax kernels), made through ATen directly.
+// From Python each of those is an argument parse and a new object: about 2 us of a replayed call's host
+// time on the H200's host, as much as torch's whole eager softmax leaves for everything else.
+// Built on first use with the C++ compiler against the running torch's headers (launch.py: cached per torch
+// build); fastlaunch.c takes the table below from a capsule and keeps its Python calls where it cannot be
+// built. Every function is called with the GIL held and lets no C++ exception out.
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <ATen/EmptyTensor.h>
+#include <ATen/ops/_log_softmax.h>
+#include <ATen/ops/_softmax.h>
+#include <ATen/ops/_softmax_backward_data.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/core/DeviceGuard.h>
+#include <torch/csrc/Dtype.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+#include "fastlaunch_torch.h"
+
+namespace {
+
+// 1 with *m filled for a strided CPU or CUDA tensor with storage of at most FT_MAX_DIMS dims (its Python type
+// checked by the caller); 0 for anything else, a torch.func wrapper or a meta tensor included.
+int meta(PyObject* obj, FtMeta* m) {
+    try {
+        const at::Tensor& t = THPVariable_Unpack(obj);
+        if (!t.defined() || t.layout() != at::kStrided || t.dim() > FT_MAX_DIMS) return 0;
+        const auto dev = t.device();
+        if (!dev.is_cpu() && !dev.is_cuda()) return 0;
+        if (!t.has_storage()) return 0;  // (wrappers of torch.func and of subclasses keep none)
+        m->ndim = static_cast<int>(t.dim());
+        m->dtype = static_cast<int>(t.scalar_type());
+        m->cuda = dev.is_cuda();
+        m->device = dev.is_cuda() ? dev.index() : -1;
+        m->requires_grad = t.requires_grad();
+        m->contiguous = t.is_contiguous();
+        m->numel = t.numel();
+        // (const: data_ptr() would copy a copy-on-write tensor's storage)
+        m->address = reinterpret_cast<unsigned long long>(t.const_data_ptr());
+        for (int i = 0; i < m->ndim; ++i) {
+            m->sizes[i] = t.size(i);
+            m->strides[i] = t.stride(i);
+        }
+        return 1;
+    } catch (...) {
+        return 0;
+    }
+}
+
+PyObject* raise(const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+}
+
+// a torch.dtype's c10::ScalarType number, -1 for any other object
+int dtype_code(PyObject* obj) { return THPDtype_Check(obj) ? static_cast<int>(((THPDtype*)obj)->scalar_type) : -1; }
+
+// torch.empty_like(t) (dtype < 0) or torch.empty_like(t, dtype=dtype), its address in *address: a new
+// reference, NULL with an error
+PyObject* empty_like(PyObject* obj, int dtype, unsigned long long* address) {
+    try {
+        const at::Tensor& t = THPVariable_Unpack(obj);
+        const auto type = dtype < 0 ? t.scalar_type() : at::ScalarType(dtype);
+        at::Tensor y;
+        if (t.layout() == at::kStrided && t.is_non_overlapping_and_dense()) {
+            // what empty_like makes of such a tensor (its strides, on its device), without the dispatcher's
+            // layers: half its cost
+            const c10::DeviceGuard guard(t.device());
+            const auto key = c10::computeDispatchKey(std::nullopt, at::kStrided, t.device());
+            y = at::detail::empty_strided_generic(t.sizes(), t.strides(), c10::GetAllocator(t.device().type()),
+                                                  c10::DispatchKeySet(key), type);
+        } else {
+            y = at::empty_like(t, t.options().dtype(type));
+        }
+        *address = reinterpret_cast<unsigned long long>(y.const_data_ptr());
+        return THPVariable_Wrap(std::move(y));
+    } catch (const std::exception& e) {
+        return raise(e);
+    }
+}
+
+// torch._softmax(a, dim, False), torch._log_softmax(a, dim, False) (of a 16-bit a: computed in fp32, rounded
+// once, as backends/torch.py's native_softmax) or torch._softmax_backward_data(a: dy, b: y, dim, dtype) on
+// CPU tensors: a new reference, NULL with an error. graph 0 (no gradient wanted): torch's
+// CPU kernel itself, below the dispatcher's autograd layers, which would only pass the call on.
+PyObject* cpu_op(int op, PyObject* a, PyObject* b, long dim, int dtype, int graph) {
+    try {
+        const at::Tensor& x = THPVariable_Unpack(a);
+        const c10::DispatchKeySet cpu(c10::DispatchKey::CPU);
+        at::Tensor y;
+        if (op == FT_SOFTMAX)
+            y = graph ? at::_softmax(x, dim, false) : at::_ops::_softmax::redispatch(cpu, x, dim, false);
+        else if (op == FT_LOG_SOFTMAX && (x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16))
+            y = at::_log_softmax(x.to(at::kFloat), dim, false).to(x.scalar_type());  // (fp32 rows, rounded once)
+        else if (op == FT_LOG_SOFTMAX)
+            y = graph ? at::_log_softmax(x, dim, false) : at::_ops::_log_softmax::redispatch(cpu, x, dim, false);
+        else
+            y = at::_ops::_softmax_backward_data::redispatch(cpu, x, THPVariable_Unpack(b), dim,
+                                                             at::ScalarType(dtype));
+        return THPVariable_Wrap(std::move(y));
+    } catch (const std::exception& e) {
+        return raise(e);
+    }
+}
+
+const FtCalls calls = {FT_ABI, sizeof(FtMeta), meta, dtype_code, empty_like, cpu_op};
+
+PyObject* table(PyObject*, PyObject*) { return PyCapsule_New(const_cast<FtCalls*>(&calls), FT_CAPSULE, nullptr); }
+
+PyMethodDef methods[] = {
+    {"table", table, METH_NOARGS, "the capsule fastlaunch.c takes (fastlaunch_torch.h's FtCalls)"},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+PyModuleDef module = {PyModuleDef_HEAD_INIT, "fastlaunch_torch", nullptr, -1, methods};
+
+}  // namespace
+
+PyMODINIT_FUNC PyInit_fastlaunch_torch(void) { return PyModule_Create(&module); }
