@@ -67,6 +67,7 @@ def main() -> None:
     from fastsoftmax import fastpath, launch
 
     fs.softmax(torch.randn(1, device="cuda"))  # (fastlaunch built and configured)
+    launch.torch_calls()  # (its build, where one runs in the background, waited for)
     if "--python-calls" in sys.argv:
         fastpath._native().configure_torch(None)
         fastpath.clear()

@@ -581,6 +581,83 @@ def test_cross_entropy_bad_targets_raise_the_library_error():
             fs.cross_entropy(big.requires_grad_(grad), t)
 
 
+def _ce_direct_cases(dtype):
+    """(name, logits, target, keywords, whether fastlaunch_cpu.c's loss_cpu takes the call) for
+    test_cross_entropy_direct_path_in_c_and_in_python."""
+    x, t = ce_data((6,), 513, dtype, 7)
+    x3, t3 = ce_data((2, 3), 50, dtype, 8)
+    nan_row = x.clone()
+    nan_row[2] = -INF  # (a fully masked row: its softmax NaN in torch's graph)
+    big, tb = ce_data((600,), 513, dtype, 9)  # past one chunk: the Python path's chunks
+    grad = lambda a: a.clone().requires_grad_()  # noqa: E731
+    cases = [(f"reduction {r}", x, t, dict(reduction=r), True) for r in ("mean", "sum", "none")]
+    cases += [
+        ("smoothing", x, t, dict(label_smoothing=0.1), True),
+        ("ignore_index 3", x, t.clamp(min=0), dict(ignore_index=3), True),
+        ("3-d logits, none", x3, t3, dict(reduction="none"), True),
+        ("uint8 targets", x3, t3.clamp(min=0).to(torch.uint8), {}, True),
+        ("int32 targets", x, t.int(), {}, True),
+        ("autograd", grad(x), t, {}, True),
+        ("autograd, none", grad(x3), t3, dict(reduction="none"), True),
+        ("autograd, smoothing", grad(x), t, dict(label_smoothing=0.1), False),
+        ("autograd, masked row", grad(nan_row), t, {}, False),
+        ("masked row", nan_row, t, {}, True),
+        ("class weights", x, t, dict(class_weight=torch.rand(513) + 0.5), False),
+        ("strided logits", x.t().contiguous().t(), t, {}, False),
+        ("strided targets", x[:3], torch.stack([t, t], 1).reshape(-1)[:6:2], {}, False),
+        ("every other row", x[::2], t[::2].clone(), {}, False),
+        ("past one chunk", big, tb, {}, False),
+        ("softcap", x, t, dict(softcap=30.0), False),
+        ("z_loss", x, t, dict(z_loss=1e-4), False),
+        ("backend='torch'", x, t, dict(backend="torch"), False),
+        ("float ignore_index", x, t, dict(ignore_index=-100.0), False),
+        ("bool smoothing", x, t, dict(label_smoothing=False), False),
+    ]
+    return cases
+
+
+@pytest.mark.parametrize("dtype", ALL, ids=str)
+def test_cross_entropy_direct_path_in_c_and_in_python(monkeypatch, dtype, reach):
+    """fs.cross_entropy's CPU direct path in C (fastlaunch_cpu.c's loss_cpu, through fastlaunch_torch: the
+    common calls) and in Python (loss.py's _cpu), each case forced both ways: which ran (loss_cpu's answer:
+    a tensor, or None, always None where fastlaunch reaches torch through Python), the plans recorded,
+    losses and dlogits bit-equal; the library's error for a target out of range either way."""
+    from fastsoftmax import fastpath
+
+    for name, x, t, kw, in_c in _ce_direct_cases(dtype):
+        opts = [kw.get(k, d) for k, d in (("ignore_index", -100), ("reduction", "mean"), ("label_smoothing", 0.0))]
+        opts += [kw.get("softcap"), kw.get("z_loss", 0.0), False, kw.get("backend", "auto")]
+        direct = fastpath.loss_cpu(x, t, kw.get("class_weight"), *opts)
+        assert (direct is not None) == (in_c and reach == "torch_in_cpp"), (name, dtype)
+        got = []
+        for forced_python in (False, True):
+            with monkeypatch.context() as m:
+                if forced_python:
+                    m.setattr(fastpath, "loss_cpu", lambda *a: None)
+                if name.startswith(("float", "bool")):  # (the full path's checks refuse them: both raise)
+                    with pytest.raises(TypeError, match="must be"):
+                        fs.cross_entropy(x, t, **kw)
+                    continue
+                loss, plans = run(fs.cross_entropy, x, t, **kw)
+                g = torch.linspace(0.5, 1.5, loss.numel()).reshape(loss.shape).to(loss.dtype)
+                dx = torch.autograd.grad(loss, x, g)[0] if x.requires_grad else None
+            got.append((loss, dx, plans))
+        if not got:
+            continue
+        (loss_c, dx_c, plans_c), (loss_py, dx_py, plans_py) = got
+        assert plans_c == plans_py, (name, plans_c, plans_py)
+        torch.testing.assert_close(loss_c, loss_py, rtol=0, atol=0, equal_nan=True, msg=name)
+        if dx_c is not None:
+            torch.testing.assert_close(dx_c, dx_py, rtol=0, atol=0, equal_nan=True, msg=name)
+        if direct is not None:
+            torch.testing.assert_close(direct.detach(), loss_py.detach(), rtol=0, atol=0, equal_nan=True, msg=name)
+    x, t = ce_data((6,), 513, dtype, 7)
+    t[4] = 513
+    assert fastpath.loss_cpu(x, t, None, -100, "mean", 0.0, None, 0.0, False, "auto") is None  # (handed over)
+    with pytest.raises(IndexError, match="at row 4 is outside \\[0, 513\\) and not ignore_index"):
+        fs.cross_entropy(x, t)
+
+
 def test_cross_entropy_double_backward_and_other_paths():
     """create_graph: the gradient is differentiable (gradgradcheck, float64, with weights and smoothing);
     softcap and z_loss keep the full path; so does autocast (an fp32 loss from bf16 logits)."""

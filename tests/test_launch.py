@@ -175,6 +175,44 @@ def test_info_says_how_kernels_and_replays_launch(monkeypatch):
     assert fs.info()["replay"] == "off (FASTSOFTMAX_FAST_LAUNCH=0)"
 
 
+def test_torch_calls_build_in_the_background(tmp_path, monkeypatch):
+    """fastlaunch_torch.cpp: a cached build loads at once; a compile runs in a daemon thread, the caller not
+    waiting (None, and fs.info() says so), ``ready`` called with the table from that thread once it is
+    loaded, a later call waiting for it; a failed build leaves None and says why, calling nobody."""
+    import threading
+
+    monkeypatch.setenv("FASTSOFTMAX_CACHE_DIR", str(tmp_path))
+    for name in ("_torch_mod", "_torch_build", "_torch_ready"):
+        monkeypatch.setattr(launch, name, [])
+    monkeypatch.setattr(launch, "_native_mod", [object()])
+    gate, table, seen = threading.Event(), object(), []
+
+    def build():
+        gate.wait(10)
+        return table
+
+    monkeypatch.setattr(launch, "_load_torch_calls", build)
+    assert launch.torch_calls(wait=False, ready=lambda t: seen.append((t, threading.current_thread().name))) is None
+    assert "until fastlaunch_torch.cpp is built" in launch.describe() and launch._torch_build[0].daemon
+    gate.set()
+    assert launch.torch_calls() is table and seen == [(table, "fastsoftmax-build")]
+    assert launch.describe() == "fastlaunch.c, torch reached through fastlaunch_torch.cpp"
+    # a failed build: None, why, and no callback
+    for name in ("_torch_mod", "_torch_build", "_torch_ready"):
+        monkeypatch.setattr(launch, name, [])
+    monkeypatch.setattr(launch, "_load_torch_calls", lambda: BackendFailed("no C++ compiler"))
+    assert launch.torch_calls(ready=seen.append) is None and len(seen) == 1
+    assert launch.describe() == "fastlaunch.c, torch reached through Python's calls (no C++ compiler)"
+    # a cached build: loaded on the calling thread, no thread started
+    for name in ("_torch_mod", "_torch_build", "_torch_ready"):
+        monkeypatch.setattr(launch, name, [])
+    monkeypatch.setattr(launch, "_load_torch_calls", lambda: (table, threading.current_thread())[0])
+    from fastsoftmax import cache
+
+    cache.store(launch._torch_entry(), b"built")
+    assert launch.torch_calls(wait=False) is table and launch._torch_build == []
+
+
 # ---- Triton kernels: their signatures packed into a Launch (triton/launch.py) ----------------------------
 
 
@@ -514,6 +552,7 @@ def hot(native, monkeypatch):
     monkeypatch.setattr(fastpath, "_native_mod", [])
     monkeypatch.setattr(fastpath, "fast", fastpath.fast)
     monkeypatch.setattr(fastpath, "loss_key", fastpath.loss_key)
+    monkeypatch.setattr(fastpath, "loss_cpu", fastpath.loss_cpu)
     mod = fastpath._native()
     assert mod is native and fastpath.fast is native.softmax_fast and fastpath.loss_key is native.loss_key
     return native
@@ -735,6 +774,32 @@ def test_native_packed_loss_key(hot):
     assert None not in keys and len(set(keys)) == len(keys)
     assert hot.loss_key(x, t, None, *opts) is None  # CPU tensors: no replay
     _loss_key_steps_aside(hot, x, t, opts)
+
+
+@needs_cc
+@pytest.mark.parametrize("reach", ["torch_in_cpp", "torch_via_python"])
+def test_native_tensor_key(hot, reach):
+    """tensor_key (the cross-entropy backward's key of its upstream gradient): packed bytes through
+    fastlaunch_torch, else the tuple (shape, strides, dtype, address mod 16); equal for tensors alike (and
+    a view 16 bytes on), different for another shape, strides, dtype or alignment."""
+    if reach == "torch_via_python":
+        hot.configure_torch(None)
+    elif launch.torch_calls() is None:
+        pytest.fail(f"fastlaunch_torch.cpp did not build here (the CI has a C++ compiler): {launch.describe()}")
+    try:
+        buf = torch.randn(80)
+        a = buf[:48].view(6, 8)
+        key = hot.tensor_key(a)
+        if reach == "torch_via_python":
+            assert key == (a.shape, a.stride(), a.dtype, a.data_ptr() % 16)
+        else:
+            assert isinstance(key, bytes)
+        assert hot.tensor_key(torch.randn(6, 8)) == key and hot.tensor_key(buf[4:52].view(6, 8)) == key
+        keys = [key, hot.tensor_key(buf[:48].view(8, 6)), hot.tensor_key(a.t()), hot.tensor_key(a.double())]
+        keys += [hot.tensor_key(buf[1:49].view(6, 8)), hot.tensor_key(torch.randn(()))]
+        assert len(set(keys)) == len(keys)
+    finally:
+        hot.configure_torch(launch.torch_calls())
 
 
 @needs_cc

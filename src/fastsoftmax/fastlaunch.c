@@ -326,6 +326,8 @@ static int device_current(long dev) {
     return cur == primary_ctx[dev];
 }
 
+static int is_number(PyObject* o) { return PyLong_CheckExact(o) || PyFloat_CheckExact(o); }
+
 #include "fastlaunch_cpu.c"  // the CPU's direct path (cpu_fast), on the probes above
 
 // A softmax-family call's arguments, probed once for its key (fastpath.key) and its replay
@@ -444,6 +446,32 @@ static PyObject* make_softmax_key(PyObject* x, PyObject* d, PyObject* dim, PyObj
     return tuple_softmax_key(x, d, dim, dtype, log, backend, cuda_only, p);
 }
 
+// tensor_key(t) -> what a replay keys a tensor by: (t.shape, t.stride(), t.dtype, its address mod 16), or
+// through fastlaunch_torch its dims, strides, dtype, device and address mod 16 packed into bytes
+static PyObject* tensor_key(PyObject* self, PyObject* t) {
+    if (!configured()) return NULL;
+    FtMeta m;
+    if (ft && Py_TYPE(t) == (PyTypeObject*)g_tensor && ft->meta(t, &m)) {
+        long long k[4 + 2 * FT_MAX_DIMS];
+        int n = 0;
+        k[n++] = m.ndim;
+        for (int i = 0; i < m.ndim; ++i) k[n++] = m.sizes[i];
+        for (int i = 0; i < m.ndim; ++i) k[n++] = m.strides[i];
+        k[n++] = m.dtype, k[n++] = m.device, k[n++] = (long long)(m.address % 16);
+        return PyBytes_FromStringAndSize((const char*)k, (Py_ssize_t)(n * sizeof k[0]));
+    }
+    unsigned long long a = address_of(t);
+    if (!a && PyErr_Occurred()) return NULL;
+    PyObject* shape = PyObject_GetAttr(t, s_shape);
+    PyObject* stride = shape ? call_method(t, s_stride) : NULL;
+    PyObject* dtype = stride ? PyObject_GetAttr(t, s_dtype) : NULL;
+    PyObject* k = dtype ? Py_BuildValue("(OOOK)", shape, stride, dtype, a % 16) : NULL;
+    Py_XDECREF(shape);
+    Py_XDECREF(stride);
+    Py_XDECREF(dtype);
+    return k;
+}
+
 // softmax_key(x, dy_or_None, dim, dtype, log, backend[, cuda_only=True]) -> the call's key, or None
 static PyObject* softmax_key(PyObject* self, PyObject* const* args, Py_ssize_t n) {
     if (!configured()) return NULL;
@@ -556,8 +584,6 @@ done:
     Py_XDECREF(st);
     return result;
 }
-
-static int is_number(PyObject* o) { return PyLong_CheckExact(o) || PyFloat_CheckExact(o); }
 
 // loss_key's tuple through torch's C++ calls: (logits' dims, then target's, packed into bytes), their dtypes
 // as ScalarType numbers in place of logits.shape, logits.dtype, target.shape and target.dtype; the rest as
@@ -856,10 +882,13 @@ static PyMethodDef methods[] = {
      "launch(desc, stream, *addresses) -> CUresult (as many addresses as the Desc has slots)"},
     {"configure", (PyCFunction)(void (*)(void))configure, METH_FASTCALL, "the probes and the cache (fastpath.py)"},
     {"configure_torch", configure_torch, METH_O, "fastlaunch_torch's table (a capsule), or None"},
+    {"tensor_key", tensor_key, METH_O, "what a replay keys a tensor by"},
     {"softmax_key", (PyCFunction)(void (*)(void))softmax_key, METH_FASTCALL, "a softmax-family call's key, or None"},
     {"softmax_fast", (PyCFunction)(void (*)(void))softmax_fast, METH_FASTCALL,
      "a softmax-family call seen before, replayed; None: the full path runs"},
     {"loss_key", (PyCFunction)(void (*)(void))loss_key, METH_FASTCALL, "a cross-entropy call's key, or None"},
+    {"loss_cpu", (PyCFunction)(void (*)(void))loss_cpu, METH_FASTCALL,
+     "loss.py's CPU direct path for its common calls, or None"},
     {"configure_cpu", (PyCFunction)(void (*)(void))configure_cpu, METH_FASTCALL,
      "torch's CPU kernels and the plans for the CPU's direct path (fastpath.py)"},
     {"launch_steps", (PyCFunction)(void (*)(void))launch_steps, METH_FASTCALL,

@@ -14,16 +14,26 @@
 enum { F32, F64, F16, BF16, N_FLOATS };
 static PyObject* g_floats[N_FLOATS];  // torch.float32, float64, float16, bfloat16
 static PyObject *g_softmax, *g_log_softmax, *g_softmax_bwd, *g_plan_native, *g_plan_graph;  // NULL: path off
+static PyObject *g_plan_ce, *g_plan_ce_graph, *g_targets;  // cross-entropy's plans; its target dtypes (a tuple)
+static PyObject *g_native, *s_chunk;  // backends/torch.py, and its CHUNK's name (read per call: tests change it)
+static PyObject* g_zero;                // 0 (z_loss's only value here)
 static PyObject *g_dispatch, *s_is_cpu, *s_devices, *s_cpu;
 
 // configure_cpu(torch._softmax, torch._log_softmax, torch._softmax_backward_data, NATIVE plan, NATIVE_GRAPH
-//               plan, (float32, float64, float16, bfloat16), the dispatch module (its DEVICES name 'cpu'))
+//               plan, (float32, float64, float16, bfloat16), the dispatch module (its DEVICES name 'cpu'),
+//               NATIVE_CE plan, NATIVE_CE_GRAPH plan, the target dtypes, backends/torch.py (its CHUNK))
 static PyObject* configure_cpu(PyObject* self, PyObject* const* args, Py_ssize_t n) {
-    if (n != 7 || !PyTuple_Check(args[5]) || PyTuple_GET_SIZE(args[5]) != N_FLOATS) {
+    if (n != 11 || !PyTuple_Check(args[5]) || PyTuple_GET_SIZE(args[5]) != N_FLOATS || !PyTuple_Check(args[9])) {
         PyErr_SetString(PyExc_TypeError, "configure_cpu(softmax, log_softmax, softmax_bwd, native, graph, floats, "
-                                         "dispatch)");
+                                         "dispatch, ce, ce_graph, targets, native)");
         return NULL;
     }
+    if (!s_chunk && !(s_chunk = PyUnicode_InternFromString("CHUNK"))) return NULL;
+    Py_XSETREF(g_native, Py_NewRef(args[10]));
+    if (!g_zero && !(g_zero = PyLong_FromLong(0))) return NULL;
+    Py_XSETREF(g_plan_ce, Py_NewRef(args[7]));
+    Py_XSETREF(g_plan_ce_graph, Py_NewRef(args[8]));
+    Py_XSETREF(g_targets, Py_NewRef(args[9]));
     if (!s_is_cpu) {  // (all three set together, or none)
         PyObject* is_cpu = PyUnicode_InternFromString("is_cpu");
         PyObject* devices = PyUnicode_InternFromString("DEVICES");
@@ -222,4 +232,66 @@ static PyObject* cpu_fast(PyObject* x, PyObject* d, PyObject* dim, PyObject* dty
         return out ? recorded(out, d == Py_None && grad ? g_plan_graph : g_plan_native) : NULL;
     Py_DECREF(out);  // (a row starting with NaN: the Python path fixes it)
     Py_RETURN_NONE;
+}
+
+// loss_cpu(logits, target, class_weight, ignore_index, reduction, smoothing, softcap, z_loss, want_z, backend)
+// -> the loss, or None (the Python path runs): loss.py's CPU direct path in C for its common calls, through
+// fastlaunch_torch: backend 'auto', no class weights, softcap, z-loss or z output; contiguous CPU logits
+// (..., V) of a float dtype in one chunk (backends/torch.py's CHUNK) and contiguous integer targets shaped
+// (...); an eager call, no autocast; where the logits need a gradient, no smoothing (torch's graph). A
+// target out of range, or a NaN row under autograd, is handed to the Python path, which says or does what
+// it does.
+static PyObject* loss_cpu(PyObject* self, PyObject* const* args, Py_ssize_t n) {
+    if (n != 10) {
+        PyErr_SetString(PyExc_TypeError, "loss_cpu: 10 arguments");
+        return NULL;
+    }
+    PyObject *x = args[0], *tg = args[1];
+    if (!ft || !g_plan_ce || args[2] != Py_None || args[6] != Py_None || args[8] != Py_False) Py_RETURN_NONE;
+    if (!PyUnicode_Check(args[9]) || PyUnicode_CompareWithASCIIString(args[9], "auto") != 0) Py_RETURN_NONE;
+    if (!is_number(args[7]) || PyObject_RichCompareBool(args[7], g_zero, Py_EQ) != 1) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    if (!PyLong_CheckExact(args[3]) || !is_number(args[5]) || !PyUnicode_Check(args[4])) Py_RETURN_NONE;
+    int reduction = -1;
+    const char* names[] = {"none", "mean", "sum"};  // (torch's enum)
+    for (int i = 0; i < 3; ++i)
+        if (PyUnicode_CompareWithASCIIString(args[4], names[i]) == 0) reduction = i;
+    int overflow;
+    long ignore = PyLong_AsLongAndOverflow(args[3], &overflow);
+    double eps = PyFloat_AsDouble(args[5]);
+    if (PyErr_Occurred()) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    if (reduction < 0 || overflow || !(eps >= 0.0 && eps <= 1.0)) Py_RETURN_NONE;
+    if (Py_TYPE(x) != (PyTypeObject*)g_tensor || Py_TYPE(tg) != (PyTypeObject*)g_tensor) Py_RETURN_NONE;
+    int t = eager_state();
+    if (t != 1) return t < 0 ? NULL : Py_NewRef(Py_None);
+    if ((t = call_truthy(g_autocast)) != 0) return t < 0 ? NULL : Py_NewRef(Py_None);
+    CpuTensor cx, ct;
+    if ((t = plain_cpu(x, &cx)) != 1 || (t = plain_cpu(tg, &ct)) != 1) return t < 0 ? NULL : Py_NewRef(Py_None);
+    long long numel = 1;
+    for (int i = 0; i < cx.ndim; ++i) numel *= cx.sizes[i];
+    PyObject* chunk_obj = PyObject_GetAttr(g_native, s_chunk);
+    long long chunk = chunk_obj ? PyLong_AsLongLong(chunk_obj) : -1;
+    Py_XDECREF(chunk_obj);
+    if (chunk == -1 && PyErr_Occurred()) return NULL;
+    if (cx.kind < 0 || numel > chunk || ct.ndim != cx.ndim - 1) Py_RETURN_NONE;
+    if (memcmp(ct.sizes, cx.sizes, ct.ndim * sizeof ct.sizes[0]) != 0) Py_RETURN_NONE;
+    FtMeta mt;
+    int target_ok = 0;
+    if (!ft->meta(tg, &mt)) Py_RETURN_NONE;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(g_targets); ++i)
+        target_ok |= ft->dtype_code(PyTuple_GET_ITEM(g_targets, i)) == mt.dtype;
+    if (!target_ok) Py_RETURN_NONE;
+    PyObject* devices = PyObject_GetAttr(g_dispatch, s_devices);  // (a device without a path: the full path raises)
+    t = devices ? PySequence_Contains(devices, s_cpu) : -1;
+    Py_XDECREF(devices);
+    int grad = t == 1 ? cpu_grad(x, &cx) : t;
+    if (t != 1 || grad < 0 || (grad && eps != 0.0)) return t < 0 || grad < 0 ? NULL : Py_NewRef(Py_None);
+    PyObject* loss = ft->cpu_loss(x, tg, ignore, reduction, eps, grad);
+    if (!loss) return PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
+    return recorded(loss, grad ? g_plan_ce_graph : g_plan_ce);
 }

@@ -12,10 +12,14 @@
 #include <ATen/ops/_log_softmax.h>
 #include <ATen/ops/_softmax.h>
 #include <ATen/ops/_softmax_backward_data.h>
+#include <ATen/ops/cross_entropy_loss.h>
+#include <ATen/ops/nll_loss_nd.h>
 #include <ATen/ops/empty_like.h>
 #include <c10/core/DeviceGuard.h>
 #include <torch/csrc/Dtype.h>
 #include <torch/csrc/autograd/python_variable.h>
+
+#include <cmath>
 
 #include "fastlaunch_torch.h"
 
@@ -105,7 +109,44 @@ PyObject* cpu_op(int op, PyObject* a, PyObject* b, long dim, int dtype, int grap
     }
 }
 
-const FtCalls calls = {FT_ABI, sizeof(FtMeta), meta, dtype_code, empty_like, cpu_op};
+// backends/torch.py's native cross-entropy of CPU logits (..., V) (contiguous) and integer targets (...),
+// no class weights, one chunk: torch's loss on fp32 rows (fp64 for fp64 logits), in the logits' dtype;
+// graph 1 (logits needing a gradient, no smoothing): torch's log_softmax and nll_loss, its autograd graph
+// kept. A new reference; NULL with an error, or with none where the Python path must run (a target out of
+// range, whose error is the library's; a row whose log_softmax starts with NaN under graph).
+PyObject* cpu_loss(PyObject* logits, PyObject* target, long ignore_index, int reduction, double smoothing,
+                   int graph) {
+    try {
+        const at::Tensor& x = THPVariable_Unpack(logits);
+        const at::Tensor& t = THPVariable_Unpack(target);
+        const auto wide = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+        const at::Tensor xs = x.reshape({-1, x.size(-1)});
+        const at::Tensor rows = xs.scalar_type() == wide ? xs : xs.to(wide);
+        const at::Tensor ts = t.reshape({-1}).to(at::kLong);
+        at::Tensor loss;
+        if (graph) {
+            at::Tensor ls = at::_log_softmax(rows, 1, false);
+            const int64_t m = ls.size(0), v = ls.size(1);
+            for (int64_t i = 0; i < m; ++i) {  // (there torch's gradient is not the library's)
+                const bool nan = wide == at::kDouble ? std::isnan(ls.const_data_ptr<double>()[i * v])
+                                                     : std::isnan(ls.const_data_ptr<float>()[i * v]);
+                if (nan) return nullptr;
+            }
+            loss = at::nll_loss_nd(ls, ts, std::nullopt, reduction, ignore_index);
+        } else {
+            loss = at::cross_entropy_loss(rows, ts, std::nullopt, reduction, ignore_index, smoothing);
+        }
+        if (loss.scalar_type() != x.scalar_type()) loss = loss.to(x.scalar_type());
+        if (reduction == 0) loss = loss.reshape(t.sizes());
+        return THPVariable_Wrap(std::move(loss));
+    } catch (const c10::IndexError&) {
+        return nullptr;
+    } catch (const std::exception& e) {
+        return raise(e);
+    }
+}
+
+const FtCalls calls = {FT_ABI, sizeof(FtMeta), meta, dtype_code, empty_like, cpu_op, cpu_loss};
 
 PyObject* table(PyObject*, PyObject*) { return PyCapsule_New(const_cast<FtCalls*>(&calls), FT_CAPSULE, nullptr); }
 

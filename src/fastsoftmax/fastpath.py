@@ -35,7 +35,7 @@ import types
 import torch
 import torch.autograd.forward_ad as _fwad
 
-from . import compose, heuristics, launch
+from . import compose, dtypes, heuristics, launch
 from .errors import BackendFailed
 
 ENABLED = os.environ.get("FASTSOFTMAX_FAST_LAUNCH", "1") != "0"
@@ -203,6 +203,15 @@ def loss_key(logits, target, class_weight, ignore_index, reduction, smoothing, s
     return mod.loss_key(logits, target, class_weight, *opts)
 
 
+def loss_cpu(logits, target, class_weight, ignore_index, reduction, smoothing, softcap, z_loss, want_z, backend):
+    """The CPU's direct path of a cross-entropy call in C (fastlaunch_cpu.c's loss_cpu: its common calls,
+    through fastlaunch_torch), or None (then loss.py's own runs). Callers check torch.compile first."""
+    if not ENABLED or type(logits) is not torch.Tensor or (mod := _native()) is None:
+        return None
+    opts = (ignore_index, reduction, smoothing, softcap, z_loss, want_z, backend)
+    return mod.loss_cpu(logits, target, class_weight, *opts)
+
+
 def loss_fast(k, logits, target):
     """The replayed loss (or (loss, z-loss)) of a call with key k, or None (then the full path runs)."""
     replay = _loss_cache.get(k)
@@ -278,7 +287,7 @@ class _LossReplay:
         self.out_like = torch.empty_like(loss)
         self.protos = (self.buf_like, self.out_like, self.out_like) if self.want_z else (self.buf_like, self.out_like)
         self.derived = () if self.want_z else ((2, z_off),)  # (the unwanted z-loss output: in the buffer)
-        self.launch_new = launch.native().launch_new
+        self.launch_new, self.tensor_key = launch.native().launch_new, launch.native().tensor_key
 
     def run(self, logits, target):
         """The bases (logits, target, the buffer, the loss, the z-loss output), the buffer and outputs new."""
@@ -294,7 +303,7 @@ class _LossReplay:
     def backward(self, logits, target, stats, g):
         """dlogits: the recorded backward when g looks as it did then, else the full path (recorded the
         first time)."""
-        gk = (g.shape, g.stride(), g.dtype, g.data_ptr() % 16)
+        gk = self.tensor_key(g)
         b = self.bwd
         if b is not None and b[1] == gk:  # dx: empty_like(logits), contiguous as the full path's
             made = self.launch_new(b[0], self.device, (logits, target, stats, g), (logits,), ())
@@ -358,15 +367,13 @@ def _native():
                     return None
 
                 from . import dispatch  # noqa: PLC0415 (its DEVICES, read per call: tests take the CPU off)
-                from .backends.torch import NATIVE, NATIVE_GRAPH  # noqa: PLC0415 (the plans the CPU's path records)
+                from .backends import torch as native  # noqa: PLC0415 (the plans the CPU's path records)
 
-                try:  # (first: it decides how calls are keyed)
-                    mod.configure_torch(launch.torch_calls())
-                except RuntimeError:  # a table of another ABI: Python's probes
-                    mod.configure_torch(None)
+                _reach_torch(mod, launch.torch_calls(wait=False, ready=lambda calls: _reach_torch(mod, calls)))
                 floats = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
                 kernels = (torch._softmax, torch._log_softmax, torch._softmax_backward_data)
-                mod.configure_cpu(*kernels, NATIVE, NATIVE_GRAPH, floats, dispatch)
+                plans = (native.NATIVE, native.NATIVE_GRAPH, floats, dispatch, native.NATIVE_CE, native.NATIVE_CE_GRAPH)
+                mod.configure_cpu(*kernels, *plans, dtypes.TARGETS, native)
                 mod.configure(
                     torch.Tensor,
                     torch.dtype,
@@ -384,10 +391,20 @@ def _native():
                     heuristics.record,
                     _LOSS_DTYPES,
                 )
-                global fast, loss_key
-                fast, loss_key = mod.softmax_fast, mod.loss_key
+                global fast, loss_key, loss_cpu
+                fast, loss_key, loss_cpu = mod.softmax_fast, mod.loss_key, mod.loss_cpu
                 _native_mod.append(mod)
     return _native_mod[0]
+
+
+def _reach_torch(mod, calls) -> None:
+    """fastlaunch reaching torch through fastlaunch_torch's table ``calls`` (None: through Python). Calls are
+    keyed otherwise then: the replays recorded under the other keys are dropped."""
+    try:
+        mod.configure_torch(calls)
+    except RuntimeError:  # a table of another ABI: Python's probes
+        mod.configure_torch(None)
+    clear()
 
 
 def clear() -> None:

@@ -316,32 +316,65 @@ def describe() -> str:
     if isinstance(mod, Exception):
         return f"unavailable ({mod})"
     if not _torch_mod:
-        return "fastlaunch.c"
+        return "fastlaunch.c" + (
+            ", torch reached through Python's calls until fastlaunch_torch.cpp is built" if _torch_build else ""
+        )
     calls = _torch_mod[0]
     how = f"Python's calls ({calls})" if isinstance(calls, Exception) else "fastlaunch_torch.cpp"
     return f"fastlaunch.c, torch reached through {how}"
 
 
 _torch_mod: list = []  # [fastlaunch_torch's capsule] once built and loaded, or [the BackendFailed saying why not]
+_torch_build: list = []  # [the thread compiling it] where no cached build was found
+_torch_ready: list = []  # callbacks for the capsule, once the thread has it
 
 
-def torch_calls():
-    """The capsule of fastlaunch_torch.cpp's table (torch's calls in C++ for fastlaunch.c), built with the C++
-    compiler against the running torch on first use and cached per torch build; None where it cannot be
-    (describe() says why: fastlaunch.c then reaches torch through Python)."""
+def torch_calls(wait: bool = True, ready=None):
+    """The capsule of fastlaunch_torch.cpp's table (torch's calls in C++ for fastlaunch.c), compiled with the
+    C++ compiler against the running torch on first use and cached per torch build; None where it cannot be
+    (describe() says why: fastlaunch.c then reaches torch through Python). A cached build loads at once; a
+    compile (15-35 s) runs in a daemon thread, so the first calls never wait for it: wait=False returns None
+    while it runs, and ``ready(capsule)`` is then called from that thread once it is loaded."""
     if not _torch_mod:
         with _lib_lock:
-            if not _torch_mod:
-                from .errors import BackendFailed
+            if not _torch_mod and not _torch_build:
+                from . import cache
 
-                what = "fastlaunch_torch.cpp, fastsoftmax's calls into torch"
-                try:
-                    mod = load_built(_torch_entry(), "fastlaunch_torch", _torch_command, _has_table, what, 600)
-                    _torch_mod.append(mod.table())
-                except Exception as e:  # the compiler's or the loader's failure, named
-                    _torch_mod.append(e if isinstance(e, BackendFailed) else BackendFailed(f"{what}: {e}"))
+                if cache.load(_torch_entry()) is not None:
+                    _torch_mod.append(_load_torch_calls())
+                else:
+                    thread = threading.Thread(target=_build_torch_calls, name="fastsoftmax-build", daemon=True)
+                    _torch_build.append(thread)
+                    thread.start()
+            if not _torch_mod and ready is not None:
+                _torch_ready.append(ready)
+        if wait and not _torch_mod:
+            _torch_build[0].join()
+    if not _torch_mod:
+        return None
     calls = _torch_mod[0]
     return None if isinstance(calls, Exception) else calls
+
+
+def _load_torch_calls():
+    """fastlaunch_torch's capsule, or the BackendFailed saying why it cannot be had."""
+    from .errors import BackendFailed
+
+    what = "fastlaunch_torch.cpp, fastsoftmax's calls into torch"
+    try:
+        return load_built(_torch_entry(), "fastlaunch_torch", _torch_command, _has_table, what, 600).table()
+    except Exception as e:  # the compiler's or the loader's failure, named
+        return e if isinstance(e, BackendFailed) else BackendFailed(f"{what}: {e}")
+
+
+def _build_torch_calls() -> None:
+    calls = _load_torch_calls()
+    with _lib_lock:
+        _torch_mod.append(calls)
+        ready = list(_torch_ready) if not isinstance(calls, Exception) else []
+        _torch_ready.clear()
+    for fn in ready:
+        fn(calls)
 
 
 def _torch_entry() -> str:
