@@ -1,10 +1,10 @@
-"""Host time per eager call (wall time, the GPU kept ahead of the host; best of 7 batches of 200 calls, ours
-and torch's interleaved) of fs.softmax, fs.log_softmax, their backward, fs.cross_entropy forward and
+"""Host time per eager call (wall time, the GPU kept ahead of the host; best of 7 (--rounds) batches of 200
+calls, ours and torch's interleaved) of fs.softmax, fs.log_softmax, their backward, fs.cross_entropy forward and
 forward + backward, beside torch's, on 1x4096 and 8x4096 fp32/bf16
 (issue: portability, host time <= torch's) and on the cross-entropy suite's 1024x256000; then cProfile's
 top functions of fs.cross_entropy forward + backward. --python-calls: fastlaunch.c reaching torch through
 Python, as where fastlaunch_torch.cpp cannot be built. Usage: python dev/host_calls.py [OUT.json] [profile]
-[--python-calls]"""
+[--python-calls] [--rounds N]"""
 
 import cProfile
 import io
@@ -73,6 +73,7 @@ def main() -> None:
         fastpath.clear()
     print("launch:", launch.describe(), flush=True)
     records = []
+    rounds = int(sys.argv[sys.argv.index("--rounds") + 1]) if "--rounds" in sys.argv else 7
     for m, v in ((1, 4096), (8, 4096), (1024, 256000)):
         for dtype in (torch.float32, torch.bfloat16):
             for name, (ours, theirs) in cases(m, v, dtype).items():
@@ -80,7 +81,7 @@ def main() -> None:
                     continue
                 calls = 50 if m == 1024 else 200
                 rec = dict(case=name, M=m, N=v, dtype=str(dtype).split(".")[-1])
-                mine, torchs = paired_us(ours, theirs, calls, 3 if m == 1024 else 7)
+                mine, torchs = paired_us(ours, theirs, calls, rounds)
                 rec |= dict(fastsoftmax_us=mine, torch_us=torchs)
                 print(json.dumps(rec), flush=True)
                 records.append(rec)
@@ -88,7 +89,7 @@ def main() -> None:
         import triton
 
         doc = dict(what="host us per eager call", torch=torch.__version__, triton=triton.__version__)
-        doc |= dict(device=torch.cuda.get_device_name(), launch=launch.describe())
+        doc |= dict(device=torch.cuda.get_device_name(), launch=launch.describe(), rounds=rounds)
         with open(out, "w") as f:
             json.dump(doc | dict(records=records), f, indent=1)
     if "profile" in sys.argv:

@@ -232,6 +232,12 @@ def test_direct_path_in_c_and_in_python(monkeypatch, dtype, reach):
             torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True, msg=f"{name} {dtype}")
         if in_c:
             torch.testing.assert_close(direct.detach(), want[0].detach(), rtol=0, atol=0, equal_nan=True)
+    if dtype in (torch.float16, torch.bfloat16) and reach == "torch_in_cpp":  # 16-bit log_softmax: one chunk
+        x = logits((5, 37, 3), dtype, 44, special=False)
+        assert fastpath.fast(x, None, -1, None, True, "auto") is not None
+        with monkeypatch.context() as m:
+            m.setattr(native, "CHUNK", x.numel() - 1)
+            assert fastpath.fast(x, None, -1, None, True, "auto") is None  # (the Python path's chunks)
     # under torch.func, x is a wrapper whose data_ptr raises: C hands the call over before touching it
     x = logits((4, 37), dtype, 43, special=False)
     for log in (False, True):

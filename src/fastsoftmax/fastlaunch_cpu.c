@@ -4,8 +4,8 @@
 // cost as much again (bench/results/cpu_torch.json). Taken here: backend 'auto', a contiguous torch.Tensor
 // on the CPU with elements, no other output dtype, an eager call (eager_state: api.py's _cpu_ok's checks;
 // autocast and heuristics.force leave the CPU's calls alone there too), and
-//   softmax of fp32, fp64, fp16, bf16; log_softmax of fp32, and of fp16 and bf16 in fp32 through
-//   fastlaunch_torch (fp64: another formula, see backends/torch.py);
+//   softmax of fp32, fp64, fp16, bf16; log_softmax of fp32, and of fp16 and bf16 of one chunk in fp32
+//   through fastlaunch_torch (fp64: another formula, see backends/torch.py);
 //   under autograd, fp32 and fp64 softmax and fp32 log_softmax (torch's graph, as native_softmax_graph);
 //   softmax_backward with dy and y of one dtype and no autograd.
 // Anything else returns None and the Python path runs, as does a call whose output has a row starting with
@@ -182,6 +182,14 @@ static PyObject* cpu_kernel(int op, PyObject* a, PyObject* b, long dim, int kind
     return out;
 }
 
+// backends/torch.py's CHUNK (read per call: tests change it); -1 with an error
+static long long chunk_elements(void) {
+    PyObject* chunk = PyObject_GetAttr(g_native, s_chunk);
+    long long n = chunk ? PyLong_AsLongLong(chunk) : -1;
+    Py_XDECREF(chunk);
+    return n;
+}
+
 // softmax_fast's CPU branch: (x, dy or None, dim, dtype, log, backend) as softmax_fast's arguments
 static PyObject* cpu_fast(PyObject* x, PyObject* d, PyObject* dim, PyObject* dtype, PyObject* log, PyObject* backend) {
     if (!g_softmax || !PyUnicode_Check(backend) || PyUnicode_CompareWithASCIIString(backend, "auto") != 0 ||
@@ -222,10 +230,15 @@ static PyObject* cpu_fast(PyObject* x, PyObject* d, PyObject* dim, PyObject* dty
         if (t != 1 || grad) return t < 0 ? NULL : Py_NewRef(Py_None);
         out = cpu_kernel(FT_SOFTMAX_BACKWARD, d, x, dm, cx.kind, 0, &p);
     } else {
-        // log: fp64 takes the reference's formula, 16-bit fp32 rows (through fastlaunch_torch); 16-bit
-        // autograd: the Function
+        // log: fp64 takes the reference's formula, 16-bit fp32 rows (through fastlaunch_torch, within one
+        // chunk: past it the Python path's chunks keep the fp32 rows in cache); 16-bit autograd: the Function
         int low = cx.kind == F16 || cx.kind == BF16;
         if ((log == Py_True && (cx.kind == F64 || (low && !ft))) || (grad && low)) Py_RETURN_NONE;
+        if (log == Py_True && low) {
+            long long chunk = chunk_elements();
+            if (chunk < 0) return NULL;
+            if (outer * n * inner > chunk) Py_RETURN_NONE;
+        }
         out = cpu_kernel(log == Py_True ? FT_LOG_SOFTMAX : FT_SOFTMAX, x, NULL, dm, cx.kind, grad, &p);
     }
     if (!out || !any_nan_first(p, cx.kind, outer, n, inner))
@@ -267,17 +280,15 @@ static PyObject* loss_cpu(PyObject* self, PyObject* const* args, Py_ssize_t n) {
     }
     if (reduction < 0 || overflow || !(eps >= 0.0 && eps <= 1.0)) Py_RETURN_NONE;
     if (Py_TYPE(x) != (PyTypeObject*)g_tensor || Py_TYPE(tg) != (PyTypeObject*)g_tensor) Py_RETURN_NONE;
-    int t = eager_state();
-    if (t != 1) return t < 0 ? NULL : Py_NewRef(Py_None);
-    if ((t = call_truthy(g_autocast)) != 0) return t < 0 ? NULL : Py_NewRef(Py_None);
-    CpuTensor cx, ct;
+    CpuTensor cx, ct;  // (first, through fastlaunch_torch: a torch.func wrapper or a CUDA tensor is not one)
+    int t;
     if ((t = plain_cpu(x, &cx)) != 1 || (t = plain_cpu(tg, &ct)) != 1) return t < 0 ? NULL : Py_NewRef(Py_None);
+    if ((t = eager_state()) != 1) return t < 0 ? NULL : Py_NewRef(Py_None);
+    if ((t = call_truthy(g_autocast)) != 0) return t < 0 ? NULL : Py_NewRef(Py_None);
     long long numel = 1;
     for (int i = 0; i < cx.ndim; ++i) numel *= cx.sizes[i];
-    PyObject* chunk_obj = PyObject_GetAttr(g_native, s_chunk);
-    long long chunk = chunk_obj ? PyLong_AsLongLong(chunk_obj) : -1;
-    Py_XDECREF(chunk_obj);
-    if (chunk == -1 && PyErr_Occurred()) return NULL;
+    long long chunk = chunk_elements();
+    if (chunk < 0) return NULL;
     if (cx.kind < 0 || numel > chunk || ct.ndim != cx.ndim - 1) Py_RETURN_NONE;
     if (memcmp(ct.sizes, cx.sizes, ct.ndim * sizeof ct.sizes[0]) != 0) Py_RETURN_NONE;
     FtMeta mt;

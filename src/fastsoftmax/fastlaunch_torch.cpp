@@ -120,9 +120,11 @@ PyObject* cpu_loss(PyObject* logits, PyObject* target, long ignore_index, int re
         const at::Tensor& x = THPVariable_Unpack(logits);
         const at::Tensor& t = THPVariable_Unpack(target);
         const auto wide = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-        const at::Tensor xs = x.reshape({-1, x.size(-1)});
+        // (each reshape or to() is a dispatch: made only where it changes something)
+        const at::Tensor xs = x.dim() == 2 ? x : x.reshape({-1, x.size(-1)});
         const at::Tensor rows = xs.scalar_type() == wide ? xs : xs.to(wide);
-        const at::Tensor ts = t.reshape({-1}).to(at::kLong);
+        at::Tensor ts = t.dim() == 1 ? t : t.reshape({-1});
+        if (ts.scalar_type() != at::kLong) ts = ts.to(at::kLong);
         at::Tensor loss;
         if (graph) {
             at::Tensor ls = at::_log_softmax(rows, 1, false);
