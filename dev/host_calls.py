@@ -64,14 +64,14 @@ def cases(m: int, v: int, dtype: torch.dtype) -> dict:
 
 def main() -> None:
     out = sys.argv[1] if len(sys.argv) > 1 and sys.argv[1].endswith(".json") else None
-    from fastsoftmax import fastpath, launch
+    from fastsoftmax import fastpath, torch_build
 
     fs.softmax(torch.randn(1, device="cuda"))  # (fastlaunch built and configured)
-    launch.torch_calls()  # (its build, where one runs in the background, waited for)
+    torch_build.torch_calls()  # (its build, where one runs in the background, waited for)
     if "--python-calls" in sys.argv:
         fastpath._native().configure_torch(None)
         fastpath.clear()
-    print("launch:", launch.describe(), flush=True)
+    print("launch:", fs.info()["replay"], flush=True)
     records = []
     rounds = int(sys.argv[sys.argv.index("--rounds") + 1]) if "--rounds" in sys.argv else 7
     for m, v in ((1, 4096), (8, 4096), (1024, 256000)):
@@ -89,7 +89,7 @@ def main() -> None:
         import triton
 
         doc = dict(what="host us per eager call", torch=torch.__version__, triton=triton.__version__)
-        doc |= dict(device=torch.cuda.get_device_name(), launch=launch.describe(), rounds=rounds)
+        doc |= dict(device=torch.cuda.get_device_name(), launch=fs.info()["replay"], rounds=rounds)
         with open(out, "w") as f:
             json.dump(doc | dict(records=records), f, indent=1)
     if "profile" in sys.argv:

@@ -192,19 +192,19 @@ def _public(args):
 def reach(request):
     """How fastlaunch.c reaches torch: through fastlaunch_torch.cpp, or through Python's calls (as where the
     C++ part cannot be built); checked by the form of its keys, and restored afterwards."""
-    from fastsoftmax import fastpath, launch
+    from fastsoftmax import fastpath, torch_build
 
     mod = fastpath._native()
     if mod is None:
         pytest.fail("fastlaunch did not build here (the project's CI has a C compiler)")
-    if request.param == "torch_in_cpp" and launch.torch_calls() is None:
-        pytest.fail(f"fastlaunch_torch.cpp did not build here (the CI has a C++ compiler): {launch.describe()}")
+    if request.param == "torch_in_cpp" and torch_build.torch_calls() is None:
+        pytest.fail(f"fastlaunch_torch.cpp did not build here (the CI has a C++ compiler): {torch_build.describe()}")
     if request.param == "torch_via_python":
         mod.configure_torch(None)
     key = mod.softmax_key(torch.randn(2, 3), None, -1, None, False, "auto", False)
     assert isinstance(key, bytes) == (request.param == "torch_in_cpp")
     yield request.param
-    mod.configure_torch(launch.torch_calls())
+    mod.configure_torch(torch_build.torch_calls())
     fastpath.clear()
 
 
@@ -238,6 +238,15 @@ def test_direct_path_in_c_and_in_python(monkeypatch, dtype, reach):
         with monkeypatch.context() as m:
             m.setattr(native, "CHUNK", x.numel() - 1)
             assert fastpath.fast(x, None, -1, None, True, "auto") is None  # (the Python path's chunks)
+    # a lazily negated x or dy (torch._neg_view: its memory holds -value): the value's softmax either way
+    x = logits((4, 37), dtype, 45, special=False)
+    y = torch.softmax(x.double(), -1).to(dtype)
+    for fn, args, want in (
+        (fs.softmax, (torch._neg_view(x),), fs.softmax(-x)),
+        (fs.log_softmax, (torch._neg_view(x),), fs.log_softmax(-x)),
+        (fs.softmax_backward, (torch._neg_view(y), y), fs.softmax_backward(-y, y)),
+    ):
+        torch.testing.assert_close(fn(*args), want, rtol=0, atol=0, equal_nan=True)
     # under torch.func, x is a wrapper whose data_ptr raises: C hands the call over before touching it
     x = logits((4, 37), dtype, 43, special=False)
     for log in (False, True):

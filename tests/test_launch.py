@@ -15,7 +15,7 @@ import pytest
 import torch
 from helpers import triton_hook
 
-from fastsoftmax import fastpath, heuristics, launch
+from fastsoftmax import fastpath, heuristics, launch, torch_build
 from fastsoftmax.cuda.kernels import _Params
 from fastsoftmax.errors import BackendFailed
 
@@ -165,52 +165,84 @@ def test_info_says_how_kernels_and_replays_launch(monkeypatch):
     monkeypatch.setattr(launch, "_native_mod", [BackendFailed("no C compiler")])
     assert fs.info()["replay"] == "unavailable (no C compiler)"
     monkeypatch.setattr(launch, "_native_mod", [object()])
-    monkeypatch.setattr(launch, "_torch_mod", [])
-    assert fs.info()["replay"] == "fastlaunch.c"
-    monkeypatch.setattr(launch, "_torch_mod", [BackendFailed("no C++ compiler")])
+    for name in ("_calls", "_build"):
+        monkeypatch.setattr(torch_build, name, [])
+    assert fs.info()["replay"] == "fastlaunch.c, torch reached through not asked yet"
+    monkeypatch.setattr(torch_build, "_build", [object()])
+    assert fs.info()["replay"].endswith("torch reached through Python's calls until fastlaunch_torch.cpp is built")
+    monkeypatch.setattr(torch_build, "_calls", [BackendFailed("no C++ compiler")])
     assert fs.info()["replay"] == "fastlaunch.c, torch reached through Python's calls (no C++ compiler)"
-    monkeypatch.setattr(launch, "_torch_mod", [object()])
+    monkeypatch.setattr(torch_build, "_calls", [object()])
     assert fs.info()["replay"] == "fastlaunch.c, torch reached through fastlaunch_torch.cpp"
     monkeypatch.setattr(fastpath, "ENABLED", False)
     assert fs.info()["replay"] == "off (FASTSOFTMAX_FAST_LAUNCH=0)"
 
 
 def test_torch_calls_build_in_the_background(tmp_path, monkeypatch):
-    """fastlaunch_torch.cpp: a cached build loads at once; a compile runs in a daemon thread, the caller not
-    waiting (None, and fs.info() says so), ``ready`` called with the table from that thread once it is
-    loaded, a later call waiting for it; a failed build leaves None and says why, calling nobody."""
+    """fastlaunch_torch.cpp: a cached build loads at once; otherwise a thread waits for the detached build
+    (the caller not waiting: None, and fs.info() says so), ``ready`` called with the table from that thread
+    once it is loaded, a later call waiting for it; a failed build leaves None and says why, calling nobody;
+    a recorded failure is not retried."""
     import threading
 
-    monkeypatch.setenv("FASTSOFTMAX_CACHE_DIR", str(tmp_path))
-    for name in ("_torch_mod", "_torch_build", "_torch_ready"):
-        monkeypatch.setattr(launch, name, [])
-    monkeypatch.setattr(launch, "_native_mod", [object()])
-    gate, table, seen = threading.Event(), object(), []
-
-    def build():
-        gate.wait(10)
-        return table
-
-    monkeypatch.setattr(launch, "_load_torch_calls", build)
-    assert launch.torch_calls(wait=False, ready=lambda t: seen.append((t, threading.current_thread().name))) is None
-    assert "until fastlaunch_torch.cpp is built" in launch.describe() and launch._torch_build[0].daemon
-    gate.set()
-    assert launch.torch_calls() is table and seen == [(table, "fastsoftmax-build")]
-    assert launch.describe() == "fastlaunch.c, torch reached through fastlaunch_torch.cpp"
-    # a failed build: None, why, and no callback
-    for name in ("_torch_mod", "_torch_build", "_torch_ready"):
-        monkeypatch.setattr(launch, name, [])
-    monkeypatch.setattr(launch, "_load_torch_calls", lambda: BackendFailed("no C++ compiler"))
-    assert launch.torch_calls(ready=seen.append) is None and len(seen) == 1
-    assert launch.describe() == "fastlaunch.c, torch reached through Python's calls (no C++ compiler)"
-    # a cached build: loaded on the calling thread, no thread started
-    for name in ("_torch_mod", "_torch_build", "_torch_ready"):
-        monkeypatch.setattr(launch, name, [])
-    monkeypatch.setattr(launch, "_load_torch_calls", lambda: (table, threading.current_thread())[0])
     from fastsoftmax import cache
 
-    cache.store(launch._torch_entry(), b"built")
-    assert launch.torch_calls(wait=False) is table and launch._torch_build == []
+    monkeypatch.setenv("FASTSOFTMAX_CACHE_DIR", str(tmp_path))
+    gate, table, seen, spawned = threading.Event(), object(), [], []
+
+    def fresh(load):
+        for name in ("_calls", "_build", "_ready"):
+            monkeypatch.setattr(torch_build, name, [])
+        monkeypatch.setattr(torch_build, "_load", load)
+
+    monkeypatch.setattr(torch_build, "_spawn_build", lambda: spawned.append(gate.wait(10)))
+    fresh(lambda: table)
+    ready = lambda t: seen.append((t, threading.current_thread().name))  # noqa: E731
+    assert torch_build.torch_calls(wait=False, ready=ready) is None
+    assert torch_build.describe() == "Python's calls until fastlaunch_torch.cpp is built"
+    assert torch_build._build[0].daemon
+    gate.set()
+    assert torch_build.torch_calls() is table and seen == [(table, "fastsoftmax-build")] and spawned == [True]
+    assert torch_build.describe() == "fastlaunch_torch.cpp"
+    # a failed build: None, why, and no callback
+    fresh(lambda: BackendFailed("no C++ compiler"))
+    assert torch_build.torch_calls(ready=seen.append) is None and len(seen) == 1
+    assert torch_build.describe() == "Python's calls (no C++ compiler)"
+    # a cached build: loaded on the calling thread, no thread started
+    fresh(lambda: table)
+    cache.store(torch_build._entry(), b"built")
+    assert torch_build.torch_calls(wait=False) is table and torch_build._build == []
+    # a recorded failure: not built again
+    fresh(lambda: pytest.fail("built again"))
+    cache.forget(torch_build._entry())
+    cache.store(torch_build._entry() + ".failed", b"it did not compile")
+    assert torch_build.torch_calls() is None and torch_build.describe() == "Python's calls (it did not compile)"
+
+
+@needs_cc
+def test_torch_calls_failed_build_is_recorded_once(tmp_path):
+    """The real detached build with no C++ compiler ($CXX names none), in a fresh process: the call answers
+    (torch reached through Python), the failure is stored beside the entry's name and says why, and the
+    next process does not try again (it finds the record)."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, FASTSOFTMAX_CACHE_DIR=str(tmp_path), CXX="/nonexistent/c++")
+    code = (
+        "import torch, fastsoftmax as fs\n"
+        "from fastsoftmax import torch_build\n"
+        "x = torch.randn(3, 5)\n"
+        "assert torch.equal(fs.softmax(x), torch.softmax(x, -1))\n"
+        "assert torch_build.torch_calls() is None\n"
+        "print(fs.info()['replay'])\n"
+    )
+    for _ in range(2):
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert "torch reached through Python's calls (no C++ compiler" in out.stdout, out.stdout
+    failed = [p.name for p in tmp_path.iterdir() if p.name.endswith(".failed")]
+    assert len(failed) == 1 and failed[0].startswith("fastlaunch_torch-")
 
 
 # ---- Triton kernels: their signatures packed into a Launch (triton/launch.py) ----------------------------
@@ -575,7 +607,7 @@ def python_calls(hot):
     hot.configure_torch(None)
     fastpath.clear()
     yield hot
-    hot.configure_torch(launch.torch_calls())
+    hot.configure_torch(torch_build.torch_calls())
     fastpath.clear()
 
 
@@ -629,9 +661,10 @@ def test_native_packed_key_tells_calls_apart(hot):
     """Through fastlaunch_torch.cpp (torch's calls in C++) the key is packed bytes: equal for calls alike in
     every keyed field (another tensor of the same layout and alignment, a view 16 bytes on), different when
     any one field differs (shape, strides, dtype, address mod 16, dim, output dtype, log, backend; dy's
-    strides, dtype, address, shape); None where the tuple is None, and for a backend that is not one."""
-    if launch.torch_calls() is None:
-        pytest.fail(f"fastlaunch_torch.cpp did not build here (the CI has a C++ compiler): {launch.describe()}")
+    strides, dtype, address, shape); None where the tuple is None, for a backend that is not one, past 8 dims
+    and for a lazily negated tensor."""
+    if torch_build.torch_calls() is None:
+        pytest.fail(f"fastlaunch_torch.cpp did not build here (the CI has a C++ compiler): {torch_build.describe()}")
 
     def k(x, d=None, dim=-1, dtype=None, log=False, backend="auto"):
         return hot.softmax_key(x, d, dim, dtype, log, backend, False)
@@ -659,6 +692,11 @@ def test_native_packed_key_tells_calls_apart(hot):
     ]
     assert None not in keys and len(set(keys)) == len(keys)
     assert k(base, other) == k(base, torch.randn(8, 48)) and k(base, other) != k(other, base.t())
+    # the most dims a key packs (8, with an 8-dim dy: 45 entries of 8 bytes); 9 dims: no key; a lazy
+    # negation (its memory is not its value): no key
+    x8, d8 = torch.randn((2,) * 8), torch.randn((2,) * 8)
+    assert len(k(x8, d8)) == 8 * (2 * (1 + 2 * 8 + 3) + 1 + 4) and len(k(x8)) == 8 * (1 + 2 * 8 + 3 + 4)
+    assert k(torch.randn((2,) * 9)) is None and k(torch._neg_view(base)) is None
     _unkeyed(hot, base)
     assert k(base, backend="fast") is None and k(base, log=1) is None
     assert hot.softmax_key(base, None, -1, None, False, "auto") is None  # CPU tensors: no replay
@@ -744,8 +782,8 @@ def test_native_packed_loss_key(hot):
     dtypes as numbers, the rest as the tuple's (the replay reads the device, the gradient flag and the
     options by position): equal for calls alike, different when a shape, dtype, alignment or option
     differs; None as the tuple's (_loss_key_steps_aside)."""
-    if launch.torch_calls() is None:
-        pytest.fail(f"fastlaunch_torch.cpp did not build here (the CI has a C++ compiler): {launch.describe()}")
+    if torch_build.torch_calls() is None:
+        pytest.fail(f"fastlaunch_torch.cpp did not build here (the CI has a C++ compiler): {torch_build.describe()}")
     buf, tb = torch.randn(7 * 40), torch.randint(0, 40, (12,), dtype=torch.int32)
     x, t = buf[:240].view(6, 40), tb[:6]
     opts = (-100, "mean", 0.1, None, 0.0, False, "auto")
@@ -784,8 +822,8 @@ def test_native_tensor_key(hot, reach):
     a view 16 bytes on), different for another shape, strides, dtype or alignment."""
     if reach == "torch_via_python":
         hot.configure_torch(None)
-    elif launch.torch_calls() is None:
-        pytest.fail(f"fastlaunch_torch.cpp did not build here (the CI has a C++ compiler): {launch.describe()}")
+    elif torch_build.torch_calls() is None:
+        pytest.fail(f"fastlaunch_torch.cpp did not build here (the CI has a C++ compiler): {torch_build.describe()}")
     try:
         buf = torch.randn(80)
         a = buf[:48].view(6, 8)
@@ -799,7 +837,7 @@ def test_native_tensor_key(hot, reach):
         keys += [hot.tensor_key(buf[1:49].view(6, 8)), hot.tensor_key(torch.randn(()))]
         assert len(set(keys)) == len(keys)
     finally:
-        hot.configure_torch(launch.torch_calls())
+        hot.configure_torch(torch_build.torch_calls())
 
 
 @needs_cc

@@ -413,7 +413,7 @@ static PyObject* packed_softmax_key(PyObject* x, PyObject* d, PyObject* dim, PyO
     if (!mx.address) Py_RETURN_NONE;
     if (d != Py_None && (!ft->meta(d, &md) || !md.address)) Py_RETURN_NONE;
     if (cuda_only && (!mx.cuda || (d != Py_None && !md.cuda))) Py_RETURN_NONE;
-    long long k[2 * (3 + 2 * FT_MAX_DIMS) + 4];
+    long long k[2 * (4 + 2 * FT_MAX_DIMS) + 5];  // per tensor ndim, sizes, strides, dtype, device, address; then 5
     int n = 0;
     FtMeta* ms[2] = {&mx, &md};
     for (int t = 0; t < (d == Py_None ? 1 : 2); ++t) {
@@ -501,7 +501,8 @@ static PyObject* softmax_fast(PyObject* self, PyObject* const* args, Py_ssize_t 
     if (Py_TYPE(x) != (PyTypeObject*)g_tensor) Py_RETURN_NONE;
     int t;
     FtMeta m;
-    if (ft) {  // (a torch.func wrapper has no storage: cpu_fast's first check refuses it)
+    const int torch_cpp = ft != NULL;  // (read once: the build's thread may set it while Python code runs below)
+    if (torch_cpp) {  // (a torch.func wrapper has no storage: cpu_fast's first check refuses it)
         if (!ft->meta(x, &m) || !m.cuda) return cpu_fast(x, d, args[2], args[3], args[4], args[5]);
     } else {
         if ((t = is_cuda(x)) <= 0) return t < 0 ? NULL : cpu_fast(x, d, args[2], args[3], args[4], args[5]);
@@ -510,10 +511,14 @@ static PyObject* softmax_fast(PyObject* self, PyObject* const* args, Py_ssize_t 
             return t < 0 ? NULL : Py_NewRef(Py_None);
     }
     Probe p;
-    PyObject* key = make_softmax_key(x, d, args[2], args[3], args[4], args[5], 1, &p, ft ? &m : NULL);
+    PyObject* key = make_softmax_key(x, d, args[2], args[3], args[4], args[5], 1, &p, torch_cpp ? &m : NULL);
     if (!key || key == Py_None) return key;
     PyObject *result = NULL, *entry = NULL, *native = NULL, *y = NULL, *st = NULL, *dev = NULL;
-    if (ft && ((t = probed_grad(p.x_grad)) != 0 || (t = probed_grad(p.d_grad)) != 0 || (t = plain_state()) != 1)) {
+    if (!PyBytes_Check(key) && torch_cpp) {  // (keyed through Python after all: its grad was not asked)
+        result = Py_NewRef(Py_None);
+        goto done;
+    }
+    if (torch_cpp && ((t = probed_grad(p.x_grad)) != 0 || (t = probed_grad(p.d_grad)) != 0 || (t = plain_state()) != 1)) {
         result = t < 0 ? NULL : Py_NewRef(Py_None);
         goto done;
     }

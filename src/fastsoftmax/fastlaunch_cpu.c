@@ -260,7 +260,8 @@ static PyObject* loss_cpu(PyObject* self, PyObject* const* args, Py_ssize_t n) {
         return NULL;
     }
     PyObject *x = args[0], *tg = args[1];
-    if (!ft || !g_plan_ce || args[2] != Py_None || args[6] != Py_None || args[8] != Py_False) Py_RETURN_NONE;
+    const FtCalls* calls = ft;  // (read once: the build's thread may set it while Python code runs below)
+    if (!calls || !g_plan_ce || args[2] != Py_None || args[6] != Py_None || args[8] != Py_False) Py_RETURN_NONE;
     if (!PyUnicode_Check(args[9]) || PyUnicode_CompareWithASCIIString(args[9], "auto") != 0) Py_RETURN_NONE;
     if (!is_number(args[7]) || PyObject_RichCompareBool(args[7], g_zero, Py_EQ) != 1) {
         PyErr_Clear();
@@ -293,16 +294,16 @@ static PyObject* loss_cpu(PyObject* self, PyObject* const* args, Py_ssize_t n) {
     if (memcmp(ct.sizes, cx.sizes, ct.ndim * sizeof ct.sizes[0]) != 0) Py_RETURN_NONE;
     FtMeta mt;
     int target_ok = 0;
-    if (!ft->meta(tg, &mt)) Py_RETURN_NONE;
+    if (!calls->meta(tg, &mt)) Py_RETURN_NONE;
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(g_targets); ++i)
-        target_ok |= ft->dtype_code(PyTuple_GET_ITEM(g_targets, i)) == mt.dtype;
+        target_ok |= calls->dtype_code(PyTuple_GET_ITEM(g_targets, i)) == mt.dtype;
     if (!target_ok) Py_RETURN_NONE;
     PyObject* devices = PyObject_GetAttr(g_dispatch, s_devices);  // (a device without a path: the full path raises)
     t = devices ? PySequence_Contains(devices, s_cpu) : -1;
     Py_XDECREF(devices);
     int grad = t == 1 ? cpu_grad(x, &cx) : t;
     if (t != 1 || grad < 0 || (grad && eps != 0.0)) return t < 0 || grad < 0 ? NULL : Py_NewRef(Py_None);
-    PyObject* loss = ft->cpu_loss(x, tg, ignore, reduction, eps, grad);
+    PyObject* loss = calls->cpu_loss(x, tg, ignore, reduction, eps, grad);
     if (!loss) return PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
     return recorded(loss, grad ? g_plan_ce_graph : g_plan_ce);
 }

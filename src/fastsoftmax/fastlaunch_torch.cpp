@@ -14,6 +14,7 @@
 #include <ATen/ops/_softmax_backward_data.h>
 #include <ATen/ops/cross_entropy_loss.h>
 #include <ATen/ops/nll_loss_nd.h>
+#include <torch/csrc/Exceptions.h>
 #include <ATen/ops/empty_like.h>
 #include <c10/core/DeviceGuard.h>
 #include <torch/csrc/Dtype.h>
@@ -31,6 +32,7 @@ int meta(PyObject* obj, FtMeta* m) {
     try {
         const at::Tensor& t = THPVariable_Unpack(obj);
         if (!t.defined() || t.layout() != at::kStrided || t.dim() > FT_MAX_DIMS) return 0;
+        if (t.is_neg() || t.is_conj()) return 0;  // (a lazy negation or conjugate: its memory is not its value)
         const auto dev = t.device();
         if (!dev.is_cpu() && !dev.is_cuda()) return 0;
         if (!t.has_storage()) return 0;  // (wrappers of torch.func and of subclasses keep none)
@@ -53,60 +55,61 @@ int meta(PyObject* obj, FtMeta* m) {
     }
 }
 
-PyObject* raise(const std::exception& e) {
-    PyErr_SetString(PyExc_RuntimeError, e.what());
-    return nullptr;
-}
+// The GIL released for a CPU kernel's run, as torch's own bindings do (other threads go on meanwhile)
+struct NoGil {
+    PyThreadState* state = PyEval_SaveThread();
+    ~NoGil() { PyEval_RestoreThread(state); }
+};
 
 // a torch.dtype's c10::ScalarType number, -1 for any other object
 int dtype_code(PyObject* obj) { return THPDtype_Check(obj) ? static_cast<int>(((THPDtype*)obj)->scalar_type) : -1; }
 
 // torch.empty_like(t) (dtype < 0) or torch.empty_like(t, dtype=dtype), its address in *address: a new
-// reference, NULL with an error
+// reference, NULL with torch's error (its Python type: an out-of-memory error stays one)
 PyObject* empty_like(PyObject* obj, int dtype, unsigned long long* address) {
-    try {
-        const at::Tensor& t = THPVariable_Unpack(obj);
-        const auto type = dtype < 0 ? t.scalar_type() : at::ScalarType(dtype);
-        at::Tensor y;
-        if (t.layout() == at::kStrided && t.is_non_overlapping_and_dense()) {
-            // what empty_like makes of such a tensor (its strides, on its device), without the dispatcher's
-            // layers: half its cost
-            const c10::DeviceGuard guard(t.device());
-            const auto key = c10::computeDispatchKey(std::nullopt, at::kStrided, t.device());
-            y = at::detail::empty_strided_generic(t.sizes(), t.strides(), c10::GetAllocator(t.device().type()),
-                                                  c10::DispatchKeySet(key), type);
-        } else {
-            y = at::empty_like(t, t.options().dtype(type));
-        }
-        *address = reinterpret_cast<unsigned long long>(y.const_data_ptr());
-        return THPVariable_Wrap(std::move(y));
-    } catch (const std::exception& e) {
-        return raise(e);
+    HANDLE_TH_ERRORS
+    const at::Tensor& t = THPVariable_Unpack(obj);
+    const auto type = dtype < 0 ? t.scalar_type() : at::ScalarType(dtype);
+    at::Tensor y;
+    c10::Allocator* allocator = t.has_storage() ? t.storage().allocator() : nullptr;
+    if (allocator && t.layout() == at::kStrided && t.is_non_overlapping_and_dense()) {
+        // what empty_like makes of such a tensor (its strides, on its device, from the allocator its
+        // storage came from: torch's current one, a pluggable one included), without the dispatcher's
+        // layers: half its cost
+        const c10::DeviceGuard guard(t.device());
+        const auto key = c10::computeDispatchKey(std::nullopt, at::kStrided, t.device());
+        y = at::detail::empty_strided_generic(t.sizes(), t.strides(), allocator, c10::DispatchKeySet(key), type);
+    } else {
+        y = at::empty_like(t, t.options().dtype(type));
     }
+    *address = reinterpret_cast<unsigned long long>(y.const_data_ptr());
+    return THPVariable_Wrap(std::move(y));
+    END_HANDLE_TH_ERRORS
 }
 
 // torch._softmax(a, dim, False), torch._log_softmax(a, dim, False) (of a 16-bit a: computed in fp32, rounded
 // once, as backends/torch.py's native_softmax) or torch._softmax_backward_data(a: dy, b: y, dim, dtype) on
-// CPU tensors: a new reference, NULL with an error. graph 0 (no gradient wanted): torch's
-// CPU kernel itself, below the dispatcher's autograd layers, which would only pass the call on.
+// CPU tensors, the GIL released: a new reference, NULL with torch's error. graph: whether autograd may record
+// (the calls go through the whole dispatcher either way: profilers see them).
 PyObject* cpu_op(int op, PyObject* a, PyObject* b, long dim, int dtype, int graph) {
-    try {
-        const at::Tensor& x = THPVariable_Unpack(a);
-        const c10::DispatchKeySet cpu(c10::DispatchKey::CPU);
-        at::Tensor y;
+    HANDLE_TH_ERRORS
+    (void)graph;
+    const at::Tensor& x = THPVariable_Unpack(a);
+    const at::Tensor* y_in = b ? &THPVariable_Unpack(b) : nullptr;
+    at::Tensor y;
+    {
+        NoGil released;
         if (op == FT_SOFTMAX)
-            y = graph ? at::_softmax(x, dim, false) : at::_ops::_softmax::redispatch(cpu, x, dim, false);
+            y = at::_softmax(x, dim, false);
         else if (op == FT_LOG_SOFTMAX && (x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16))
             y = at::_log_softmax(x.to(at::kFloat), dim, false).to(x.scalar_type());  // (fp32 rows, rounded once)
         else if (op == FT_LOG_SOFTMAX)
-            y = graph ? at::_log_softmax(x, dim, false) : at::_ops::_log_softmax::redispatch(cpu, x, dim, false);
+            y = at::_log_softmax(x, dim, false);
         else
-            y = at::_ops::_softmax_backward_data::redispatch(cpu, x, THPVariable_Unpack(b), dim,
-                                                             at::ScalarType(dtype));
-        return THPVariable_Wrap(std::move(y));
-    } catch (const std::exception& e) {
-        return raise(e);
+            y = at::_softmax_backward_data(x, *y_in, dim, at::ScalarType(dtype));
     }
+    return THPVariable_Wrap(std::move(y));
+    END_HANDLE_TH_ERRORS
 }
 
 // backends/torch.py's native cross-entropy of CPU logits (..., V) (contiguous) and integer targets (...),
@@ -116,16 +119,18 @@ PyObject* cpu_op(int op, PyObject* a, PyObject* b, long dim, int dtype, int grap
 // range, whose error is the library's; a row whose log_softmax starts with NaN under graph).
 PyObject* cpu_loss(PyObject* logits, PyObject* target, long ignore_index, int reduction, double smoothing,
                    int graph) {
+    HANDLE_TH_ERRORS
+    const at::Tensor& x = THPVariable_Unpack(logits);
+    const at::Tensor& t = THPVariable_Unpack(target);
+    at::Tensor loss;
     try {
-        const at::Tensor& x = THPVariable_Unpack(logits);
-        const at::Tensor& t = THPVariable_Unpack(target);
+        NoGil released;
         const auto wide = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
         // (each reshape or to() is a dispatch: made only where it changes something)
         const at::Tensor xs = x.dim() == 2 ? x : x.reshape({-1, x.size(-1)});
         const at::Tensor rows = xs.scalar_type() == wide ? xs : xs.to(wide);
         at::Tensor ts = t.dim() == 1 ? t : t.reshape({-1});
         if (ts.scalar_type() != at::kLong) ts = ts.to(at::kLong);
-        at::Tensor loss;
         if (graph) {
             at::Tensor ls = at::_log_softmax(rows, 1, false);
             const int64_t m = ls.size(0), v = ls.size(1);
@@ -140,12 +145,11 @@ PyObject* cpu_loss(PyObject* logits, PyObject* target, long ignore_index, int re
         }
         if (loss.scalar_type() != x.scalar_type()) loss = loss.to(x.scalar_type());
         if (reduction == 0) loss = loss.reshape(t.sizes());
-        return THPVariable_Wrap(std::move(loss));
     } catch (const c10::IndexError&) {
-        return nullptr;
-    } catch (const std::exception& e) {
-        return raise(e);
+        return nullptr;  // (the GIL held again: NoGil's destructor ran first)
     }
+    return THPVariable_Wrap(std::move(loss));
+    END_HANDLE_TH_ERRORS
 }
 
 const FtCalls calls = {FT_ABI, sizeof(FtMeta), meta, dtype_code, empty_like, cpu_op, cpu_loss};

@@ -3,7 +3,7 @@
 #ifndef FASTLAUNCH_TORCH_H
 #define FASTLAUNCH_TORCH_H
 
-#define FT_ABI 3
+#define FT_ABI 4
 #define FT_CAPSULE "fastsoftmax.fastlaunch_torch.FtCalls"
 #define FT_MAX_DIMS 8
 

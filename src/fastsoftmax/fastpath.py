@@ -35,7 +35,7 @@ import types
 import torch
 import torch.autograd.forward_ad as _fwad
 
-from . import compose, dtypes, heuristics, launch
+from . import compose, dtypes, heuristics, launch, torch_build
 from .errors import BackendFailed
 
 ENABLED = os.environ.get("FASTSOFTMAX_FAST_LAUNCH", "1") != "0"
@@ -369,7 +369,9 @@ def _native():
                 from . import dispatch  # noqa: PLC0415 (its DEVICES, read per call: tests take the CPU off)
                 from .backends import torch as native  # noqa: PLC0415 (the plans the CPU's path records)
 
-                _reach_torch(mod, launch.torch_calls(wait=False, ready=lambda calls: _reach_torch(mod, calls)))
+                # (its table where built; until then Python's calls, fastlaunch's own state to begin with)
+                if (calls := torch_build.torch_calls(wait=False, ready=lambda t: _reach_torch(mod, t))) is not None:
+                    _reach_torch(mod, calls)
                 floats = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
                 kernels = (torch._softmax, torch._log_softmax, torch._softmax_backward_data)
                 plans = (native.NATIVE, native.NATIVE_GRAPH, floats, dispatch, native.NATIVE_CE, native.NATIVE_CE_GRAPH)

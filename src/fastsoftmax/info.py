@@ -154,6 +154,8 @@ def replay() -> str:
     """How the eager fast path (fastpath.py) launches a replayed call."""
     if not fastpath.ENABLED:
         return "off (FASTSOFTMAX_FAST_LAUNCH=0)"
+    from . import torch_build
     from .launch import describe
 
-    return describe()
+    how = describe()
+    return how if how != "fastlaunch.c" else f"{how}, torch reached through {torch_build.describe()}"
