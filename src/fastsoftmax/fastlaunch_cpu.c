@@ -152,13 +152,12 @@ static PyObject* recorded(PyObject* out, PyObject* plan) {
 }
 
 // torch's kernel: op (FT_SOFTMAX, FT_LOG_SOFTMAX, FT_SOFTMAX_BACKWARD: a is dy, b is y) along the normalised
-// dim, in the dtype of g_floats[kind], with torch's autograd graph where graph is 1; its address in *address.
+// dim, in the dtype of g_floats[kind] (autograd records where it may); its address in *address.
 // A new reference, or NULL with an error.
-static PyObject* cpu_kernel(int op, PyObject* a, PyObject* b, long dim, int kind, int graph,
-                            unsigned long long* address) {
+static PyObject* cpu_kernel(int op, PyObject* a, PyObject* b, long dim, int kind, unsigned long long* address) {
     PyObject* out;
     if (ft) {
-        out = ft->cpu_op(op, a, b, dim, ft->dtype_code(g_floats[kind]), graph);
+        out = ft->cpu_op(op, a, b, dim, ft->dtype_code(g_floats[kind]));
     } else {
         PyObject* dim_n = PyLong_FromLong(dim);  // (normalised, as the Python path passes it: the graph saves it)
         if (!dim_n) return NULL;
@@ -228,7 +227,7 @@ static PyObject* cpu_fast(PyObject* x, PyObject* d, PyObject* dim, PyObject* dty
             t = g < 0 ? -1 : !g;
         }
         if (t != 1 || grad) return t < 0 ? NULL : Py_NewRef(Py_None);
-        out = cpu_kernel(FT_SOFTMAX_BACKWARD, d, x, dm, cx.kind, 0, &p);
+        out = cpu_kernel(FT_SOFTMAX_BACKWARD, d, x, dm, cx.kind, &p);
     } else {
         // log: fp64 takes the reference's formula, 16-bit fp32 rows (through fastlaunch_torch, within one
         // chunk: past it the Python path's chunks keep the fp32 rows in cache); 16-bit autograd: the Function
@@ -239,7 +238,7 @@ static PyObject* cpu_fast(PyObject* x, PyObject* d, PyObject* dim, PyObject* dty
             if (chunk < 0) return NULL;
             if (outer * n * inner > chunk) Py_RETURN_NONE;
         }
-        out = cpu_kernel(log == Py_True ? FT_LOG_SOFTMAX : FT_SOFTMAX, x, NULL, dm, cx.kind, grad, &p);
+        out = cpu_kernel(log == Py_True ? FT_LOG_SOFTMAX : FT_SOFTMAX, x, NULL, dm, cx.kind, &p);
     }
     if (!out || !any_nan_first(p, cx.kind, outer, n, inner))
         return out ? recorded(out, d == Py_None && grad ? g_plan_graph : g_plan_native) : NULL;

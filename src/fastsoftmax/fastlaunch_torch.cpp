@@ -89,11 +89,10 @@ PyObject* empty_like(PyObject* obj, int dtype, unsigned long long* address) {
 
 // torch._softmax(a, dim, False), torch._log_softmax(a, dim, False) (of a 16-bit a: computed in fp32, rounded
 // once, as backends/torch.py's native_softmax) or torch._softmax_backward_data(a: dy, b: y, dim, dtype) on
-// CPU tensors, the GIL released: a new reference, NULL with torch's error. graph: whether autograd may record
-// (the calls go through the whole dispatcher either way: profilers see them).
-PyObject* cpu_op(int op, PyObject* a, PyObject* b, long dim, int dtype, int graph) {
+// CPU tensors, the GIL released, through the whole dispatcher (autograd records where it may; profilers see
+// them): a new reference, NULL with torch's error.
+PyObject* cpu_op(int op, PyObject* a, PyObject* b, long dim, int dtype) {
     HANDLE_TH_ERRORS
-    (void)graph;
     const at::Tensor& x = THPVariable_Unpack(a);
     const at::Tensor* y_in = b ? &THPVariable_Unpack(b) : nullptr;
     at::Tensor y;

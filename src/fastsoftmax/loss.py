@@ -38,8 +38,7 @@ def cross_entropy(
     k = None
     if not _compiling():  # (torch.compile traces past the replay: dynamo folds this call)
         opts = (ignore_index, reduction, label_smoothing, softcap, z_loss, return_z_loss, backend)
-        out = fastpath.loss_cpu(logits, target, class_weight, ignore_index, reduction, label_smoothing, *opts[3:])
-        if out is not None:
+        if (out := fastpath.loss_cpu(logits, target, class_weight, *opts)) is not None:
             return out  # the CPU's direct path in C (its common calls)
         k = fastpath.loss_key(logits, target, class_weight, *opts)
         if k is not None and (out := fastpath.loss_fast(k, logits, target)) is not None:
