@@ -75,9 +75,15 @@ def logits(device, dtype, sq=SQ, sk=SK):
 PATHS = [("rowblock", {}), ("online", {"block_n": 16}), ("split", {"block_n": 16})]
 
 
-COMBOS = {"mask": (None, False), "scale-causal": (0.125, True), "causal": (None, True), "negative-scale": (-2.0, False)}
-# split (two launches, many programs: slow in the interpreter) takes the two combinations that cover all
-PATTERN_CASES = [(p, f, c) for p, f in PATHS for c in COMBOS if p != "split" or c in ("mask", "scale-causal")]
+COMBOS = {
+    "mask": (None, False),  # the padding and (Sq, Sk) masks
+    "mask-more": (None, False),  # the per-head, full and additive padding masks
+    "scale-causal": (0.125, True),
+    "causal": (None, True),
+    "negative-scale": (-2.0, False),
+}
+# split (two launches, many programs: slow in the interpreter) takes the combinations that cover all
+PATTERN_CASES = [(p, f, c) for p, f in PATHS for c in COMBOS if p != "split" or c not in ("causal", "negative-scale")]
 
 
 @pytest.mark.parametrize("path,force,combo", PATTERN_CASES, ids=[f"{p}-{c}" for p, _, c in PATTERN_CASES])
@@ -85,7 +91,8 @@ PATTERN_CASES = [(p, f, c) for p, f in PATHS for c in COMBOS if p != "split" or 
 def test_every_mask_pattern(device, path, force, combo, log):
     scale, causal = COMBOS[combo]
     x = logits(device, torch.float32)
-    patterns = masks(device) if (scale, causal) != (None, True) else masks(device)[:2]
+    patterns = {"mask": masks(device)[:3], "mask-more": masks(device)[3:], "causal": masks(device)[:2]}
+    patterns = patterns.get(combo, masks(device))
     for name, mask in patterns:
         if mask is None and scale is None and not causal:
             continue
@@ -268,14 +275,15 @@ def test_compile_fullgraph_masked():
     torch.testing.assert_close(out, f(x))
 
 
+@pytest.mark.parametrize("half", [0, 1], ids=["masks01", "masks23"])
 @pytest.mark.parametrize("path,force", PATHS, ids=[p for p, _ in PATHS])
 @pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
-def test_backward_paths_fused(device, path, force, log):
+def test_backward_paths_fused(device, path, force, log, half):
     """The masked backward on each Triton path (scale applied and masked positions zeroed in the same pass
     that writes dx), forced and identified, against the torch path, outputs poisoned."""
     x = logits(device, torch.float32)
     f, fb = FNS[log], {False: fs.softmax_backward, True: fs.log_softmax_backward}[log]
-    for name, mask in masks(device)[:4]:
+    for name, mask in masks(device)[2 * half : 2 * half + 2]:
         for scale, causal in ((None, True), (-0.5, False)):
             y = f(x, mask=mask, scale=scale, causal=causal, backend="torch")
             dy = torch.randn_like(y)
