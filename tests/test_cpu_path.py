@@ -261,6 +261,77 @@ def test_direct_path_in_c_and_in_python(monkeypatch, dtype, reach):
         torch.testing.assert_close(v, v_py, rtol=0, atol=0, equal_nan=True)
 
 
+@pytest.mark.parametrize("state", ["vmap", "grad", "dispatch_mode", "jit_trace", "forward_ad", "eager"])
+def test_direct_path_steps_aside_for_a_plain_tensor(reach, state):
+    """A plain CPU tensor (no wrapper: a closure's constant) while torch.func, a TorchDispatchMode, a jit
+    trace or a forward-mode AD level is active: C's eager check (fastlaunch_torch's one call, or torch's
+    three Python bindings) hands every call over, softmax and cross-entropy alike; outside them it answers."""
+    import warnings
+
+    import torch.autograd.forward_ad as fwad
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from fastsoftmax import fastpath
+
+    x = logits((4, 37), torch.float32, 46, special=False)
+    t = torch.randint(0, 37, (4,))
+    seen = []
+
+    def probe(v):
+        seen.append(fastpath.fast(x, None, -1, None, False, "auto"))
+        seen.append(fastpath.loss_cpu(x, t, None, -100, "mean", 0.0, None, 0.0, False, "auto"))
+        return v * 2
+
+    class Mode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    v = torch.randn(3)
+    if state == "vmap":
+        torch.func.vmap(probe)(torch.randn(2, 3))
+    elif state == "grad":
+        torch.func.grad(lambda u: probe(u).sum())(v)
+    elif state == "dispatch_mode":
+        with Mode():
+            probe(v)
+    elif state == "jit_trace":
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.jit.trace(probe, v, check_trace=False)
+    elif state == "forward_ad":
+        with fwad.dual_level():
+            probe(v)
+    else:
+        probe(v)
+    handed_over = state != "eager"
+    loss_in_c = reach == "torch_in_cpp"  # (C's cross-entropy runs through fastlaunch_torch only)
+    assert len(seen) == 2 and (seen[0] is None) == handed_over, (state, reach, seen)
+    assert (seen[1] is None) == (handed_over or not loss_in_c), (state, reach, seen)
+    if not handed_over:
+        torch.testing.assert_close(seen[0], torch.softmax(x, -1), rtol=0, atol=0)
+
+
+def test_profiler_sees_the_direct_paths_kernels(reach):
+    """fastlaunch_torch calls torch's CPU kernels directly unless a profiler (a RecordFunction callback) is
+    listening or autograd records: under torch.profiler every kernel of the direct path is an aten:: event,
+    as torch's own calls are; the outputs are torch's either way."""
+    from fastsoftmax import fastpath
+
+    x = logits((4, 37), torch.float32, 47, special=False)
+    dy = logits((4, 37), torch.float32, 48, special=False)
+    y = torch.softmax(x, -1)
+    assert fastpath.fast(x, None, -1, None, False, "auto") is not None  # (the direct path runs in C)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        got = (fs.softmax(x), fs.log_softmax(x), fs.softmax_backward(dy, y))
+    names = {e.name for e in prof.events()}
+    assert {"aten::_softmax", "aten::_log_softmax", "aten::_softmax_backward_data"} <= names, (reach, names)
+    want = (y, torch.log_softmax(x, -1), torch._softmax_backward_data(dy, y, -1, torch.float32))
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    for a, b in zip((fs.softmax(x), fs.log_softmax(x), fs.softmax_backward(dy, y)), want, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)  # (no profiler: the kernels called directly)
+
+
 def test_plain_and_autograd_routes():
     """No grad needed (no_grad, a tensor that does not require grad): the direct call, no graph; autograd on
     a contiguous x in its own dtype: torch's graph (SoftmaxBackward0), its backward torch's own (no plan)

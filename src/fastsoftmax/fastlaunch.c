@@ -158,7 +158,8 @@ static PyObject* launch(PyObject* self, PyObject* const* args, Py_ssize_t n) {
 static PyObject *g_tensor, *g_dtype_type, *g_cache, *g_grad_enabled, *g_functorch, *g_dispatch_len, *g_tracing,
     *g_autocast, *g_fwad, *g_heuristics, *g_knobs, *g_get_stream, *g_empty_like, *g_record, *g_loss_dtypes;
 static PyObject *s_shape, *s_stride, *s_dtype, *s_get_device, *s_data_ptr, *s_is_cuda, *s_requires_grad,
-    *s_level, *s_force, *s_enter, *s_exit, *s_calls, *s_native, *s_is_contiguous, *s_numel, *kw_dtype;
+    *s_level, *s_force, *s_enter, *s_exit, *s_calls, *s_native, *s_is_contiguous, *s_numel, *s_plans, *s_state,
+    *s_last, *kw_dtype;
 
 // torch's calls in C++ (fastlaunch_torch.cpp), or NULL where it could not be built: Python's probes then
 static const FtCalls* ft;
@@ -210,10 +211,10 @@ static PyObject* configure(PyObject* self, PyObject* const* args, Py_ssize_t n) 
     if (!s_shape) {
         const char* names[] = {"shape", "stride", "dtype", "get_device", "data_ptr", "is_cuda", "requires_grad",
                                "_current_level", "_force", "launch_enter_hook", "launch_exit_hook", "calls",
-                               "native", "is_contiguous", "numel"};
+                               "native", "is_contiguous", "numel", "_plans", "_state", "last"};
         PyObject** strs[] = {&s_shape,  &s_stride, &s_dtype, &s_get_device, &s_data_ptr, &s_is_cuda,
                              &s_requires_grad, &s_level, &s_force, &s_enter, &s_exit, &s_calls,
-                             &s_native, &s_is_contiguous, &s_numel};
+                             &s_native, &s_is_contiguous, &s_numel, &s_plans, &s_state, &s_last};
         for (size_t i = 0; i < sizeof names / sizeof names[0]; ++i)
             if (!(*strs[i] = PyUnicode_InternFromString(names[i]))) return NULL;
         if (!(kw_dtype = Py_BuildValue("(s)", "dtype"))) return NULL;
@@ -223,6 +224,24 @@ static PyObject* configure(PyObject* self, PyObject* const* args, Py_ssize_t n) 
         Py_XSETREF(*slots[i], args[i]);
     }
     Py_RETURN_NONE;
+}
+
+// heuristics.record(plan) without its Python frame: the thread's last plan (heuristics._state.last) set,
+// or record() itself called while a heuristics.plans() block collects them. 0, or -1 with an error.
+static int record_plan(PyObject* plan) {
+    PyObject* plans = PyObject_GetAttr(g_heuristics, s_plans);
+    PyObject* state = plans == Py_None ? PyObject_GetAttr(g_heuristics, s_state) : NULL;
+    Py_XDECREF(plans);
+    if (!plans) return -1;
+    if (!state) {
+        PyErr_Clear();
+        PyObject* r = PyObject_Vectorcall(g_record, &plan, 1, NULL);
+        Py_XDECREF(r);
+        return r ? 0 : -1;
+    }
+    int t = PyObject_SetAttr(state, s_last, plan);
+    Py_DECREF(state);
+    return t;
 }
 
 static int call_truthy(PyObject* f) {
@@ -241,23 +260,35 @@ static int attr_is(PyObject* o, PyObject* name, PyObject* value) {
     return is;
 }
 
+// torch.is_grad_enabled(): 1, 0, or -1 with an error
+static int grad_mode(void) {
+    const FtCalls* calls = ft;
+    return calls ? calls->grad_enabled() : call_truthy(g_grad_enabled);
+}
+
 // t.requires_grad and torch.is_grad_enabled(): 1, 0, or -1 with an error
 static int needs_grad(PyObject* t) {
     int rg = attr_is(t, s_requires_grad, Py_True);
-    return rg <= 0 ? rg : call_truthy(g_grad_enabled);
+    return rg <= 0 ? rg : grad_mode();
 }
 
 // 1 when no torch.func transform, forward-mode AD level, dispatch mode or jit trace is under way
 // (compose.eager's checks but torch.compile's, which callers make); 0 otherwise; -1 with an error.
 static int eager_state(void) {
     int t;
-    if ((t = call_truthy(g_functorch)) != 0) return t < 0 ? -1 : 0;
+    const FtCalls* calls = ft;  // (through fastlaunch_torch: one call for three of torch's Python bindings)
+    if (calls) {
+        if (!calls->eager()) return 0;
+    } else if ((t = call_truthy(g_functorch)) != 0) {
+        return t < 0 ? -1 : 0;
+    }
     PyObject* lvl = PyObject_GetAttr(g_fwad, s_level);
     if (!lvl) return -1;
     long level = PyLong_AsLong(lvl);
     Py_DECREF(lvl);
     if (level == -1 && PyErr_Occurred()) return -1;
     if (level >= 0) return 0;
+    if (calls) return 1;
     if ((t = call_truthy(g_dispatch_len)) != 0) return t < 0 ? -1 : 0;
     PyObject* tr = PyObject_CallNoArgs(g_tracing);
     if (!tr) return -1;
@@ -486,7 +517,7 @@ static PyObject* softmax_key(PyObject* self, PyObject* const* args, Py_ssize_t n
 }
 
 // a tensor's requires_grad as probed, and torch.is_grad_enabled(): 1, 0, or -1 with an error
-static int probed_grad(int requires_grad) { return requires_grad ? call_truthy(g_grad_enabled) : 0; }
+static int probed_grad(int requires_grad) { return requires_grad ? grad_mode() : 0; }
 
 // softmax_fast(x, dy_or_None, dim, dtype, log, backend) -> the replayed output, or None (the full path runs):
 // fastpath.py's replay of a softmax-family call seen before; for a tensor not on CUDA, the CPU's direct path
@@ -503,9 +534,10 @@ static PyObject* softmax_fast(PyObject* self, PyObject* const* args, Py_ssize_t 
     FtMeta m;
     const int torch_cpp = ft != NULL;  // (read once: the build's thread may set it while Python code runs below)
     if (torch_cpp) {  // (a torch.func wrapper has no storage: cpu_fast's first check refuses it)
-        if (!ft->meta(x, &m) || !m.cuda) return cpu_fast(x, d, args[2], args[3], args[4], args[5]);
+        if (!ft->meta(x, &m)) return cpu_fast(x, d, args[2], args[3], args[4], args[5], NULL);
+        if (!m.cuda) return cpu_fast(x, d, args[2], args[3], args[4], args[5], &m);
     } else {
-        if ((t = is_cuda(x)) <= 0) return t < 0 ? NULL : cpu_fast(x, d, args[2], args[3], args[4], args[5]);
+        if ((t = is_cuda(x)) <= 0) return t < 0 ? NULL : cpu_fast(x, d, args[2], args[3], args[4], args[5], NULL);
         if ((t = needs_grad(x)) != 0 || (t = plain_state()) != 1) return t < 0 ? NULL : Py_NewRef(Py_None);
         if (d != Py_None && Py_TYPE(d) == (PyTypeObject*)g_tensor && (t = needs_grad(d)) != 0)
             return t < 0 ? NULL : Py_NewRef(Py_None);
@@ -576,9 +608,7 @@ static PyObject* softmax_fast(PyObject* self, PyObject* const* args, Py_ssize_t 
         goto done;
     }
     PyObject* plan = PyTuple_GET_ITEM(native, 2);
-    PyObject* rec = PyObject_Vectorcall(g_record, &plan, 1, NULL);
-    if (!rec) goto done;
-    Py_DECREF(rec);
+    if (record_plan(plan) < 0) goto done;
     result = Py_NewRef(y);
 done:
     Py_DECREF(key);

@@ -64,6 +64,12 @@ static int float_kind(PyObject* t) {
     return k;
 }
 
+// a torch.dtype's c10::ScalarType number through fastlaunch_torch; -1 where it is not loaded
+static int dtype_number(PyObject* dtype) {
+    const FtCalls* calls = ft;
+    return calls ? calls->dtype_code(dtype) : -1;
+}
+
 // A CPU tensor as cpu_fast takes it: its dims (at most FT_MAX_DIMS), kind (index in g_floats), address and
 // whether it requires grad (-1: not probed; needs_grad asks)
 typedef struct {
@@ -73,16 +79,23 @@ typedef struct {
 } CpuTensor;
 
 // 1 when t is a contiguous CPU tensor (exactly torch.Tensor) with elements and storage, of at most
-// FT_MAX_DIMS dims, *c filled (kind -1 for a dtype not in g_floats); 0: not one; -1: error
-static int plain_cpu(PyObject* t, CpuTensor* c) {
+// FT_MAX_DIMS dims, *c filled (kind -1 for a dtype not in g_floats); 0: not one; -1: error. ``known``: t's
+// FtMeta where the caller has read it through fastlaunch_torch already, else NULL.
+static int plain_cpu(PyObject* t, CpuTensor* c, const FtMeta* known) {
     if (Py_TYPE(t) != (PyTypeObject*)g_tensor) return 0;
-    if (ft) {
-        FtMeta m;
-        if (!ft->meta(t, &m) || m.cuda || !m.contiguous || !m.numel || !m.address) return 0;
-        c->ndim = m.ndim, c->address = m.address, c->requires_grad = m.requires_grad, c->kind = -1;
-        memcpy(c->sizes, m.sizes, sizeof m.sizes);
+    const FtCalls* calls = ft;
+    if (known || calls) {
+        FtMeta read;
+        const FtMeta* m = known;
+        if (!m) {
+            if (!calls->meta(t, &read)) return 0;
+            m = &read;
+        }
+        if (m->cuda || !m->contiguous || !m->numel || !m->address) return 0;
+        c->ndim = m->ndim, c->address = m->address, c->requires_grad = m->requires_grad, c->kind = -1;
+        memcpy(c->sizes, m->sizes, sizeof m->sizes);
         for (int i = 0; i < N_FLOATS; ++i)
-            if (ft->dtype_code(g_floats[i]) == m.dtype) c->kind = i;
+            if (dtype_number(g_floats[i]) == m->dtype) c->kind = i;
         return 1;
     }
     int ok = attr_is(t, s_is_cpu, Py_True);
@@ -115,7 +128,7 @@ static int plain_cpu(PyObject* t, CpuTensor* c) {
 // t's requires_grad (as probed, or asked) and torch.is_grad_enabled(): 1, 0, or -1 with an error
 static int cpu_grad(PyObject* t, const CpuTensor* c) {
     if (c->requires_grad < 0) return needs_grad(t);
-    return c->requires_grad ? call_truthy(g_grad_enabled) : 0;
+    return c->requires_grad ? grad_mode() : 0;
 }
 
 // Whether a row (along dim) of the contiguous tensor at addr starts with NaN, by its bits
@@ -142,12 +155,10 @@ static int any_nan_first(unsigned long long addr, int kind, long long outer, lon
 }
 
 static PyObject* recorded(PyObject* out, PyObject* plan) {
-    PyObject* r = PyObject_Vectorcall(g_record, &plan, 1, NULL);
-    if (!r) {
+    if (record_plan(plan) < 0) {
         Py_DECREF(out);
         return NULL;
     }
-    Py_DECREF(r);
     return out;
 }
 
@@ -156,8 +167,10 @@ static PyObject* recorded(PyObject* out, PyObject* plan) {
 // A new reference, or NULL with an error.
 static PyObject* cpu_kernel(int op, PyObject* a, PyObject* b, long dim, int kind, unsigned long long* address) {
     PyObject* out;
-    if (ft) {
-        out = ft->cpu_op(op, a, b, dim, ft->dtype_code(g_floats[kind]));
+    const FtCalls* calls = ft;
+    *address = 0;
+    if (calls) {
+        out = calls->cpu_op(op, a, b, dim, calls->dtype_code(g_floats[kind]), address);
     } else {
         PyObject* dim_n = PyLong_FromLong(dim);  // (normalised, as the Python path passes it: the graph saves it)
         if (!dim_n) return NULL;
@@ -171,8 +184,7 @@ static PyObject* cpu_kernel(int op, PyObject* a, PyObject* b, long dim, int kind
         Py_DECREF(dim_n);
     }
     if (!out) return NULL;
-    FtMeta m;
-    *address = ft ? (ft->meta(out, &m) ? m.address : 0) : address_of(out);
+    if (!calls) *address = address_of(out);
     if (!*address) {
         if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "fastlaunch: torch's softmax gave no storage");
         Py_DECREF(out);
@@ -190,7 +202,8 @@ static long long chunk_elements(void) {
 }
 
 // softmax_fast's CPU branch: (x, dy or None, dim, dtype, log, backend) as softmax_fast's arguments
-static PyObject* cpu_fast(PyObject* x, PyObject* d, PyObject* dim, PyObject* dtype, PyObject* log, PyObject* backend) {
+static PyObject* cpu_fast(PyObject* x, PyObject* d, PyObject* dim, PyObject* dtype, PyObject* log, PyObject* backend,
+                          const FtMeta* x_meta) {
     if (!g_softmax || !PyUnicode_Check(backend) || PyUnicode_CompareWithASCIIString(backend, "auto") != 0 ||
         !PyLong_CheckExact(dim) || (log != Py_True && log != Py_False) || (d != Py_None && log == Py_True))
         Py_RETURN_NONE;
@@ -198,7 +211,7 @@ static PyObject* cpu_fast(PyObject* x, PyObject* d, PyObject* dim, PyObject* dty
     int t = eager_state();
     if (t != 1) return t < 0 ? NULL : Py_NewRef(Py_None);
     CpuTensor cx, cd;
-    if ((t = plain_cpu(x, &cx)) <= 0) return t < 0 ? NULL : Py_NewRef(Py_None);
+    if ((t = plain_cpu(x, &cx, x_meta)) <= 0) return t < 0 ? NULL : Py_NewRef(Py_None);
     if (cx.kind < 0 || (dtype != Py_None && dtype != g_floats[cx.kind])) Py_RETURN_NONE;
     long dm = PyLong_AsLong(dim);
     if (dm == -1 && PyErr_Occurred()) {
@@ -220,7 +233,7 @@ static PyObject* cpu_fast(PyObject* x, PyObject* d, PyObject* dim, PyObject* dty
     PyObject* out;
     unsigned long long p;
     if (d != Py_None) {  // softmax_backward(dy, y): x is y here; dy of y's shape and dtype, neither needing grad
-        if ((t = plain_cpu(d, &cd)) == 1)
+        if ((t = plain_cpu(d, &cd, NULL)) == 1)
             t = cd.ndim == cx.ndim && !memcmp(cd.sizes, cx.sizes, cx.ndim * sizeof cx.sizes[0]) && cd.kind == cx.kind;
         if (t == 1) {
             int g = cpu_grad(d, &cd);
@@ -282,7 +295,8 @@ static PyObject* loss_cpu(PyObject* self, PyObject* const* args, Py_ssize_t n) {
     if (Py_TYPE(x) != (PyTypeObject*)g_tensor || Py_TYPE(tg) != (PyTypeObject*)g_tensor) Py_RETURN_NONE;
     CpuTensor cx, ct;  // (first, through fastlaunch_torch: a torch.func wrapper or a CUDA tensor is not one)
     int t;
-    if ((t = plain_cpu(x, &cx)) != 1 || (t = plain_cpu(tg, &ct)) != 1) return t < 0 ? NULL : Py_NewRef(Py_None);
+    if ((t = plain_cpu(x, &cx, NULL)) != 1 || (t = plain_cpu(tg, &ct, NULL)) != 1)
+        return t < 0 ? NULL : Py_NewRef(Py_None);
     if ((t = eager_state()) != 1) return t < 0 ? NULL : Py_NewRef(Py_None);
     if ((t = call_truthy(g_autocast)) != 0) return t < 0 ? NULL : Py_NewRef(Py_None);
     long long numel = 1;

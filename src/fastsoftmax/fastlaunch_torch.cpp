@@ -9,9 +9,14 @@
 #include <Python.h>
 
 #include <ATen/EmptyTensor.h>
+#include <ATen/core/grad_mode.h>
 #include <ATen/ops/_log_softmax.h>
+#include <ATen/ops/_log_softmax_cpu_dispatch.h>
 #include <ATen/ops/_softmax.h>
 #include <ATen/ops/_softmax_backward_data.h>
+#include <ATen/ops/_softmax_backward_data_cpu_dispatch.h>
+#include <ATen/ops/_softmax_cpu_dispatch.h>
+#include <ATen/record_function.h>
 #include <ATen/ops/cross_entropy_loss.h>
 #include <ATen/ops/nll_loss_nd.h>
 #include <torch/csrc/Exceptions.h>
@@ -19,6 +24,9 @@
 #include <c10/core/DeviceGuard.h>
 #include <torch/csrc/Dtype.h>
 #include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/jit/frontend/tracer.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
 
 #include <cmath>
 
@@ -89,24 +97,38 @@ PyObject* empty_like(PyObject* obj, int dtype, unsigned long long* address) {
 
 // torch._softmax(a, dim, False), torch._log_softmax(a, dim, False) (of a 16-bit a: computed in fp32, rounded
 // once, as backends/torch.py's native_softmax) or torch._softmax_backward_data(a: dy, b: y, dim, dtype) on
-// CPU tensors, the GIL released, through the whole dispatcher (autograd records where it may; profilers see
-// them): a new reference, NULL with torch's error.
-PyObject* cpu_op(int op, PyObject* a, PyObject* b, long dim, int dtype) {
+// CPU tensors, the GIL released: through the whole dispatcher where autograd records or a profiler listens,
+// else the CPU kernel itself (at::cpu::, what the dispatcher reaches for a plain CPU tensor). The output's
+// address in *address; a new reference, NULL with torch's error.
+PyObject* cpu_op(int op, PyObject* a, PyObject* b, long dim, int dtype, unsigned long long* address) {
     HANDLE_TH_ERRORS
     const at::Tensor& x = THPVariable_Unpack(a);
     const at::Tensor* y_in = b ? &THPVariable_Unpack(b) : nullptr;
     at::Tensor y;
     {
         NoGil released;
-        if (op == FT_SOFTMAX)
+        const bool low = x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16;
+        const bool graph = at::GradMode::is_enabled() && (x.requires_grad() || (y_in && y_in->requires_grad()));
+        if (!graph && !at::hasCallbacks() && !(op == FT_LOG_SOFTMAX && low)) {
+            // nothing for autograd to record and no profiler (RecordFunction callback) to see it: the CPU
+            // kernel itself, as the dispatcher would reach it for a plain CPU tensor
+            if (op == FT_SOFTMAX)
+                y = at::cpu::_softmax(x, dim, false);
+            else if (op == FT_LOG_SOFTMAX)
+                y = at::cpu::_log_softmax(x, dim, false);
+            else
+                y = at::cpu::_softmax_backward_data(x, *y_in, dim, at::ScalarType(dtype));
+        } else if (op == FT_SOFTMAX) {
             y = at::_softmax(x, dim, false);
-        else if (op == FT_LOG_SOFTMAX && (x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16))
+        } else if (op == FT_LOG_SOFTMAX && low) {
             y = at::_log_softmax(x.to(at::kFloat), dim, false).to(x.scalar_type());  // (fp32 rows, rounded once)
-        else if (op == FT_LOG_SOFTMAX)
+        } else if (op == FT_LOG_SOFTMAX) {
             y = at::_log_softmax(x, dim, false);
-        else
+        } else {
             y = at::_softmax_backward_data(x, *y_in, dim, at::ScalarType(dtype));
+        }
     }
+    *address = reinterpret_cast<unsigned long long>(y.const_data_ptr());
     return THPVariable_Wrap(std::move(y));
     END_HANDLE_TH_ERRORS
 }
@@ -151,7 +173,19 @@ PyObject* cpu_loss(PyObject* logits, PyObject* target, long ignore_index, int re
     END_HANDLE_TH_ERRORS
 }
 
-const FtCalls calls = {FT_ABI, sizeof(FtMeta), meta, dtype_code, empty_like, cpu_op, cpu_loss};
+// What torch._C._are_functorch_transforms_active(), _len_torch_dispatch_stack() and _get_tracing_state() say,
+// in one call without their Python bindings: 1 when none is active on this thread
+int eager() {
+    const auto included = c10::impl::tls_local_dispatch_key_set().included_;
+    if (included.has(c10::DispatchKey::FuncTorchDynamicLayerFrontMode) ||
+        included.has(c10::DispatchKey::FuncTorchDynamicLayerBackMode))
+        return 0;
+    return c10::impl::TorchDispatchModeTLS::stack_len() == 0 && !torch::jit::tracer::isTracing();
+}
+
+int grad_enabled() { return at::GradMode::is_enabled(); }
+
+const FtCalls calls = {FT_ABI, sizeof(FtMeta), meta, dtype_code, empty_like, cpu_op, cpu_loss, eager, grad_enabled};
 
 PyObject* table(PyObject*, PyObject*) { return PyCapsule_New(const_cast<FtCalls*>(&calls), FT_CAPSULE, nullptr); }
 

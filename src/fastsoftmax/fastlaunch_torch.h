@@ -3,7 +3,7 @@
 #ifndef FASTLAUNCH_TORCH_H
 #define FASTLAUNCH_TORCH_H
 
-#define FT_ABI 5
+#define FT_ABI 6
 #define FT_CAPSULE "fastsoftmax.fastlaunch_torch.FtCalls"
 #define FT_MAX_DIMS 8
 
@@ -24,9 +24,11 @@ typedef struct {
     int (*meta)(PyObject* t, FtMeta* m);
     int (*dtype_code)(PyObject* dtype);
     PyObject* (*empty_like)(PyObject* t, int dtype, unsigned long long* address);
-    PyObject* (*cpu_op)(int op, PyObject* a, PyObject* b, long dim, int dtype);
+    PyObject* (*cpu_op)(int op, PyObject* a, PyObject* b, long dim, int dtype, unsigned long long* address);
     PyObject* (*cpu_loss)(PyObject* logits, PyObject* target, long ignore_index, int reduction, double smoothing,
                           int graph);
+    int (*eager)(void);  // 1: no torch.func transform, torch_dispatch mode or jit trace on this thread
+    int (*grad_enabled)(void);  // torch.is_grad_enabled()
 } FtCalls;
 
 #endif
