@@ -57,8 +57,8 @@ def _not_fp32(item):
     return str(_p(item, "dtype", "float32")).removeprefix("torch.") != "float32"
 
 
-# the fp32 rows of several chunks that the online and split paths keep in the default run, as (path, N, log),
-# beside N = 7 (forward: 2 chunks of 4); the other N run with --full
+# the fp32 rows of several chunks that the online path keeps in the default run, as (path, N, log), beside
+# N = 7 on online and split (forward: 2 chunks of 4); the other N run with --full
 FWD_ROWS = {("online", 513, False)}
 BWD_ROWS = {("online", 513, False), ("online", 1000, True)}
 

@@ -45,6 +45,17 @@ def forward(x, dim=-1, *, log=False, dtype=None, backend="auto", want_lse=False)
     return api_forward(x, dim, log=log, dtype=dtype, backend=backend, want_lse=want_lse)
 
 
+def pass_through_mode():
+    """A TorchDispatchMode that runs every op as it comes: a dispatch mode on the stack, nothing else."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class PassThrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    return PassThrough()
+
+
 @contextlib.contextmanager
 def triton_hook(runtime, name: str, hook):
     """hook registered as Triton's launch hook `name` (knobs.runtime.launch_enter_hook / launch_exit_hook) for

@@ -9,7 +9,7 @@ label smoothing, every reduction, chunked rows, double backward; the errors stil
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import assert_close, random_logits, special_rows
+from helpers import assert_close, pass_through_mode, random_logits, special_rows
 
 import fastsoftmax as fs
 from fastsoftmax import heuristics
@@ -269,7 +269,6 @@ def test_direct_path_steps_aside_for_a_plain_tensor(reach, state):
     import warnings
 
     import torch.autograd.forward_ad as fwad
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     from fastsoftmax import fastpath
 
@@ -282,17 +281,13 @@ def test_direct_path_steps_aside_for_a_plain_tensor(reach, state):
         seen.append(fastpath.loss_cpu(x, t, None, -100, "mean", 0.0, None, 0.0, False, "auto"))
         return v * 2
 
-    class Mode(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            return func(*args, **(kwargs or {}))
-
     v = torch.randn(3)
     if state == "vmap":
         torch.func.vmap(probe)(torch.randn(2, 3))
     elif state == "grad":
         torch.func.grad(lambda u: probe(u).sum())(v)
     elif state == "dispatch_mode":
-        with Mode():
+        with pass_through_mode():
             probe(v)
     elif state == "jit_trace":
         with warnings.catch_warnings():

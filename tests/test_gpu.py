@@ -4,7 +4,7 @@ without CUDA; run with `pytest --device cuda tests/test_gpu.py`."""
 
 import pytest
 import torch
-from helpers import DTYPES, assert_close, forward, random_logits, special_rows, triton_hook
+from helpers import DTYPES, assert_close, forward, pass_through_mode, random_logits, special_rows, triton_hook
 
 import fastsoftmax as fs
 from fastsoftmax import heuristics
@@ -246,13 +246,8 @@ def test_replay_in_c_steps_aside_where_it_must():
     each state a replay must not run in: autograd, autocast, heuristics.force, a dispatch mode, a
     forward-mode AD level, a torch.func transform, torch.compile; every result right."""
     import torch.autograd.forward_ad as fwad
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     from fastsoftmax import dispatch, fastpath, launch
-
-    class Mode(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            return func(*args, **(kwargs or {}))
 
     fastpath.clear()
     x = torch.randn(64, 1000, device="cuda") * 3
@@ -269,7 +264,7 @@ def test_replay_in_c_steps_aside_where_it_must():
             "autograd": lambda: fs.softmax(x.clone().requires_grad_()),
             "autocast": lambda: _within(torch.autocast("cuda"), lambda: fs.softmax(x)),
             "force": lambda: _within(heuristics.force(path="rowblock"), lambda: fs.softmax(x)),
-            "dispatch mode": lambda: _within(Mode(), lambda: fs.softmax(x)),
+            "dispatch mode": lambda: _within(pass_through_mode(), lambda: fs.softmax(x)),
             "forward AD": lambda: _within(fwad.dual_level(), lambda: fs.softmax(x)),
             "vmap": lambda: torch.func.vmap(fs.softmax)(x.view(8, 8, 1000)).view(64, 1000),
             "compile": lambda: torch.compile(fs.softmax, fullgraph=True)(x),

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import triton_hook
+from helpers import pass_through_mode, triton_hook
 
 from fastsoftmax import fastpath, heuristics, launch, torch_build
 from fastsoftmax.cuda.kernels import _Params
@@ -709,7 +709,6 @@ def _loss_key_steps_aside(hot, x, t, opts):
     torch.func transform, a forward-mode AD level, a dispatch mode, autocast, heuristics.force, a Triton
     launch hook; the key unchanged afterwards."""
     import torch.autograd.forward_ad as fwad
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     def key(x=x, t=t, w=None, opts=opts):
         return hot.loss_key(x, t, w, *opts, False)
@@ -730,15 +729,11 @@ def _loss_key_steps_aside(hot, x, t, opts):
     ):
         assert key(**bad) is None, bad
 
-    class Mode(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            return func(*args, **(kwargs or {}))
-
     seen = []
     torch.func.vmap(lambda r: seen.append(key()) or r)(torch.randn(2, 3))
     with fwad.dual_level():
         seen.append(key())
-    with Mode():
+    with pass_through_mode():
         seen.append(key())
     with torch.autocast("cpu"):
         seen.append(key())

@@ -64,12 +64,6 @@ static int float_kind(PyObject* t) {
     return k;
 }
 
-// a torch.dtype's c10::ScalarType number through fastlaunch_torch; -1 where it is not loaded
-static int dtype_number(PyObject* dtype) {
-    const FtCalls* calls = ft;
-    return calls ? calls->dtype_code(dtype) : -1;
-}
-
 // A CPU tensor as cpu_fast takes it: its dims (at most FT_MAX_DIMS), kind (index in g_floats), address and
 // whether it requires grad (-1: not probed; needs_grad asks)
 typedef struct {
@@ -80,22 +74,18 @@ typedef struct {
 
 // 1 when t is a contiguous CPU tensor (exactly torch.Tensor) with elements and storage, of at most
 // FT_MAX_DIMS dims, *c filled (kind -1 for a dtype not in g_floats); 0: not one; -1: error. ``known``: t's
-// FtMeta where the caller has read it through fastlaunch_torch already, else NULL.
+// FtMeta where the caller has read it through fastlaunch_torch already (then loaded), else NULL.
 static int plain_cpu(PyObject* t, CpuTensor* c, const FtMeta* known) {
     if (Py_TYPE(t) != (PyTypeObject*)g_tensor) return 0;
     const FtCalls* calls = ft;
-    if (known || calls) {
+    if (calls) {
         FtMeta read;
-        const FtMeta* m = known;
-        if (!m) {
-            if (!calls->meta(t, &read)) return 0;
-            m = &read;
-        }
-        if (m->cuda || !m->contiguous || !m->numel || !m->address) return 0;
+        const FtMeta* m = known ? known : calls->meta(t, &read) ? &read : NULL;
+        if (!m || m->cuda || !m->contiguous || !m->numel || !m->address) return 0;
         c->ndim = m->ndim, c->address = m->address, c->requires_grad = m->requires_grad, c->kind = -1;
         memcpy(c->sizes, m->sizes, sizeof m->sizes);
         for (int i = 0; i < N_FLOATS; ++i)
-            if (dtype_number(g_floats[i]) == m->dtype) c->kind = i;
+            if (calls->dtype_code(g_floats[i]) == m->dtype) c->kind = i;
         return 1;
     }
     int ok = attr_is(t, s_is_cpu, Py_True);

@@ -16,17 +16,17 @@
 #include <ATen/ops/_softmax_backward_data.h>
 #include <ATen/ops/_softmax_backward_data_cpu_dispatch.h>
 #include <ATen/ops/_softmax_cpu_dispatch.h>
-#include <ATen/record_function.h>
 #include <ATen/ops/cross_entropy_loss.h>
-#include <ATen/ops/nll_loss_nd.h>
-#include <torch/csrc/Exceptions.h>
 #include <ATen/ops/empty_like.h>
+#include <ATen/ops/nll_loss_nd.h>
+#include <ATen/record_function.h>
 #include <c10/core/DeviceGuard.h>
-#include <torch/csrc/Dtype.h>
-#include <torch/csrc/autograd/python_variable.h>
-#include <torch/csrc/jit/frontend/tracer.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/core/impl/TorchDispatchModeTLS.h>
+#include <torch/csrc/Dtype.h>
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/jit/frontend/tracer.h>
 
 #include <cmath>
 
@@ -107,26 +107,20 @@ PyObject* cpu_op(int op, PyObject* a, PyObject* b, long dim, int dtype, unsigned
     at::Tensor y;
     {
         NoGil released;
-        const bool low = x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16;
+        // direct: nothing for autograd to record and no profiler (RecordFunction callback) to see it, so the
+        // CPU kernel itself, as the dispatcher would reach it for a plain CPU tensor
         const bool graph = at::GradMode::is_enabled() && (x.requires_grad() || (y_in && y_in->requires_grad()));
-        if (!graph && !at::hasCallbacks() && !(op == FT_LOG_SOFTMAX && low)) {
-            // nothing for autograd to record and no profiler (RecordFunction callback) to see it: the CPU
-            // kernel itself, as the dispatcher would reach it for a plain CPU tensor
-            if (op == FT_SOFTMAX)
-                y = at::cpu::_softmax(x, dim, false);
-            else if (op == FT_LOG_SOFTMAX)
-                y = at::cpu::_log_softmax(x, dim, false);
-            else
-                y = at::cpu::_softmax_backward_data(x, *y_in, dim, at::ScalarType(dtype));
-        } else if (op == FT_SOFTMAX) {
-            y = at::_softmax(x, dim, false);
-        } else if (op == FT_LOG_SOFTMAX && low) {
+        const bool direct = !graph && !at::hasCallbacks();
+        if (op == FT_SOFTMAX)
+            y = direct ? at::cpu::_softmax(x, dim, false) : at::_softmax(x, dim, false);
+        else if (op == FT_LOG_SOFTMAX && (x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16))
             y = at::_log_softmax(x.to(at::kFloat), dim, false).to(x.scalar_type());  // (fp32 rows, rounded once)
-        } else if (op == FT_LOG_SOFTMAX) {
-            y = at::_log_softmax(x, dim, false);
-        } else {
+        else if (op == FT_LOG_SOFTMAX)
+            y = direct ? at::cpu::_log_softmax(x, dim, false) : at::_log_softmax(x, dim, false);
+        else if (direct)
+            y = at::cpu::_softmax_backward_data(x, *y_in, dim, at::ScalarType(dtype));
+        else
             y = at::_softmax_backward_data(x, *y_in, dim, at::ScalarType(dtype));
-        }
     }
     *address = reinterpret_cast<unsigned long long>(y.const_data_ptr());
     return THPVariable_Wrap(std::move(y));
