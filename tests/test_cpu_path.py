@@ -189,7 +189,7 @@ def _public(args):
 
 
 @pytest.fixture(params=["torch_in_cpp", "torch_via_python"])
-def reach(request):
+def reach(request, monkeypatch):
     """How fastlaunch.c reaches torch: through fastlaunch_torch.cpp, or through Python's calls (as where the
     C++ part cannot be built); checked by the form of its keys, and restored afterwards."""
     from fastsoftmax import fastpath, torch_build
@@ -199,8 +199,9 @@ def reach(request):
         pytest.fail("fastlaunch did not build here (the project's CI has a C compiler)")
     if request.param == "torch_in_cpp" and torch_build.torch_calls() is None:
         pytest.fail(f"fastlaunch_torch.cpp did not build here (the CI has a C++ compiler): {torch_build.describe()}")
-    if request.param == "torch_via_python":
+    if request.param == "torch_via_python":  # (as where fastlaunch_torch cannot be built: no row kernels either)
         mod.configure_torch(None)
+        monkeypatch.setattr(torch_build, "row_kernels", lambda: None)
     key = mod.softmax_key(torch.randn(2, 3), None, -1, None, False, "auto", False)
     assert isinstance(key, bytes) == (request.param == "torch_in_cpp")
     yield request.param
@@ -302,14 +303,15 @@ def test_direct_path_steps_aside_for_a_plain_tensor(reach, state):
     loss_in_c = reach == "torch_in_cpp"  # (C's cross-entropy runs through fastlaunch_torch only)
     assert len(seen) == 2 and (seen[0] is None) == handed_over, (state, reach, seen)
     assert (seen[1] is None) == (handed_over or not loss_in_c), (state, reach, seen)
-    if not handed_over:
-        torch.testing.assert_close(seen[0], torch.softmax(x, -1), rtol=0, atol=0)
+    if not handed_over:  # (the Python path's own answer: the row kernels, as C's)
+        torch.testing.assert_close(seen[0], native.native_softmax(x, 1, False, x.dtype), rtol=0, atol=0)
 
 
 def test_profiler_sees_the_direct_paths_kernels(reach):
-    """fastlaunch_torch calls torch's CPU kernels directly unless a profiler (a RecordFunction callback) is
-    listening or autograd records: under torch.profiler every kernel of the direct path is an aten:: event,
-    as torch's own calls are; the outputs are torch's either way."""
+    """Under torch.profiler every kernel of the direct path is an event: the row kernels (fastsoftmax::,
+    fp32 rows in memory) and torch's backward, which fastlaunch_torch calls directly unless a profiler (a
+    RecordFunction callback) listens: then through the dispatcher, an aten:: event as torch's own calls are.
+    The outputs are the Python path's either way."""
     from fastsoftmax import fastpath
 
     x = logits((4, 37), torch.float32, 47, special=False)
@@ -319,8 +321,14 @@ def test_profiler_sees_the_direct_paths_kernels(reach):
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         got = (fs.softmax(x), fs.log_softmax(x), fs.softmax_backward(dy, y))
     names = {e.name for e in prof.events()}
-    assert {"aten::_softmax", "aten::_log_softmax", "aten::_softmax_backward_data"} <= names, (reach, names)
-    want = (y, torch.log_softmax(x, -1), torch._softmax_backward_data(dy, y, -1, torch.float32))
+    rows = {"fastsoftmax::softmax_rows", "fastsoftmax::log_softmax_rows"}
+    aten = {"aten::_softmax", "aten::_log_softmax"}
+    if reach == "torch_via_python":  # (no row kernels without fastlaunch_torch)
+        rows, aten = aten, rows
+    assert rows | {"aten::_softmax_backward_data"} <= names, (reach, names)
+    assert not aten & names, (reach, names)
+    want = (native.native_softmax(x, 1, False, x.dtype), native.native_softmax(x, 1, True, x.dtype))
+    want += (torch._softmax_backward_data(dy, y, -1, torch.float32),)
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     for a, b in zip((fs.softmax(x), fs.log_softmax(x), fs.softmax_backward(dy, y)), want, strict=True):

@@ -16,6 +16,7 @@ import torch
 from helpers import pass_through_mode, triton_hook
 
 from fastsoftmax import fastpath, heuristics, launch, torch_build
+from fastsoftmax.backends.torch import native_softmax
 from fastsoftmax.cuda.kernels import _Params
 from fastsoftmax.errors import BackendFailed
 
@@ -601,9 +602,10 @@ def _softmax_key(x, d, dim, dtype, log, backend):
 
 
 @pytest.fixture
-def python_calls(hot):
-    """hot, reaching torch through Python's calls (as where fastlaunch_torch.cpp cannot be built); the
-    table restored afterwards."""
+def python_calls(hot, monkeypatch):
+    """hot, reaching torch through Python's calls (as where fastlaunch_torch.cpp cannot be built: no row
+    kernels either); the table restored afterwards."""
+    monkeypatch.setattr(torch_build, "row_kernels", lambda: None)
     hot.configure_torch(None)
     fastpath.clear()
     yield hot
@@ -651,8 +653,8 @@ def test_native_softmax_key_is_the_tuple(python_calls):
         assert hot.softmax_key(x, d, dim, dtype, log, "auto") is None  # CPU tensors: no replay
     x = base
     _unkeyed(hot, x)
-    # a CPU tensor: nothing replayed, the CPU's direct path (torch's kernel: equal to its softmax)
-    assert torch.equal(hot.softmax_fast(x, None, -1, None, False, "auto"), torch.softmax(x, -1))
+    # a CPU tensor: nothing replayed, the CPU's direct path (equal to the Python path's)
+    assert torch.equal(hot.softmax_fast(x, None, -1, None, False, "auto"), native_softmax(x, 1, False, x.dtype))
     assert hot.softmax_fast(x, None, -1, None, False, "torch") is None  # (only backend='auto' takes it)
 
 
@@ -700,7 +702,8 @@ def test_native_packed_key_tells_calls_apart(hot):
     _unkeyed(hot, base)
     assert k(base, backend="fast") is None and k(base, log=1) is None
     assert hot.softmax_key(base, None, -1, None, False, "auto") is None  # CPU tensors: no replay
-    assert torch.equal(hot.softmax_fast(base, None, -1, None, False, "auto"), torch.softmax(base, -1))
+    want = native_softmax(base, 1, False, base.dtype)
+    assert torch.equal(hot.softmax_fast(base, None, -1, None, False, "auto"), want)
 
 
 def _loss_key_steps_aside(hot, x, t, opts):

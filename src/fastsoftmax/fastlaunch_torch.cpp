@@ -9,6 +9,7 @@
 #include <Python.h>
 
 #include <ATen/EmptyTensor.h>
+#include <ATen/Parallel.h>
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/_log_softmax.h>
 #include <ATen/ops/_log_softmax_cpu_dispatch.h>
@@ -25,11 +26,17 @@
 #include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <torch/csrc/Dtype.h>
 #include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/generated/Functions.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/jit/frontend/tracer.h>
 
+#include <algorithm>
 #include <cmath>
+#include <type_traits>
 
+#include "cpu_rows.h"
 #include "fastlaunch_torch.h"
 
 namespace {
@@ -72,34 +79,258 @@ struct NoGil {
 // a torch.dtype's c10::ScalarType number, -1 for any other object
 int dtype_code(PyObject* obj) { return THPDtype_Check(obj) ? static_cast<int>(((THPDtype*)obj)->scalar_type) : -1; }
 
+// torch.empty_like(t, dtype=type), made as empty_like makes it for a dense tensor (its strides, on its
+// device, from the allocator its storage came from: torch's current one, a pluggable one included) without
+// the dispatcher's layers: half its cost
+at::Tensor new_like(const at::Tensor& t, at::ScalarType type) {
+    c10::Allocator* allocator = t.has_storage() ? t.storage().allocator() : nullptr;
+    if (!allocator || t.layout() != at::kStrided || !t.is_non_overlapping_and_dense())
+        return at::empty_like(t, t.options().dtype(type));
+    const c10::DeviceGuard guard(t.device());
+    const auto key = c10::computeDispatchKey(std::nullopt, at::kStrided, t.device());
+    return at::detail::empty_strided_generic(t.sizes(), t.strides(), allocator, c10::DispatchKeySet(key), type);
+}
+
 // torch.empty_like(t) (dtype < 0) or torch.empty_like(t, dtype=dtype), its address in *address: a new
 // reference, NULL with torch's error (its Python type: an out-of-memory error stays one)
 PyObject* empty_like(PyObject* obj, int dtype, unsigned long long* address) {
     HANDLE_TH_ERRORS
     const at::Tensor& t = THPVariable_Unpack(obj);
-    const auto type = dtype < 0 ? t.scalar_type() : at::ScalarType(dtype);
-    at::Tensor y;
-    c10::Allocator* allocator = t.has_storage() ? t.storage().allocator() : nullptr;
-    if (allocator && t.layout() == at::kStrided && t.is_non_overlapping_and_dense()) {
-        // what empty_like makes of such a tensor (its strides, on its device, from the allocator its
-        // storage came from: torch's current one, a pluggable one included), without the dispatcher's
-        // layers: half its cost
-        const c10::DeviceGuard guard(t.device());
-        const auto key = c10::computeDispatchKey(std::nullopt, at::kStrided, t.device());
-        y = at::detail::empty_strided_generic(t.sizes(), t.strides(), allocator, c10::DispatchKeySet(key), type);
-    } else {
-        y = at::empty_like(t, t.options().dtype(type));
-    }
+    at::Tensor y = new_like(t, dtype < 0 ? t.scalar_type() : at::ScalarType(dtype));
     *address = reinterpret_cast<unsigned long long>(y.const_data_ptr());
     return THPVariable_Wrap(std::move(y));
     END_HANDLE_TH_ERRORS
 }
 
-// torch._softmax(a, dim, False), torch._log_softmax(a, dim, False) (of a 16-bit a: computed in fp32, rounded
-// once, as backends/torch.py's native_softmax) or torch._softmax_backward_data(a: dy, b: y, dim, dtype) on
-// CPU tensors, the GIL released: through the whole dispatcher where autograd records or a profiler listens,
-// else the CPU kernel itself (at::cpu::, what the dispatcher reaches for a plain CPU tensor). The output's
-// address in *address; a new reference, NULL with torch's error.
+// ---- the row kernels (cpu_rows.h) on tensors ----------------------------------------------------------------
+
+// What one torch.func transform, torch_dispatch mode or jit trace would have to see: 1 when none is active on
+// this thread (torch._C._are_functorch_transforms_active(), _len_torch_dispatch_stack(), _get_tracing_state()
+// in one call, without their Python bindings)
+int eager() {
+    const auto included = c10::impl::tls_local_dispatch_key_set().included_;
+    if (included.has(c10::DispatchKey::FuncTorchDynamicLayerFrontMode) ||
+        included.has(c10::DispatchKey::FuncTorchDynamicLayerBackMode))
+        return 0;
+    return c10::impl::TorchDispatchModeTLS::stack_len() == 0 && !torch::jit::tracer::isTracing();
+}
+
+// Whether t is the row kernels': a plain contiguous CPU tensor of fp32 or bf16 with elements whose rows along
+// dim lie in memory (every later dim of size 1), and nothing (a subclass, a mode, a transform) to see the op
+bool rows_of(const at::Tensor& t, int64_t dim) {
+    if (!t.defined() || t.layout() != at::kStrided || !t.device().is_cpu() || !t.has_storage()) return false;
+    if (t.scalar_type() != at::kFloat && t.scalar_type() != at::kBFloat16) return false;
+    if (t.is_neg() || t.is_conj() || t.numel() == 0 || !t.is_contiguous() || dim < 0 || dim >= t.dim()) return false;
+    if (t.key_set().has(c10::DispatchKey::Python)) return false;
+    for (int64_t d = dim + 1; d < t.dim(); ++d)
+        if (t.size(d) != 1) return false;
+    return true;
+}
+
+// rows per parallel task: about 32K elements, as torch's own kernels split (at::internal::GRAIN_SIZE)
+int64_t grain(int64_t n) { return std::max<int64_t>(1, 32768 / n); }
+
+template <class F>
+void on_rows(const at::Tensor& t, F&& row) {  // row(pointer cast) for fp32 or bf16 t
+    if (t.scalar_type() == at::kFloat)
+        row(static_cast<float*>(nullptr));
+    else
+        row(static_cast<rows::bf16*>(nullptr));
+}
+
+// softmax (log_softmax) of x (rows_of(x, dim)) along dim, in x's dtype: a new tensor laid out as x
+at::Tensor softmax_rows(const at::Tensor& x, int64_t dim, bool log) {
+    RECORD_FUNCTION(log ? "fastsoftmax::log_softmax_rows" : "fastsoftmax::softmax_rows", std::vector<c10::IValue>({x}));
+    at::Tensor y = new_like(x, x.scalar_type());
+    const int64_t n = x.size(dim), m = x.numel() / n;
+    on_rows(x, [&](auto* type) {
+        using T = std::remove_pointer_t<decltype(type)>;
+        const T* xp = static_cast<const T*>(x.const_data_ptr());
+        T* yp = static_cast<T*>(y.mutable_data_ptr());
+        at::parallel_for(0, m, grain(n), [&](int64_t b, int64_t e) {
+            for (int64_t r = b; r < e; ++r) rows::softmax_row(xp + r * n, yp + r * n, n, log);
+        });
+    });
+    return y;
+}
+
+// A new autograd node of type N, held as this torch holds nodes: a std::shared_ptr with torch's iterative
+// deleter (torch up to 2.1x), or a c10::intrusive_ptr (since)
+template <class N>
+auto new_node() {
+    using Held = decltype(torch::autograd::Edge().function);
+    if constexpr (std::is_same_v<Held, std::shared_ptr<torch::autograd::Node>>)
+        return std::shared_ptr<N>(new N(), [](auto* n) { deleteNode(n); });  // (found by ADL: torch::autograd)
+    else
+        return c10::make_intrusive<N>();
+}
+
+// softmax_rows of an fp32 x that requires grad, with the graph torch's own _softmax (_log_softmax) records:
+// its node (SoftmaxBackward0, LogSoftmaxBackward0) saving y, whose backward is torch's kernel and whose
+// double backward torch's formula, as native_softmax_graph's. Undefined where x has a forward-mode tangent
+// (that graph is torch's to make).
+at::Tensor softmax_rows_graph(const at::Tensor& x, int64_t dim, bool log) {
+    if (x.scalar_type() != at::kFloat || torch::autograd::isFwGradDefined(x)) return at::Tensor();
+    at::Tensor y = softmax_rows(x, dim, log);
+    auto edges = torch::autograd::collect_next_edges(x);
+    auto attach = [&](auto node) {
+        node->set_next_edges(std::move(edges));
+        node->dim = dim;
+        node->self_scalar_type = x.scalar_type();
+        torch::autograd::set_history(y, node);
+        node->result_ = torch::autograd::SavedVariable(y, true);
+    };
+    if (log)
+        attach(new_node<torch::autograd::generated::LogSoftmaxBackward0>());
+    else
+        attach(new_node<torch::autograd::generated::SoftmaxBackward0>());
+    return y;
+}
+
+// The class of row i of the contiguous integer targets t, as int64 (what assert_targets compares)
+int64_t target_at(const at::Tensor& t, int64_t i) {
+    const void* p = t.const_data_ptr();
+    switch (t.scalar_type()) {
+        case at::kLong: return static_cast<const int64_t*>(p)[i];
+        case at::kInt: return static_cast<const int32_t*>(p)[i];
+        case at::kShort: return static_cast<const int16_t*>(p)[i];
+        case at::kChar: return static_cast<const int8_t*>(p)[i];
+        default: return static_cast<const uint8_t*>(p)[i];
+    }
+}
+
+bool loss_rows_of(const at::Tensor& x, const at::Tensor& t) {
+    if (!rows_of(x, x.dim() - 1) || !t.defined() || !t.device().is_cpu() || !t.has_storage()) return false;
+    const auto s = t.scalar_type();
+    const bool integer = s == at::kLong || s == at::kInt || s == at::kShort || s == at::kChar || s == at::kByte;
+    return integer && t.layout() == at::kStrided && t.is_contiguous() && !t.key_set().has(c10::DispatchKey::Python) &&
+           t.numel() * x.size(-1) == x.numel();
+}
+
+// cross-entropy's loss of logits x (..., V) and targets t (one per row; loss_rows_of), no class weights,
+// smoothing eps, reduction 0 none (a loss per row, shaped (M,)), 1 mean, 2 sum; in x's dtype, computed in
+// fp32 per row (the rows' sum in fp64). An undefined tensor with *bad the first row whose target is outside
+// [0, V) and not ignore_index, where one is (nothing computed). *kept_out: the rows not ignored; *nan_row:
+// whether one of them has a NaN loss (a row whose max is not finite, or holding NaN).
+at::Tensor cross_entropy_rows(const at::Tensor& x, const at::Tensor& t, int64_t ignore, int reduction, double eps,
+                              int64_t* bad, int64_t* kept_out = nullptr, bool* nan_row = nullptr) {
+    RECORD_FUNCTION("fastsoftmax::cross_entropy_rows", std::vector<c10::IValue>({x, t}));
+    const int64_t v = x.size(-1), m = x.numel() / v;
+    int64_t kept = 0;
+    for (int64_t i = 0; i < m; ++i) {
+        const int64_t c = target_at(t, i);
+        if (c == ignore) continue;
+        if (c < 0 || c >= v) {
+            *bad = i;
+            return at::Tensor();
+        }
+        ++kept;
+    }
+    at::Tensor per(at::detail::empty_cpu({m}, at::kFloat));
+    float* pp = per.mutable_data_ptr<float>();
+    on_rows(x, [&](auto* type) {
+        using T = std::remove_pointer_t<decltype(type)>;
+        const T* xp = static_cast<const T*>(x.const_data_ptr());
+        at::parallel_for(0, m, grain(v), [&](int64_t b, int64_t e) {
+            for (int64_t r = b; r < e; ++r) {
+                const int64_t c = target_at(t, r);
+                pp[r] = c == ignore ? 0.0f : rows::cross_entropy_row(xp + r * v, v, c, float(eps));
+            }
+        });
+    });
+    if (kept_out) *kept_out = kept;
+    if (nan_row) *nan_row = std::any_of(pp, pp + m, [](float l) { return std::isnan(l); });
+    if (reduction == 0) return per.scalar_type() == x.scalar_type() ? per : per.to(x.scalar_type());
+    double total = 0.0;
+    for (int64_t i = 0; i < m; ++i) total += pp[i];
+    if (reduction == 1) total /= double(kept);  // (0 / 0: NaN, as torch's mean over no row)
+    at::Tensor loss(at::detail::empty_cpu({}, x.scalar_type()));
+    on_rows(x, [&](auto* type) { rows::narrow(static_cast<std::remove_pointer_t<decltype(type)>*>(loss.mutable_data_ptr()), float(total)); });
+    return loss;
+}
+
+// The backward of cross_entropy_rows_graph's loss: dlogits = (softmax(x) - onehot(t)) * g per kept row (g over
+// the kept rows for the mean), 0 on ignored rows, in fp32 rounded to x's dtype once: the row kernels where
+// nothing is recorded; torch's ops where a double backward is asked for (create_graph: autograd records them),
+// equal to within the fp32 rounding of their sums.
+struct CrossEntropyRowsBackward : torch::autograd::Node {
+    torch::autograd::SavedVariable x_;
+    at::Tensor t_;  // (M,) int64
+    int64_t ignore = 0, kept = 0;
+    int reduction = 1;
+
+    std::string name() const override { return "CrossEntropyRowsBackward"; }
+    void release_variables() override { x_.reset_data(); }
+    torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
+        if (!grads[0].defined()) return {at::Tensor()};
+        const at::Tensor x = x_.unpack();
+        if (!at::GradMode::is_enabled()) return {gradient(x, grads[0])};
+        const int64_t v = x.size(-1);
+        at::Tensor xw = x.reshape({-1, v});
+        if (xw.scalar_type() != at::kFloat) xw = xw.to(at::kFloat);
+        at::Tensor g = grads[0].to(at::kFloat).reshape({-1, 1});  // (M, 1) for 'none', else (1, 1)
+        if (reduction == 1) g = g / double(kept);
+        const at::Tensor keep = t_.ne(ignore).unsqueeze(1);
+        const at::Tensor hot = at::zeros_like(xw).scatter_(1, at::where(keep, t_.unsqueeze(1), 0), 1.0);
+        const at::Tensor dx = at::where(keep, (at::_softmax(xw, 1, false) - hot) * g, 0.0);
+        return {dx.to(x.scalar_type()).reshape(x.sizes())};
+    }
+
+    // the same in one pass of the row kernels (cross_entropy_backward_row), where nothing is recorded
+    at::Tensor gradient(const at::Tensor& x, const at::Tensor& grad) const {
+        RECORD_FUNCTION("fastsoftmax::cross_entropy_backward_rows", std::vector<c10::IValue>({x, grad}));
+        const at::Tensor g = grad.scalar_type() == at::kFloat ? grad.contiguous() : grad.to(at::kFloat).contiguous();
+        const float* gp = g.const_data_ptr<float>();
+        const bool per_row = reduction == 0;
+        const float scale = reduction == 1 ? float(1.0 / double(kept)) : 1.0f;
+        const int64_t* tp = t_.const_data_ptr<int64_t>();
+        const int64_t v = x.size(-1), m = x.numel() / v;
+        at::Tensor dx = new_like(x, x.scalar_type());
+        on_rows(x, [&](auto* type) {
+            using T = std::remove_pointer_t<decltype(type)>;
+            const T* xp = static_cast<const T*>(x.const_data_ptr());
+            T* dxp = static_cast<T*>(dx.mutable_data_ptr());
+            at::parallel_for(0, m, grain(v), [&](int64_t b, int64_t e) {
+                for (int64_t r = b; r < e; ++r) {
+                    if (tp[r] == ignore) {
+                        std::memset(static_cast<void*>(dxp + r * v), 0, sizeof(T) * v);
+                        continue;
+                    }
+                    const float gr = (per_row ? gp[r] : gp[0]) * scale;
+                    rows::cross_entropy_backward_row(xp + r * v, dxp + r * v, v, tp[r], gr);
+                }
+            });
+        });
+        return dx;
+    }
+};
+
+// cross_entropy_rows of logits that require grad (no smoothing), with CrossEntropyRowsBackward as its
+// graph; undefined where a kept row's loss is NaN (the library's gradient there is not this formula's: the
+// caller takes its Function) or where x has a forward-mode tangent, or with *bad as cross_entropy_rows.
+at::Tensor cross_entropy_rows_graph(const at::Tensor& x, const at::Tensor& t, int64_t ignore, int reduction,
+                                    int64_t* bad) {
+    if (torch::autograd::isFwGradDefined(x)) return at::Tensor();
+    int64_t kept = 0;
+    bool nan_row = false;
+    at::Tensor loss = cross_entropy_rows(x, t, ignore, reduction, 0.0, bad, &kept, &nan_row);
+    if (!loss.defined() || nan_row) return at::Tensor();
+    auto node = new_node<CrossEntropyRowsBackward>();
+    node->set_next_edges(torch::autograd::collect_next_edges(x));
+    node->x_ = torch::autograd::SavedVariable(x, false);
+    node->t_ = t.reshape({-1}).to(at::kLong);
+    node->ignore = ignore, node->kept = kept, node->reduction = reduction;
+    torch::autograd::set_history(loss, node);
+    return loss;
+}
+
+// softmax or log_softmax of a along dim (op FT_SOFTMAX, FT_LOG_SOFTMAX), or softmax's backward of a: dy and
+// b: y (FT_SOFTMAX_BACKWARD, in dtype), on CPU tensors, the GIL released, as backends/torch.py's native_softmax
+// and native_softmax_backward compute them for a contiguous tensor: the row kernels where they apply and
+// autograd records nothing; else torch's kernels (a 16-bit log_softmax in fp32, rounded once), through the
+// whole dispatcher where autograd records or a profiler listens, else called directly (at::cpu::, what the
+// dispatcher reaches for a plain CPU tensor). The output's address in *address; a new reference, NULL with
+// torch's error.
 PyObject* cpu_op(int op, PyObject* a, PyObject* b, long dim, int dtype, unsigned long long* address) {
     HANDLE_TH_ERRORS
     const at::Tensor& x = THPVariable_Unpack(a);
@@ -107,11 +338,14 @@ PyObject* cpu_op(int op, PyObject* a, PyObject* b, long dim, int dtype, unsigned
     at::Tensor y;
     {
         NoGil released;
-        // direct: nothing for autograd to record and no profiler (RecordFunction callback) to see it, so the
-        // CPU kernel itself, as the dispatcher would reach it for a plain CPU tensor
         const bool graph = at::GradMode::is_enabled() && (x.requires_grad() || (y_in && y_in->requires_grad()));
         const bool direct = !graph && !at::hasCallbacks();
-        if (op == FT_SOFTMAX)
+        const bool backward = op == FT_SOFTMAX_BACKWARD;
+        if (!backward && rows_of(x, dim))
+            y = graph ? softmax_rows_graph(x, dim, op == FT_LOG_SOFTMAX) : softmax_rows(x, dim, op == FT_LOG_SOFTMAX);
+        if (y.defined())
+            ;
+        else if (op == FT_SOFTMAX)
             y = direct ? at::cpu::_softmax(x, dim, false) : at::_softmax(x, dim, false);
         else if (op == FT_LOG_SOFTMAX && (x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16))
             y = at::_log_softmax(x.to(at::kFloat), dim, false).to(x.scalar_type());  // (fp32 rows, rounded once)
@@ -128,7 +362,8 @@ PyObject* cpu_op(int op, PyObject* a, PyObject* b, long dim, int dtype, unsigned
 }
 
 // backends/torch.py's native cross-entropy of CPU logits (..., V) (contiguous) and integer targets (...),
-// no class weights, one chunk: torch's loss on fp32 rows (fp64 for fp64 logits), in the logits' dtype;
+// no class weights, one chunk: the row kernels' loss where they apply (fp32 and bf16 logits), else torch's
+// loss on fp32 rows (fp64 for fp64 logits), in the logits' dtype;
 // graph 1 (logits needing a gradient, no smoothing): torch's log_softmax and nll_loss, its autograd graph
 // kept. A new reference; NULL with an error, or with none where the Python path must run (a target out of
 // range, whose error is the library's; a row whose log_softmax starts with NaN under graph).
@@ -140,25 +375,32 @@ PyObject* cpu_loss(PyObject* logits, PyObject* target, long ignore_index, int re
     at::Tensor loss;
     try {
         NoGil released;
-        const auto wide = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-        // (each reshape or to() is a dispatch: made only where it changes something)
-        const at::Tensor xs = x.dim() == 2 ? x : x.reshape({-1, x.size(-1)});
-        const at::Tensor rows = xs.scalar_type() == wide ? xs : xs.to(wide);
-        at::Tensor ts = t.dim() == 1 ? t : t.reshape({-1});
-        if (ts.scalar_type() != at::kLong) ts = ts.to(at::kLong);
-        if (graph) {
-            at::Tensor ls = at::_log_softmax(rows, 1, false);
-            const int64_t m = ls.size(0), v = ls.size(1);
-            for (int64_t i = 0; i < m; ++i) {  // (there torch's gradient is not the library's)
-                const bool nan = wide == at::kDouble ? std::isnan(ls.const_data_ptr<double>()[i * v])
-                                                     : std::isnan(ls.const_data_ptr<float>()[i * v]);
-                if (nan) return nullptr;
-            }
-            loss = at::nll_loss_nd(ls, ts, std::nullopt, reduction, ignore_index);
+        if (loss_rows_of(x, t) && (!graph || smoothing == 0.0)) {
+            int64_t bad = -1;
+            loss = graph ? cross_entropy_rows_graph(x, t, ignore_index, reduction, &bad)
+                         : cross_entropy_rows(x, t, ignore_index, reduction, smoothing, &bad);
+            if (!loss.defined()) return nullptr;  // (a bad target, whose error is the library's; a NaN row)
         } else {
-            loss = at::cross_entropy_loss(rows, ts, std::nullopt, reduction, ignore_index, smoothing);
+            const auto wide = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+            // (each reshape or to() is a dispatch: made only where it changes something)
+            const at::Tensor xs = x.dim() == 2 ? x : x.reshape({-1, x.size(-1)});
+            const at::Tensor xw = xs.scalar_type() == wide ? xs : xs.to(wide);
+            at::Tensor ts = t.dim() == 1 ? t : t.reshape({-1});
+            if (ts.scalar_type() != at::kLong) ts = ts.to(at::kLong);
+            if (graph) {
+                at::Tensor ls = at::_log_softmax(xw, 1, false);
+                const int64_t m = ls.size(0), v = ls.size(1);
+                for (int64_t i = 0; i < m; ++i) {  // (there torch's gradient is not the library's)
+                    const bool nan = wide == at::kDouble ? std::isnan(ls.const_data_ptr<double>()[i * v])
+                                                         : std::isnan(ls.const_data_ptr<float>()[i * v]);
+                    if (nan) return nullptr;
+                }
+                loss = at::nll_loss_nd(ls, ts, std::nullopt, reduction, ignore_index);
+            } else {
+                loss = at::cross_entropy_loss(xw, ts, std::nullopt, reduction, ignore_index, smoothing);
+            }
+            if (loss.scalar_type() != x.scalar_type()) loss = loss.to(x.scalar_type());
         }
-        if (loss.scalar_type() != x.scalar_type()) loss = loss.to(x.scalar_type());
         if (reduction == 0) loss = loss.reshape(t.sizes());
     } catch (const c10::IndexError&) {
         return nullptr;  // (the GIL held again: NoGil's destructor ran first)
@@ -167,24 +409,80 @@ PyObject* cpu_loss(PyObject* logits, PyObject* target, long ignore_index, int re
     END_HANDLE_TH_ERRORS
 }
 
-// What torch._C._are_functorch_transforms_active(), _len_torch_dispatch_stack() and _get_tracing_state() say,
-// in one call without their Python bindings: 1 when none is active on this thread
-int eager() {
-    const auto included = c10::impl::tls_local_dispatch_key_set().included_;
-    if (included.has(c10::DispatchKey::FuncTorchDynamicLayerFrontMode) ||
-        included.has(c10::DispatchKey::FuncTorchDynamicLayerBackMode))
-        return 0;
-    return c10::impl::TorchDispatchModeTLS::stack_len() == 0 && !torch::jit::tracer::isTracing();
-}
-
 int grad_enabled() { return at::GradMode::is_enabled(); }
 
 const FtCalls calls = {FT_ABI, sizeof(FtMeta), meta, dtype_code, empty_like, cpu_op, cpu_loss, eager, grad_enabled};
+
+// ---- the row kernels from Python: backends/torch.py computes what the C path does ----------------------------
+
+bool tensors(PyObject* const* args, Py_ssize_t k) {
+    for (Py_ssize_t i = 0; i < k; ++i)
+        if (!THPVariable_Check(args[i])) return false;
+    return true;
+}
+
+// softmax_rows(x, dim, log) -> softmax_rows's y (with softmax_rows_graph's graph where autograd records), or
+// None where the row kernels do not apply
+PyObject* py_softmax_rows(PyObject*, PyObject* const* args, Py_ssize_t n) {
+    HANDLE_TH_ERRORS
+    if (n != 3 || !tensors(args, 1) || !PyLong_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "softmax_rows(x, dim, log)");
+        return nullptr;
+    }
+    const at::Tensor& given = THPVariable_Unpack(args[0]);
+    const at::Tensor x = given.is_neg() ? given.resolve_neg() : given;  // (its value's rows, as C's path has them)
+    const long long dim = PyLong_AsLongLong(args[1]);
+    const int log = PyObject_IsTrue(args[2]);
+    if (PyErr_Occurred()) return nullptr;
+    if (!eager() || !rows_of(x, dim)) Py_RETURN_NONE;
+    at::Tensor y;
+    {
+        NoGil released;
+        y = at::GradMode::is_enabled() && x.requires_grad() ? softmax_rows_graph(x, dim, log) : softmax_rows(x, dim, log);
+    }
+    if (!y.defined()) Py_RETURN_NONE;
+    return THPVariable_Wrap(std::move(y));
+    END_HANDLE_TH_ERRORS
+}
+
+// cross_entropy_rows(x, t, ignore_index, reduction (0 none, 1 mean, 2 sum), smoothing) -> cross_entropy_rows's
+// loss (cross_entropy_rows_graph's where autograd records), or None where the row kernels do not apply or
+// the graph cannot be had; IndexError for a target out of range
+PyObject* py_cross_entropy_rows(PyObject*, PyObject* const* args, Py_ssize_t n) {
+    HANDLE_TH_ERRORS
+    if (n != 5 || !tensors(args, 2) || !PyLong_Check(args[2]) || !PyLong_Check(args[3])) {
+        PyErr_SetString(PyExc_TypeError, "cross_entropy_rows(x, t, ignore_index, reduction, smoothing)");
+        return nullptr;
+    }
+    const at::Tensor& x = THPVariable_Unpack(args[0]);
+    const at::Tensor& t = THPVariable_Unpack(args[1]);
+    const long long ignore = PyLong_AsLongLong(args[2]);
+    const long reduction = PyLong_AsLong(args[3]);
+    const double eps = PyFloat_AsDouble(args[4]);
+    if (PyErr_Occurred()) return nullptr;
+    const bool graph = at::GradMode::is_enabled() && x.requires_grad();
+    if (!eager() || !loss_rows_of(x, t) || reduction < 0 || reduction > 2 || (graph && eps != 0.0)) Py_RETURN_NONE;
+    at::Tensor loss;
+    int64_t bad = -1;
+    {
+        NoGil released;
+        loss = graph ? cross_entropy_rows_graph(x, t, ignore, int(reduction), &bad)
+                     : cross_entropy_rows(x, t, ignore, int(reduction), eps, &bad);
+    }
+    if (bad >= 0)
+        return PyErr_Format(PyExc_IndexError, "Target %lld is out of bounds.", (long long)target_at(t, bad));
+    if (!loss.defined()) Py_RETURN_NONE;
+    return THPVariable_Wrap(std::move(loss));
+    END_HANDLE_TH_ERRORS
+}
 
 PyObject* table(PyObject*, PyObject*) { return PyCapsule_New(const_cast<FtCalls*>(&calls), FT_CAPSULE, nullptr); }
 
 PyMethodDef methods[] = {
     {"table", table, METH_NOARGS, "the capsule fastlaunch.c takes (fastlaunch_torch.h's FtCalls)"},
+    {"softmax_rows", (PyCFunction)(void (*)(void))py_softmax_rows, METH_FASTCALL, "softmax_rows(x, dim, log)"},
+    {"cross_entropy_rows", (PyCFunction)(void (*)(void))py_cross_entropy_rows, METH_FASTCALL,
+     "cross_entropy_rows(x, t, ignore_index, reduction, smoothing)"},
     {nullptr, nullptr, 0, nullptr},
 };
 

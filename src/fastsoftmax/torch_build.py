@@ -19,6 +19,7 @@ from .errors import BackendFailed
 _WHAT = "fastlaunch_torch.cpp, fastsoftmax's calls into torch"
 _lock = threading.Lock()
 _calls: list = []  # [fastlaunch_torch's capsule] once loaded, or [the BackendFailed saying why not]
+_module: list = []  # [fastlaunch_torch, the module] once loaded
 _build: list = []  # [the thread waiting for the build] where no cached build was found
 _ready: list = []  # callbacks for the capsule, once the thread has it
 
@@ -51,6 +52,14 @@ def torch_calls(wait: bool = True, ready=None):
     return None if isinstance(calls, Exception) else calls
 
 
+def row_kernels():
+    """fastlaunch_torch's module, for its row kernels (cpu_rows.h) as Python calls them, once loaded; None
+    until then (the build started where it was not) or where it cannot be built."""
+    if not _calls:
+        torch_calls(wait=False)
+    return _module[0] if _module and _calls and not isinstance(_calls[0], Exception) else None
+
+
 def describe() -> str:
     """How fastlaunch.c reaches torch, for fs.info() (builds nothing)."""
     if not _calls:
@@ -64,7 +73,9 @@ def _load():
     from .launch import load_built
 
     try:
-        return load_built(_entry(), "fastlaunch_torch", _command, _has_table, _WHAT, 600).table()
+        mod = load_built(_entry(), "fastlaunch_torch", _command, _has_table, _WHAT, 600)
+        _module[:] = [mod]
+        return mod.table()
     except Exception as e:  # the compiler's or the loader's failure, named
         return e if isinstance(e, BackendFailed) else BackendFailed(f"{_WHAT}: {e}")
 
@@ -145,7 +156,7 @@ def _entry() -> str:
     from . import cache
 
     here = Path(__file__).parent
-    code = b"".join((here / f).read_bytes() for f in ("fastlaunch_torch.cpp", "fastlaunch_torch.h"))
+    code = b"".join((here / f).read_bytes() for f in ("fastlaunch_torch.cpp", "fastlaunch_torch.h", "cpu_rows.h"))
     build = f"{torch.__version__} {torch.version.git_version} {Path(torch.__file__).parent}"
     try:
         command = " ".join(_command("OUT"))
@@ -160,7 +171,7 @@ def _command(so) -> list[str]:
     """The C++ compiler's command building fastlaunch_torch.cpp into ``so``: $CXX (a command, its flags
     included) where set, else c++ or g++ on PATH; against the running torch's headers and libraries, in its
     C++ ABI (C++20, spelled as gcc 9 and clang 9 accept it: torch's newest headers require it; older ones
-    compile under it too)."""
+    compile under it too); for the vector ISA of _isa()."""
     import os
     import shlex
     import shutil
@@ -178,10 +189,25 @@ def _command(so) -> list[str]:
     root = Path(torch.__file__).parent
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     src = Path(__file__).with_name("fastlaunch_torch.cpp")
-    return [path, *cxx[1:], "-O2", "-std=c++2a", "-shared", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+    return [path, *cxx[1:], "-O2", *_isa(), "-std=c++2a", "-shared", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
             f"-I{root / 'include'}", f"-I{root / 'include' / 'torch' / 'csrc' / 'api' / 'include'}", f"-I{include}",
             str(src), "-o", str(so), f"-L{root / 'lib'}", "-lc10", "-ltorch_cpu", "-ltorch_python",
             f"-Wl,-rpath,{root / 'lib'}"]  # fmt: skip
+
+
+def _isa() -> list[str]:
+    """The compiler's flags for the row kernels' vectors (cpu_rows.h): AVX2 and FMA where torch's own CPU
+    kernels run with AVX2 or AVX-512 on this machine (its capability check, which ATEN_CPU_CAPABILITY can
+    lower); else the architecture's baseline (SSE2, NEON). Part of the cache entry's name: a cache shared by
+    machines of other ISAs holds an entry for each."""
+    import platform
+
+    import torch
+
+    capability = torch.backends.cpu.get_cpu_capability()
+    if platform.machine().lower() in ("x86_64", "amd64") and capability.startswith(("AVX2", "AVX512")):
+        return ["-mavx2", "-mfma"]
+    return []
 
 
 def _has_table(mod):

@@ -8,7 +8,7 @@ import ctypes
 
 import torch
 
-from .. import dtypes, heuristics, masking
+from .. import dtypes, heuristics, masking, torch_build
 from ..layout import alloc
 from ..options import Loss
 from ..reference import grad_torch, logsumexp_torch, softmax_torch
@@ -286,7 +286,10 @@ def native_softmax(x: torch.Tensor, dim: int, log: bool, out_dtype: torch.dtype)
             return _empty_like_layout(native_softmax(x.contiguous(), dim, log, out_dtype), x)
         return _unpermute(native_softmax(x.permute(perm), perm.index(dim), log, out_dtype), perm, x)
     low_log = log and x.dtype in dtypes.LOW and _last(x, dim)
-    if log and out_dtype == torch.float64:  # the reference's formula (see above)
+    rows = torch_build.row_kernels() if out_dtype == x.dtype else None
+    if rows is not None and (y := rows.softmax_rows(x, dim, log)) is not None:
+        pass  # (the row kernels, where they apply)
+    elif log and out_dtype == torch.float64:  # the reference's formula (see above)
         y = softmax_torch(x, dim, True, out_dtype)[0]
     elif out_dtype == x.dtype and not low_log:
         y = torch._log_softmax(x, dim, False) if log else torch._softmax(x, dim, False)
@@ -316,7 +319,9 @@ def native_softmax_graph(x: torch.Tensor, dim: int, log: bool) -> torch.Tensor |
     caller then takes the Function."""
     if x.dtype is not torch.float32 and (log or x.dtype is not torch.float64):
         return None
-    y = torch._log_softmax(x, dim, False) if log else torch._softmax(x, dim, False)
+    rows = torch_build.row_kernels()
+    if rows is None or (y := rows.softmax_rows(x, dim, log)) is None:  # (the row kernels, torch's graph)
+        y = torch._log_softmax(x, dim, False) if log else torch._softmax(x, dim, False)
     return None if _any_nan_first(y, dim) else y
 
 
@@ -367,6 +372,10 @@ def native_cross_entropy(x, t, w, ignore_index: int, reduction: str, smoothing: 
     ignore_index raise torch's IndexError."""
     wide = torch.float64 if x.dtype == torch.float64 else torch.float32
     m, v = x.shape
+    rows = torch_build.row_kernels() if w is None else None
+    if rows is not None:  # (the row kernels, where they apply: any number of rows, no chunks)
+        if (y := rows.cross_entropy_rows(x, t, ignore_index, _REDUCTION[reduction], smoothing)) is not None:
+            return y
     loss = torch._C._nn.cross_entropy_loss
     if x.numel() <= CHUNK:
         if x.dtype == wide:
@@ -394,6 +403,12 @@ def native_cross_entropy_graph(x, t, w, ignore_index: int, reduction: str) -> to
     log_softmax and nll_loss on fp32 (fp64) rows, whose backward torch runs in C++ (on a small problem a
     Python backward costs more than the whole of torch's). None where a row's log_softmax is NaN: there
     torch's gradient is not the library's (the caller takes its Function instead)."""
+    rows = torch_build.row_kernels() if w is None else None
+    if (
+        rows is not None
+        and (loss := rows.cross_entropy_rows(x, t, ignore_index, _REDUCTION[reduction], 0.0)) is not None
+    ):
+        return loss  # (the row kernels and their graph; None where they do not apply or a row is NaN)
     wide = torch.float64 if x.dtype == torch.float64 else torch.float32
     ls = torch._log_softmax(x if x.dtype == wide else x.to(wide), 1, False)
     if _any_nan_first(ls, 1):

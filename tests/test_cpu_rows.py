@@ -1,0 +1,253 @@
+"""The CPU's row kernels (cpu_rows.h, built into fastlaunch_torch): softmax, log_softmax and cross-entropy's
+loss of fp32 and bf16 rows in memory. Each kernel against the float64 oracle under the library's tolerance
+rule, odd lengths (a partial vector, 513, 50257), outliers and special rows; the branch that ran read from
+the profiler's events; the graph they carry under autograd (torch's softmax node, CrossEntropyRowsBackward)
+against float64 gradients, double backward included; the compiler's ISA flags."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import assert_close, random_logits, special_rows
+
+import fastsoftmax as fs
+from fastsoftmax import torch_build
+
+ROWS = (torch.float32, torch.bfloat16)
+LENGTHS = (1, 7, 8, 9, 513, 4097, 50257)
+ROW_EVENTS = {"fastsoftmax::softmax_rows", "fastsoftmax::log_softmax_rows", "fastsoftmax::cross_entropy_rows"}
+ROW_EVENTS |= {"fastsoftmax::cross_entropy_backward_rows"}
+
+
+@pytest.fixture(scope="module")
+def rows():
+    torch_build.torch_calls()
+    mod = torch_build.row_kernels()
+    if mod is None:
+        pytest.fail(f"fastlaunch_torch.cpp did not build here (the CI has a C++ compiler): {torch_build.describe()}")
+    return mod
+
+
+def sample(m: int, n: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Rows with ~1% outliers x20, a row holding one large outlier (log_softmax outputs near 0 and below
+    -100), and -inf sprinkled in another."""
+    gen = torch.Generator().manual_seed(seed)
+    x = random_logits((m, n), torch.float32, gen)
+    x[0, n // 2] = 60.0
+    if n > 2:
+        x[1, ::3] = float("-inf")
+    return x.to(dtype)
+
+
+def ran(fn):
+    """(fn(), the fastsoftmax:: row-kernel events the profiler saw while it ran)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        out = fn()
+    return out, {e.name for e in prof.events()} & ROW_EVENTS
+
+
+@pytest.mark.parametrize("n", LENGTHS)
+@pytest.mark.parametrize("dtype", ROWS, ids=str)
+@pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
+def test_rows_match_the_oracle(rows, n, dtype, log):
+    """The kernels alone: every element within the tolerance of the float64 oracle (fp32: also within twice
+    torch's own error), -inf entries exactly 0 (log: -inf), the partial vector at the row's end included."""
+    x = sample(4, n, dtype, n)
+    y = rows.softmax_rows(x, 1, log)
+    assert y.dtype == dtype and y.shape == x.shape and not y.isnan().any()
+    assert_close(y, x, 1, log)
+    # rows along dim 0 of an (n, 1) tensor lie in memory too
+    assert_close(rows.softmax_rows(x[:1].t().contiguous(), 0, log), x[:1].t().contiguous(), 0, log)
+
+
+def test_bf16_log_softmax_keeps_the_digits_torch_loses(rows):
+    """torch's own bf16 log_softmax misses the tolerance on outputs near 0 (the reason these rows run in
+    fp32): the kernels' bf16 meets it on the same row."""
+    x = sample(4, 4096, torch.bfloat16, 3)
+    assert_close(rows.softmax_rows(x, 1, True), x, 1, True)
+    with pytest.raises(AssertionError, match="error"):
+        assert_close(torch.log_softmax(x, 1), x, 1, True)
+
+
+@pytest.mark.parametrize("dtype", ROWS, ids=str)
+def test_non_finite_rows_are_nan_as_torchs(rows, dtype):
+    """A row whose max is not finite (all -inf, +inf) or that holds NaN comes out NaN throughout, as
+    torch's kernels make it (callers find such rows by their first element and apply the conventions)."""
+    gen = torch.Generator().manual_seed(5)
+    x = special_rows(37, dtype, gen)
+    for log in (False, True):
+        y = rows.softmax_rows(x, 1, log).float()
+        want = torch.softmax(x.float(), 1) if not log else torch.log_softmax(x.float(), 1)
+        assert torch.equal(y.isnan().all(1), want.isnan().all(1)) and want.isnan().all(1)[:4].any()
+        assert torch.equal(y.isnan().any(1), y.isnan().all(1))  # (whole rows)
+
+
+def test_where_the_row_kernels_apply(rows):
+    """The kernels take plain contiguous fp32 and bf16 tensors whose rows lie in memory; anything else
+    (fp16, fp64, rows across memory, a non-contiguous tensor) is None, and the library's path then runs
+    torch's kernels, as the profiler's events show."""
+    x = sample(6, 40, torch.float32, 1)
+    assert rows.softmax_rows(x.half(), 1, False) is None and rows.softmax_rows(x.double(), 1, False) is None
+    assert rows.softmax_rows(x, 0, False) is None and rows.softmax_rows(x.t(), 0, False) is None
+    for arg, dim, taken in ((x, 1, True), (x.bfloat16(), 1, True), (x.half(), 1, False), (x, 0, False)):
+        y, seen = ran(lambda arg=arg, dim=dim: fs.softmax(arg, dim))
+        assert (seen == {"fastsoftmax::softmax_rows"}) == taken, (arg.dtype, dim, seen)
+        assert_close(y, arg, dim, False)
+        y, seen = ran(lambda arg=arg, dim=dim: fs.log_softmax(arg, dim))
+        assert (seen == {"fastsoftmax::log_softmax_rows"}) == taken, (arg.dtype, dim, seen)
+        assert_close(y, arg, dim, True)
+
+
+@pytest.mark.parametrize("dtype", ROWS, ids=str)
+def test_public_calls_keep_the_conventions(dtype):
+    """fs.softmax / fs.log_softmax on rows with the special rows (fully masked: 0 and -inf, NaN, +inf, near
+    the dtype's top): the row kernels ran, and the library's conventions hold."""
+    gen = torch.Generator().manual_seed(9)
+    x = torch.cat([random_logits((3, 513), dtype, gen), special_rows(513, dtype, gen)])
+    for fn, log in ((fs.softmax, False), (fs.log_softmax, True)):
+        y, seen = ran(lambda fn=fn: fn(x, -1))
+        assert seen, "the row kernels did not run"
+        assert_close(y, x, 1, log)
+
+
+@pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
+def test_graph_under_autograd(log):
+    """fp32 under autograd: the kernels' output (bit-equal to the no-grad call) with torch's own node, whose
+    gradient and double backward match float64 autograd."""
+    x = sample(3, 513, torch.float32, 4).requires_grad_()
+    fn = fs.log_softmax if log else fs.softmax
+    y, seen = ran(lambda: fn(x, -1))
+    assert seen and y.grad_fn.name() == ("LogSoftmaxBackward0" if log else "SoftmaxBackward0")
+    assert torch.equal(y.detach(), fn(x.detach(), -1))
+    x64 = x.detach().double().requires_grad_()
+    y64 = (torch.log_softmax if log else torch.softmax)(x64, -1)
+    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(1))
+    (g,) = torch.autograd.grad(y, x, dy, create_graph=True)
+    (g64,) = torch.autograd.grad(y64, x64, dy.double(), create_graph=True)
+    torch.testing.assert_close(g.double(), g64, rtol=1e-4, atol=1e-6)
+    (gg,) = torch.autograd.grad(g, x, dy)
+    (gg64,) = torch.autograd.grad(g64, x64, dy.double())
+    torch.testing.assert_close(gg.double(), gg64, rtol=1e-3, atol=1e-5 * float(gg64.abs().max()))
+
+
+def ce_reference(x, t, reduction, smoothing):
+    x64 = x.detach().double().requires_grad_()
+    loss = F.cross_entropy(x64, t.long(), reduction=reduction, label_smoothing=smoothing)
+    return x64, loss
+
+
+@pytest.mark.parametrize("v", (7, 513, 50257))
+@pytest.mark.parametrize("dtype", ROWS, ids=str)
+@pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
+def test_cross_entropy_rows_match_float64(rows, v, dtype, reduction):
+    """The loss alone, with ignored rows, label smoothing and targets of every integer dtype, against
+    float64 F.cross_entropy; fully ignored rows give torch's NaN mean."""
+    gen = torch.Generator().manual_seed(v)
+    x = random_logits((6, v), dtype, gen)
+    t = torch.randint(0, min(v, 120), (6,), generator=gen)
+    t[1::3] = -100
+    code = {"none": 0, "mean": 1, "sum": 2}[reduction]
+    rtol = 1e-5 if dtype == torch.float32 else 2**-7
+    for smoothing in (0.0, 0.1):
+        _, want = ce_reference(x, t, reduction, smoothing)
+        for tdt in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
+            tt = t.to(tdt) if tdt != torch.uint8 else torch.where(t < 0, 200, t).to(tdt)
+            got = rows.cross_entropy_rows(x, tt, -100 if tdt != torch.uint8 else 200, code, smoothing)
+            assert got.dtype == dtype and got.shape == want.shape
+            torch.testing.assert_close(got.double(), want.detach(), rtol=rtol, atol=1e-5)
+    assert rows.cross_entropy_rows(x, torch.full((6,), -100), -100, 1, 0.0).isnan()
+    bad = t.clone()
+    bad[4] = v  # (one past the last class)
+    with pytest.raises(IndexError, match=f"Target {v} is out of bounds"):
+        rows.cross_entropy_rows(x, bad, -100, code, 0.0)
+
+
+def test_cross_entropy_rows_under_autograd():
+    """fs.cross_entropy of fp32 and bf16 logits that need a gradient: the kernels' loss (equal to the no-grad
+    call's) with CrossEntropyRowsBackward, whose gradient and double backward (through torch's ops) match
+    float64 autograd; a fully masked kept row hands the call to the library's Function."""
+    gen = torch.Generator().manual_seed(2)
+    for dtype in ROWS:
+        for reduction in ("mean", "sum", "none"):
+            x = random_logits((5, 513), dtype, gen).requires_grad_()
+            t = torch.randint(0, 513, (5,), generator=gen)
+            t[3] = -100
+            loss, seen = ran(lambda x=x, t=t, reduction=reduction: fs.cross_entropy(x, t, reduction=reduction))
+            assert seen == {"fastsoftmax::cross_entropy_rows"}
+            node = loss.grad_fn if reduction != "none" else loss.grad_fn.next_functions[0][0]  # (through a view)
+            assert node.name() == "CrossEntropyRowsBackward", loss.grad_fn
+            assert torch.equal(loss.detach(), fs.cross_entropy(x.detach(), t, reduction=reduction))
+            x64, want = ce_reference(x, t, reduction, 0.0)
+            g = torch.linspace(0.5, 1.5, loss.numel()).reshape(loss.shape)
+            (dx64,) = torch.autograd.grad(want, x64, g.double(), create_graph=True)
+            rtol = 1e-5 if dtype == torch.float32 else 2**-7
+            # first order: one pass of the row kernels; under create_graph: torch's ops, recorded
+            (dx1,), seen = ran(
+                lambda loss=loss, x=x, g=g: torch.autograd.grad(loss, x, g.to(loss.dtype), retain_graph=True)
+            )
+            assert seen == {"fastsoftmax::cross_entropy_backward_rows"}
+            (dx,) = torch.autograd.grad(loss, x, g.to(loss.dtype), create_graph=True)
+            for d in (dx1, dx):
+                torch.testing.assert_close(d.double(), dx64, rtol=rtol, atol=1e-6)
+            assert (dx[3] == 0).all()
+            w = torch.randn(x.shape, generator=gen)
+            (ddx,) = torch.autograd.grad((dx.float() * w).sum(), x)
+            (ddx64,) = torch.autograd.grad((dx64 * w.double()).sum(), x64)
+            torch.testing.assert_close(ddx.double(), ddx64, rtol=max(rtol, 1e-4), atol=1e-5)
+    x = random_logits((3, 40), torch.float32, gen)
+    x[1] = float("-inf")
+    x.requires_grad_()
+    loss = fs.cross_entropy(x, torch.tensor([1, 2, 3]))
+    assert "CrossEntropyRowsBackward" not in loss.grad_fn.name()  # (the library's Function: its convention)
+    (dx,) = torch.autograd.grad(loss, x)
+    assert not dx.isnan().any()
+
+
+def test_isa_flags(monkeypatch):
+    """The row kernels are built for the vector ISA torch's own CPU kernels use on this machine: AVX2 and
+    FMA where torch reports AVX2 or AVX-512 on x86-64, the architecture's baseline otherwise (a separate
+    cache entry each)."""
+    import platform
+
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+    for capability, flags in (("AVX512", ["-mavx2", "-mfma"]), ("AVX2", ["-mavx2", "-mfma"]), ("DEFAULT", [])):
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda c=capability: c)
+        assert torch_build._isa() == flags
+    monkeypatch.setattr(platform, "machine", lambda: "aarch64")
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    assert torch_build._isa() == []
+
+
+BASELINE_RUN = """
+import torch, platform
+from fastsoftmax import torch_build
+assert torch_build._isa() == [], torch_build._isa()
+torch_build.torch_calls()
+rows = torch_build.row_kernels()
+assert rows is not None, torch_build.describe()
+from helpers import assert_close
+g = torch.Generator().manual_seed(0)
+for dtype in (torch.float32, torch.bfloat16):
+    x = (torch.randn(5, 517, generator=g) * 3).to(dtype)
+    x[1, ::4] = float("-inf")
+    for log in (False, True):
+        assert_close(rows.softmax_rows(x, 1, log), x, 1, log)
+    t = torch.randint(0, 517, (5,), generator=g)
+    want = torch.nn.functional.cross_entropy(x.double(), t)
+    torch.testing.assert_close(rows.cross_entropy_rows(x, t, -100, 1, 0.0).double(), want, rtol=1e-2, atol=1e-5)
+print("baseline ok")
+"""
+
+
+def test_baseline_isa_build(tmp_path):
+    """With torch's capability lowered to DEFAULT (ATEN_CPU_CAPABILITY), the kernels build for the baseline
+    vectors (4 floats) into their own cache entry and still meet the tolerance."""
+    env = dict(os.environ, ATEN_CPU_CAPABILITY="default", FASTSOFTMAX_CACHE_DIR=str(tmp_path))
+    env["PYTHONPATH"] = os.path.dirname(__file__) + os.pathsep + env.get("PYTHONPATH", "")
+    out = subprocess.run([sys.executable, "-c", BASELINE_RUN], env=env, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0 and "baseline ok" in out.stdout, out.stderr[-3000:]
