@@ -15,7 +15,7 @@ if [ "$what" != sanitize ]; then
 groups=("tests/test_gpu.py" "tests/test_forward.py tests/test_properties.py" "tests/test_backward.py tests/test_api.py"
         "tests/test_masked.py tests/test_cross_entropy.py tests/test_distributed.py"
         "tests/test_cuda.py tests/test_bench.py" "tests/test_cuda_build.py tests/test_snapshot.py tests/test_cache.py"
-        "tests/test_compose.py" "tests/test_tp.py" "tests/test_hf.py")
+        "tests/test_compose.py" "tests/test_tp.py" "tests/test_hf.py" "tests/test_cpu_path.py tests/test_cpu_rows.py")
 listed=" ${groups[*]} "
 rest=""
 for f in tests/test_*.py; do [[ $listed == *" $f "* ]] || rest="$rest $f"; done  # every other test file
