@@ -115,24 +115,34 @@ def test_public_calls_keep_the_conventions(dtype):
         assert_close(y, x, 1, log)
 
 
+@pytest.mark.parametrize("dtype", ROWS, ids=str)
 @pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
-def test_graph_under_autograd(log):
-    """fp32 under autograd: the kernels' output (bit-equal to the no-grad call) with torch's own node, whose
-    gradient and double backward match float64 autograd."""
-    x = sample(3, 513, torch.float32, 4).requires_grad_()
+def test_graph_under_autograd(log, dtype):
+    """Under autograd: the kernels' output (bit-equal to the no-grad call) with a C++ node. fp32: torch's own
+    (SoftmaxBackward0), bf16: SoftmaxRowsBackward, whose first-order gradient is fs.softmax_backward's
+    (torch's bf16 kernel) and whose double backward runs the library's formula in fp32. Gradients and
+    double backward against float64 autograd."""
+    x = sample(3, 513, dtype, 4).requires_grad_()
     fn = fs.log_softmax if log else fs.softmax
     y, seen = ran(lambda: fn(x, -1))
-    assert seen and y.grad_fn.name() == ("LogSoftmaxBackward0" if log else "SoftmaxBackward0")
+    name = ("Log" if log else "") + ("SoftmaxBackward0" if dtype == torch.float32 else "SoftmaxRowsBackward")
+    assert seen and y.grad_fn.name() == name
     assert torch.equal(y.detach(), fn(x.detach(), -1))
     x64 = x.detach().double().requires_grad_()
     y64 = (torch.log_softmax if log else torch.softmax)(x64, -1)
-    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(1))
+    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(1)).to(dtype)
+    (g1,) = torch.autograd.grad(y, x, dy, retain_graph=True)
+    want = fs.softmax_backward(dy, y.detach(), -1) if not log else fs.log_softmax_backward(dy, y.detach(), -1)
+    assert torch.equal(g1, want)
     (g,) = torch.autograd.grad(y, x, dy, create_graph=True)
     (g64,) = torch.autograd.grad(y64, x64, dy.double(), create_graph=True)
-    torch.testing.assert_close(g.double(), g64, rtol=1e-4, atol=1e-6)
-    (gg,) = torch.autograd.grad(g, x, dy)
-    (gg64,) = torch.autograd.grad(g64, x64, dy.double())
-    torch.testing.assert_close(gg.double(), gg64, rtol=1e-3, atol=1e-5 * float(gg64.abs().max()))
+    rtol, atol = (1e-4, 1e-6) if dtype == torch.float32 else (2**-6, 1e-3 * float(g64.abs().max()))
+    torch.testing.assert_close(g1.double(), g64, rtol=rtol, atol=atol)
+    torch.testing.assert_close(g.double(), g64, rtol=rtol, atol=atol)
+    w = torch.randn(x.shape, generator=torch.Generator().manual_seed(2))
+    (gg,) = torch.autograd.grad((g.float() * w).sum(), x)
+    (gg64,) = torch.autograd.grad((g64 * w.double()).sum(), x64)
+    torch.testing.assert_close(gg.double(), gg64, rtol=rtol * 10, atol=1e-2 * float(gg64.abs().max()))
 
 
 def ce_reference(x, t, reduction, smoothing):

@@ -6,7 +6,8 @@
 // autocast and heuristics.force leave the CPU's calls alone there too), and
 //   softmax of fp32, fp64, fp16, bf16; log_softmax of fp32, and of fp16 and bf16 of one chunk in fp32
 //   through fastlaunch_torch (fp64: another formula, see backends/torch.py);
-//   under autograd, fp32 and fp64 softmax and fp32 log_softmax (torch's graph, as native_softmax_graph);
+//   under autograd, fp32 and fp64 softmax and fp32 log_softmax (torch's graph, as native_softmax_graph), and
+//   bf16 rows in memory (the row kernels' graph);
 //   softmax_backward with dy and y of one dtype and no autograd.
 // Anything else returns None and the Python path runs, as does a call whose output has a row starting with
 // NaN (a fully masked row, or one holding NaN or +inf): it is computed again there, and fixed.
@@ -233,9 +234,10 @@ static PyObject* cpu_fast(PyObject* x, PyObject* d, PyObject* dim, PyObject* dty
         out = cpu_kernel(FT_SOFTMAX_BACKWARD, d, x, dm, cx.kind, &p);
     } else {
         // log: fp64 takes the reference's formula, 16-bit fp32 rows (through fastlaunch_torch, within one
-        // chunk: past it the Python path's chunks keep the fp32 rows in cache); 16-bit autograd: the Function
-        int low = cx.kind == F16 || cx.kind == BF16;
-        if ((log == Py_True && (cx.kind == F64 || (low && !ft))) || (grad && low)) Py_RETURN_NONE;
+        // chunk: past it the Python path's chunks keep the fp32 rows in cache); 16-bit autograd: the row
+        // kernels' graph for bf16 rows in memory (fastlaunch_torch's), else the Function
+        int low = cx.kind == F16 || cx.kind == BF16, rows_graph = cx.kind == BF16 && ft && inner == 1;
+        if ((log == Py_True && (cx.kind == F64 || (low && !ft))) || (grad && low && !rows_graph)) Py_RETURN_NONE;
         if (log == Py_True && low) {
             long long chunk = chunk_elements();
             if (chunk < 0) return NULL;

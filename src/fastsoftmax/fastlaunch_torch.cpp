@@ -1,5 +1,6 @@
 // fastlaunch's torch calls in C++: what fastlaunch.c otherwise asks of torch through Python (a tensor's shape,
-// strides, dtype, device, address; an allocation; torch's CPU softmax kernels), made through ATen directly.
+// strides, dtype, device, address; an allocation; torch's CPU softmax kernels), made through ATen directly;
+// and the CPU row kernels (cpu_rows.h) with their autograd nodes, for fastlaunch.c and for Python.
 // From Python each of those is an argument parse and a new object: about 2 us of a replayed call's host
 // time on the H200's host, as much as torch's whole eager softmax leaves for everything else.
 // Built on first use with the C++ compiler against the running torch's headers (launch.py: cached per torch
@@ -165,12 +166,39 @@ auto new_node() {
         return c10::make_intrusive<N>();
 }
 
-// softmax_rows of an fp32 x that requires grad, with the graph torch's own _softmax (_log_softmax) records:
-// its node (SoftmaxBackward0, LogSoftmaxBackward0) saving y, whose backward is torch's kernel and whose
-// double backward torch's formula, as native_softmax_graph's. Undefined where x has a forward-mode tangent
-// (that graph is torch's to make).
+// The backward of a bf16 softmax_rows_graph: torch's bf16 kernel where nothing is recorded (as native_softmax_
+// backward's for y and dy of one dtype: exact to the bf16 tolerance); the library's formula in fp32 where a
+// double backward is asked for (create_graph: reference.softmax_backward_torch's, which autograd records), as
+// the library's Function has it (torch's own node would run that formula in 16 bits).
+struct SoftmaxRowsBackward : torch::autograd::Node {
+    torch::autograd::SavedVariable y_;
+    int64_t dim = 0;
+    bool log = false;
+
+    std::string name() const override { return log ? "LogSoftmaxRowsBackward" : "SoftmaxRowsBackward"; }
+    void release_variables() override { y_.reset_data(); }
+    torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
+        if (!grads[0].defined()) return {at::Tensor()};
+        const at::Tensor y = y_.unpack(getptr());  // (an output: saved without its node)
+        const at::Tensor& dy = grads[0];
+        if (!at::GradMode::is_enabled()) {
+            return {log ? at::_log_softmax_backward_data(dy, y, dim, y.scalar_type())
+                        : at::_softmax_backward_data(dy, y, dim, y.scalar_type())};
+        }
+        const at::Tensor yw = y.to(at::kFloat), dyw = dy.to(at::kFloat);
+        const at::Tensor f = log ? yw.exp() : yw;
+        const at::Tensor a = log ? dyw : yw * dyw;
+        const at::Tensor t = f.sum(dim, true);
+        return {at::where(t.eq(0), 0.0, a - f * a.sum(dim, true)).to(y.scalar_type())};
+    }
+};
+
+// softmax_rows of an x that requires grad, with its graph. fp32: the graph torch's own _softmax
+// (_log_softmax) records, its node (SoftmaxBackward0, LogSoftmaxBackward0) saving y, whose backward is
+// torch's kernel and whose double backward torch's formula, as native_softmax_graph's; bf16:
+// SoftmaxRowsBackward. Undefined where x has a forward-mode tangent (that graph is torch's to make).
 at::Tensor softmax_rows_graph(const at::Tensor& x, int64_t dim, bool log) {
-    if (x.scalar_type() != at::kFloat || torch::autograd::isFwGradDefined(x)) return at::Tensor();
+    if (torch::autograd::isFwGradDefined(x)) return at::Tensor();
     at::Tensor y = softmax_rows(x, dim, log);
     auto edges = torch::autograd::collect_next_edges(x);
     auto attach = [&](auto node) {
@@ -180,10 +208,17 @@ at::Tensor softmax_rows_graph(const at::Tensor& x, int64_t dim, bool log) {
         torch::autograd::set_history(y, node);
         node->result_ = torch::autograd::SavedVariable(y, true);
     };
-    if (log)
+    if (x.scalar_type() != at::kFloat) {
+        auto node = new_node<SoftmaxRowsBackward>();
+        node->set_next_edges(std::move(edges));
+        node->dim = dim, node->log = log;
+        torch::autograd::set_history(y, node);
+        node->y_ = torch::autograd::SavedVariable(y, true);
+    } else if (log) {
         attach(new_node<torch::autograd::generated::LogSoftmaxBackward0>());
-    else
+    } else {
         attach(new_node<torch::autograd::generated::SoftmaxBackward0>());
+    }
     return y;
 }
 
@@ -341,11 +376,10 @@ PyObject* cpu_op(int op, PyObject* a, PyObject* b, long dim, int dtype, unsigned
         const bool graph = at::GradMode::is_enabled() && (x.requires_grad() || (y_in && y_in->requires_grad()));
         const bool direct = !graph && !at::hasCallbacks();
         const bool backward = op == FT_SOFTMAX_BACKWARD;
-        if (!backward && rows_of(x, dim))
+        if (!backward && rows_of(x, dim))  // (the caller hands a bf16 graph over where rows_of does not hold)
             y = graph ? softmax_rows_graph(x, dim, op == FT_LOG_SOFTMAX) : softmax_rows(x, dim, op == FT_LOG_SOFTMAX);
-        if (y.defined())
-            ;
-        else if (op == FT_SOFTMAX)
+        if (y.defined()) {
+        } else if (op == FT_SOFTMAX)
             y = direct ? at::cpu::_softmax(x, dim, false) : at::_softmax(x, dim, false);
         else if (op == FT_LOG_SOFTMAX && (x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16))
             y = at::_log_softmax(x.to(at::kFloat), dim, false).to(x.scalar_type());  // (fp32 rows, rounded once)

@@ -310,17 +310,21 @@ NATIVE_GRAPH = heuristics.Plan("torch", "native_graph")  # the forward; the back
 
 
 def native_softmax_graph(x: torch.Tensor, dim: int, log: bool) -> torch.Tensor | None:
-    """native_softmax of a contiguous fp32 or fp64 x that requires grad (fp64 log_softmax excepted: another
-    formula), in x's dtype, with torch's autograd graph: its C++ backward runs the kernel
-    native_softmax_backward runs for y and dy of x's dtype, and its double backward the formula of the
-    library's (in x's dtype: for 16-bit x it would lose the fp32 digits the library keeps), at a fraction
-    of a Python Function's host time. None where it does not apply, or where a row's first output is NaN: a
+    """native_softmax of a contiguous x that requires grad, in x's dtype, with a C++ autograd graph, at a
+    fraction of a Python Function's host time. fp32 (fp64 softmax): torch's own graph, whose backward runs
+    the kernel native_softmax_backward runs for y and dy of x's dtype and whose double backward the formula
+    of the library's; the row kernels' output where they apply. bf16 rows in memory: the row kernels with
+    their node (fastlaunch_torch's SoftmaxRowsBackward: torch's bf16 kernel, and the library's fp32 formula
+    under create_graph; torch's own would run it in 16 bits). None where none applies (fp16, fp64
+    log_softmax: another formula; bf16 without the row kernels), or where a row's first output is NaN: a
     fully masked row, whose gradient torch makes NaN and the library 0 (or a row holding NaN or +inf); the
     caller then takes the Function."""
-    if x.dtype is not torch.float32 and (log or x.dtype is not torch.float64):
+    if x.dtype not in (torch.float32, torch.bfloat16) and (log or x.dtype is not torch.float64):
         return None
     rows = torch_build.row_kernels()
-    if rows is None or (y := rows.softmax_rows(x, dim, log)) is None:  # (the row kernels, torch's graph)
+    if rows is None or (y := rows.softmax_rows(x, dim, log)) is None:  # (the row kernels and their graph)
+        if x.dtype is torch.bfloat16:
+            return None
         y = torch._log_softmax(x, dim, False) if log else torch._softmax(x, dim, False)
     return None if _any_nan_first(y, dim) else y
 
