@@ -41,40 +41,22 @@ struct bf16 {  // bf16's bits (at::BFloat16's layout)
 };
 
 inline vf splat(float a) { return vf{} + a; }
-inline vi as_int(vf v) {
-    vi i;
-    memcpy(&i, &v, sizeof i);
-    return i;
+template <class To, class From>
+inline To bits_as(From v) {  // the same bits as another type (of the same size)
+    static_assert(sizeof(To) == sizeof(From));
+    To t;
+    memcpy(&t, &v, sizeof t);
+    return t;
 }
-inline vu as_bits(vf v) {
-    vu u;
-    memcpy(&u, &v, sizeof u);
-    return u;
-}
-inline vf as_float(vi i) {
-    vf v;
-    memcpy(&v, &i, sizeof v);
-    return v;
-}
-inline vf as_float(vu u) {
-    vf v;
-    memcpy(&v, &u, sizeof v);
-    return v;
-}
-inline vf select(vi mask, vf a, vf b) { return as_float((mask & as_int(a)) | (~mask & as_int(b))); }
+inline vf select(vi mask, vf a, vf b) { return bits_as<vf>((mask & bits_as<vi>(a)) | (~mask & bits_as<vi>(b))); }
 
 inline float widen(float v) { return v; }
-inline float widen(bf16 v) {
-    const uint32_t u = uint32_t(v.bits) << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
+inline float widen(bf16 v) { return bits_as<float>(uint32_t(v.bits) << 16); }
 inline void narrow(float* p, float v) { *p = v; }
 inline void narrow(bf16* p, float v) {  // round to nearest even; NaN stays NaN (quiet)
-    uint32_t u;
-    memcpy(&u, &v, 4);
-    p->bits = (u & 0x7FFFFFFFu) > 0x7F800000u ? uint16_t((u >> 16) | 0x40) : uint16_t((u + 0x7FFFu + ((u >> 16) & 1)) >> 16);
+    const uint32_t u = bits_as<uint32_t>(v);
+    const bool nan = (u & 0x7FFFFFFFu) > 0x7F800000u;
+    p->bits = nan ? uint16_t((u >> 16) | 0x40) : uint16_t((u + 0x7FFFu + ((u >> 16) & 1)) >> 16);
 }
 
 inline vf load(const float* p) {
@@ -84,19 +66,17 @@ inline vf load(const float* p) {
 }
 inline vf load(const bf16* p) {
 #if defined(__AVX2__)  // (one widening load: GCC splits the generic conversion in two halves)
-    const __m256i u = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16);
-    vf v;
-    memcpy(&v, &u, sizeof v);
-    return v;
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return bits_as<vf>(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 #else
     vh h;
     memcpy(&h, p, sizeof h);
-    return as_float(__builtin_convertvector(h, vu) << 16);
+    return bits_as<vf>(__builtin_convertvector(h, vu) << 16);
 #endif
 }
 inline void store(float* p, vf v) { memcpy(p, &v, sizeof v); }
 inline void store(bf16* p, vf v) {
-    const vu u = as_bits(v);
+    const vu u = bits_as<vu>(v);
     const vu nan = (vu)((u & 0x7FFFFFFFu) > 0x7F800000u);
     const vu r = (nan & ((u >> 16) | 0x40u)) | (~nan & ((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16));
     const vh h = __builtin_convertvector(r, vh);
@@ -129,8 +109,8 @@ inline vf exp_nonpositive(vf d) {
     p = p * r + splat(1.6666665459e-1f);
     p = p * r + splat(5.0000001201e-1f);
     p = p * r * r + r + splat(1.0f);
-    const vu scale = (as_bits(t) - 0x4B400000u + 127u) << 23;  // 2^n (t's bits: 0x4B400000 + n)
-    return select(d < splat(-87.33654f), splat(0.0f), p * as_float(scale));
+    const vu scale = (bits_as<vu>(t) - 0x4B400000u + 127u) << 23;  // 2^n (t's bits: 0x4B400000 + n)
+    return select(d < splat(-87.33654f), splat(0.0f), p * bits_as<vf>(scale));
 }
 
 inline float lanes_max(vf v) {

@@ -280,7 +280,9 @@ at::Tensor cross_entropy_rows(const at::Tensor& x, const at::Tensor& t, int64_t 
     for (int64_t i = 0; i < m; ++i) total += pp[i];
     if (reduction == 1) total /= double(kept);  // (0 / 0: NaN, as torch's mean over no row)
     at::Tensor loss(at::detail::empty_cpu({}, x.scalar_type()));
-    on_rows(x, [&](auto* type) { rows::narrow(static_cast<std::remove_pointer_t<decltype(type)>*>(loss.mutable_data_ptr()), float(total)); });
+    on_rows(x, [&](auto* type) {
+        rows::narrow(static_cast<std::remove_pointer_t<decltype(type)>*>(loss.mutable_data_ptr()), float(total));
+    });
     return loss;
 }
 
@@ -376,10 +378,12 @@ PyObject* cpu_op(int op, PyObject* a, PyObject* b, long dim, int dtype, unsigned
         const bool graph = at::GradMode::is_enabled() && (x.requires_grad() || (y_in && y_in->requires_grad()));
         const bool direct = !graph && !at::hasCallbacks();
         const bool backward = op == FT_SOFTMAX_BACKWARD;
+        const bool log = op == FT_LOG_SOFTMAX;
         if (!backward && rows_of(x, dim))  // (the caller hands a bf16 graph over where rows_of does not hold)
-            y = graph ? softmax_rows_graph(x, dim, op == FT_LOG_SOFTMAX) : softmax_rows(x, dim, op == FT_LOG_SOFTMAX);
-        if (y.defined()) {
-        } else if (op == FT_SOFTMAX)
+            y = graph ? softmax_rows_graph(x, dim, log) : softmax_rows(x, dim, log);
+        if (y.defined())
+            ;  // (the row kernels)
+        else if (op == FT_SOFTMAX)
             y = direct ? at::cpu::_softmax(x, dim, false) : at::_softmax(x, dim, false);
         else if (op == FT_LOG_SOFTMAX && (x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16))
             y = at::_log_softmax(x.to(at::kFloat), dim, false).to(x.scalar_type());  // (fp32 rows, rounded once)
@@ -472,7 +476,8 @@ PyObject* py_softmax_rows(PyObject*, PyObject* const* args, Py_ssize_t n) {
     at::Tensor y;
     {
         NoGil released;
-        y = at::GradMode::is_enabled() && x.requires_grad() ? softmax_rows_graph(x, dim, log) : softmax_rows(x, dim, log);
+        const bool graph = at::GradMode::is_enabled() && x.requires_grad();
+        y = graph ? softmax_rows_graph(x, dim, log) : softmax_rows(x, dim, log);
     }
     if (!y.defined()) Py_RETURN_NONE;
     return THPVariable_Wrap(std::move(y));
