@@ -123,7 +123,7 @@ FULL_ONLY = {
     "test_api.py::test_heuristics_table_branches": lambda item: _p(item, "flags", {}).get("splits") == 65,
     "test_bench.py::test_cpu_smoke_run": lambda item: True,  # (test_cpu_ce_smoke_run runs the same entry)
     "test_cuda_build.py::test_two_processes_compile_at_once": lambda item: True,
-    "test_cpu_rows.py::test_baseline_isa_build": lambda item: True,  # (a build of fastlaunch_torch, ~35 s)
+    "test_cpu_rows.py::test_lower_isa_build": lambda item: True,  # (a build of fastlaunch_torch, ~35 s)
     # NVRTC compiles: one case of each variant and three staged ones by default
     "test_cuda_build.py::test_variant_compiles_with_its_facts": lambda item: (
         (_p(item, "variant"), _p(item, "n"), _p(item, "rows")) in CUDA_MORE

@@ -7,6 +7,7 @@ against float64 gradients, double backward included; the compiler's ISA flags.""
 from __future__ import annotations
 
 import os
+import platform
 import subprocess
 import sys
 
@@ -218,46 +219,78 @@ def test_cross_entropy_rows_under_autograd():
     assert not dx.isnan().any()
 
 
+AVX512_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma"]
+
+
 def test_isa_flags(monkeypatch):
-    """The row kernels are built for the vector ISA torch's own CPU kernels use on this machine: AVX2 and
-    FMA where torch reports AVX2 or AVX-512 on x86-64, the architecture's baseline otherwise (a separate
-    cache entry each)."""
+    """The row kernels are built for the vector ISA torch's own CPU kernels use on this machine: AVX-512
+    (with AVX2 and FMA) where torch reports AVX-512 on x86-64, AVX2 and FMA where it reports AVX2, the
+    architecture's baseline otherwise (a separate cache entry each)."""
     import platform
 
     monkeypatch.setattr(platform, "machine", lambda: "x86_64")
-    for capability, flags in (("AVX512", ["-mavx2", "-mfma"]), ("AVX2", ["-mavx2", "-mfma"]), ("DEFAULT", [])):
+    for capability, flags in (("AVX512", AVX512_FLAGS), ("AVX2", ["-mavx2", "-mfma"]), ("DEFAULT", [])):
         monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda c=capability: c)
         assert torch_build._isa() == flags
     monkeypatch.setattr(platform, "machine", lambda: "aarch64")
-    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
-    assert torch_build._isa() == []
+    for capability in ("AVX512", "AVX2"):
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda c=capability: c)
+        assert torch_build._isa() == []
 
 
-BASELINE_RUN = """
-import torch, platform
+def _floats(capability: str) -> int:
+    return 16 if capability.startswith("AVX512") else 8 if capability.startswith("AVX2") else 4
+
+
+def test_build_vector_width():
+    """The process's build holds the vectors its ISA flags ask for (16 floats: AVX-512, 8: AVX2, 4)."""
+    rows = torch_build.row_kernels() or (torch_build.torch_calls(), torch_build.row_kernels())[1]
+    assert rows is not None, torch_build.describe()
+    assert rows.VECTOR_FLOATS == _floats(torch.backends.cpu.get_cpu_capability())
+
+
+ISA_RUN = """
+import torch, platform, sys
 from fastsoftmax import torch_build
-assert torch_build._isa() == [], torch_build._isa()
 torch_build.torch_calls()
 rows = torch_build.row_kernels()
 assert rows is not None, torch_build.describe()
+assert rows.VECTOR_FLOATS == int(sys.argv[1]), (rows.VECTOR_FLOATS, torch_build._isa())
 from helpers import assert_close
 g = torch.Generator().manual_seed(0)
 for dtype in (torch.float32, torch.bfloat16):
-    x = (torch.randn(5, 517, generator=g) * 3).to(dtype)
-    x[1, ::4] = float("-inf")
-    for log in (False, True):
-        assert_close(rows.softmax_rows(x, 1, log), x, 1, log)
-    t = torch.randint(0, 517, (5,), generator=g)
-    want = torch.nn.functional.cross_entropy(x.double(), t)
-    torch.testing.assert_close(rows.cross_entropy_rows(x, t, -100, 1, 0.0).double(), want, rtol=1e-2, atol=1e-5)
-print("baseline ok")
+    for n in (517, 16, 33):
+        x = (torch.randn(5, n, generator=g) * 3).to(dtype)
+        x[1, ::4] = float("-inf")
+        x[2, 3] = 60.0
+        for log in (False, True):
+            assert_close(rows.softmax_rows(x, 1, log), x, 1, log)
+        t = torch.randint(0, n, (5,), generator=g)
+        want = torch.nn.functional.cross_entropy(x.double(), t)
+        got = rows.cross_entropy_rows(x, t, -100, 1, 0.0).double()
+        torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-5)
+        xg = x.clone().requires_grad_()
+        (dx,) = torch.autograd.grad(rows.cross_entropy_rows(xg, t, -100, 1, 0.0), xg)
+        xd = x.double().requires_grad_()
+        (want_dx,) = torch.autograd.grad(torch.nn.functional.cross_entropy(xd, t), xd)
+        tol = 1e-5 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(dx.double(), want_dx, rtol=tol, atol=tol * 1e-2)
+print("isa ok")
 """
+LEVELS = ("default", "avx2", "avx512")  # (ATEN_CPU_CAPABILITY's values, lowest first)
 
 
-def test_baseline_isa_build(tmp_path):
-    """With torch's capability lowered to DEFAULT (ATEN_CPU_CAPABILITY), the kernels build for the baseline
-    vectors (4 floats) into their own cache entry and still meet the tolerance."""
-    env = dict(os.environ, ATEN_CPU_CAPABILITY="default", FASTSOFTMAX_CACHE_DIR=str(tmp_path))
+@pytest.mark.parametrize("level", LEVELS[:2])
+def test_lower_isa_build(tmp_path, level):
+    """With torch's capability lowered (ATEN_CPU_CAPABILITY) below the machine's, the kernels build for
+    that level's vectors (4 floats for the baseline; 8 for AVX2, on an AVX-512 machine) into their own cache
+    entry and still meet the tolerance. A level the machine lacks cannot be lowered to: skipped."""
+    capability = torch.backends.cpu.get_cpu_capability().lower()
+    x86 = platform.machine().lower() in ("x86_64", "amd64")
+    if not x86 or capability not in LEVELS or LEVELS.index(level) >= LEVELS.index(capability):
+        pytest.skip(f"{level} is not below this machine's {capability}")
+    env = dict(os.environ, ATEN_CPU_CAPABILITY=level, FASTSOFTMAX_CACHE_DIR=str(tmp_path))
     env["PYTHONPATH"] = os.path.dirname(__file__) + os.pathsep + env.get("PYTHONPATH", "")
-    out = subprocess.run([sys.executable, "-c", BASELINE_RUN], env=env, capture_output=True, text=True, timeout=900)
-    assert out.returncode == 0 and "baseline ok" in out.stdout, out.stderr[-3000:]
+    floats = str(_floats(level.upper()))
+    out = subprocess.run([sys.executable, "-c", ISA_RUN, floats], env=env, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0 and "isa ok" in out.stdout, out.stderr[-3000:]

@@ -71,7 +71,10 @@ int meta(PyObject* obj, FtMeta* m) {
     }
 }
 
-// The GIL released for a CPU kernel's run, as torch's own bindings do (other threads go on meanwhile)
+// The GIL released for a CPU kernel's run, as torch's own bindings do (other threads go on meanwhile). The
+// tensors it reads are held by value, taken before: a tensor whose only reference is its Python object's
+// takes the GIL back each time a kernel copies its handle (TensorImpl::incref_pyobject, from torch 2.10),
+// four times a call in torch's softmax backward.
 struct NoGil {
     PyThreadState* state = PyEval_SaveThread();
     ~NoGil() { PyEval_RestoreThread(state); }
@@ -370,8 +373,9 @@ at::Tensor cross_entropy_rows_graph(const at::Tensor& x, const at::Tensor& t, in
 // torch's error.
 PyObject* cpu_op(int op, PyObject* a, PyObject* b, long dim, int dtype, unsigned long long* address) {
     HANDLE_TH_ERRORS
-    const at::Tensor& x = THPVariable_Unpack(a);
-    const at::Tensor* y_in = b ? &THPVariable_Unpack(b) : nullptr;
+    const at::Tensor x = THPVariable_Unpack(a);  // (by value: see NoGil)
+    const at::Tensor y_owned = b ? THPVariable_Unpack(b) : at::Tensor();
+    const at::Tensor* y_in = b ? &y_owned : nullptr;
     at::Tensor y;
     {
         NoGil released;
@@ -408,8 +412,8 @@ PyObject* cpu_op(int op, PyObject* a, PyObject* b, long dim, int dtype, unsigned
 PyObject* cpu_loss(PyObject* logits, PyObject* target, long ignore_index, int reduction, double smoothing,
                    int graph) {
     HANDLE_TH_ERRORS
-    const at::Tensor& x = THPVariable_Unpack(logits);
-    const at::Tensor& t = THPVariable_Unpack(target);
+    const at::Tensor x = THPVariable_Unpack(logits);  // (by value: see NoGil)
+    const at::Tensor t = THPVariable_Unpack(target);
     at::Tensor loss;
     try {
         NoGil released;
@@ -467,7 +471,7 @@ PyObject* py_softmax_rows(PyObject*, PyObject* const* args, Py_ssize_t n) {
         PyErr_SetString(PyExc_TypeError, "softmax_rows(x, dim, log)");
         return nullptr;
     }
-    const at::Tensor& given = THPVariable_Unpack(args[0]);
+    const at::Tensor given = THPVariable_Unpack(args[0]);  // (by value: see NoGil)
     const at::Tensor x = given.is_neg() ? given.resolve_neg() : given;  // (its value's rows, as C's path has them)
     const long long dim = PyLong_AsLongLong(args[1]);
     const int log = PyObject_IsTrue(args[2]);
@@ -493,8 +497,8 @@ PyObject* py_cross_entropy_rows(PyObject*, PyObject* const* args, Py_ssize_t n) 
         PyErr_SetString(PyExc_TypeError, "cross_entropy_rows(x, t, ignore_index, reduction, smoothing)");
         return nullptr;
     }
-    const at::Tensor& x = THPVariable_Unpack(args[0]);
-    const at::Tensor& t = THPVariable_Unpack(args[1]);
+    const at::Tensor x = THPVariable_Unpack(args[0]);  // (by value: see NoGil)
+    const at::Tensor t = THPVariable_Unpack(args[1]);
     const long long ignore = PyLong_AsLongLong(args[2]);
     const long reduction = PyLong_AsLong(args[3]);
     const double eps = PyFloat_AsDouble(args[4]);
@@ -529,4 +533,8 @@ PyModuleDef module = {PyModuleDef_HEAD_INIT, "fastlaunch_torch", nullptr, -1, me
 
 }  // namespace
 
-PyMODINIT_FUNC PyInit_fastlaunch_torch(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit_fastlaunch_torch(void) {
+    PyObject* m = PyModule_Create(&module);
+    if (m && PyModule_AddIntConstant(m, "VECTOR_FLOATS", rows::W) < 0) Py_CLEAR(m);  // (the build's ISA)
+    return m;
+}

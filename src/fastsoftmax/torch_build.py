@@ -196,18 +196,21 @@ def _command(so) -> list[str]:
 
 
 def _isa() -> list[str]:
-    """The compiler's flags for the row kernels' vectors (cpu_rows.h): AVX2 and FMA where torch's own CPU
-    kernels run with AVX2 or AVX-512 on this machine (its capability check, which ATEN_CPU_CAPABILITY can
-    lower); else the architecture's baseline (SSE2, NEON). Part of the cache entry's name: a cache shared by
-    machines of other ISAs holds an entry for each."""
+    """The compiler's flags for the row kernels' vectors (cpu_rows.h): AVX-512 (F, BW, VL, DQ: what torch's
+    check asks of the CPU), AVX2 and FMA where torch's own CPU kernels run with AVX-512 on this machine; AVX2
+    and FMA where they run with AVX2 (its capability check, which ATEN_CPU_CAPABILITY can lower); else the
+    architecture's baseline (SSE2, NEON). Part of the cache entry's name: a cache shared by machines of other
+    ISAs holds an entry for each."""
     import platform
 
     import torch
 
     capability = torch.backends.cpu.get_cpu_capability()
-    if platform.machine().lower() in ("x86_64", "amd64") and capability.startswith(("AVX2", "AVX512")):
-        return ["-mavx2", "-mfma"]
-    return []
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return []
+    if capability.startswith("AVX512"):
+        return ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma"]
+    return ["-mavx2", "-mfma"] if capability.startswith("AVX2") else []
 
 
 def _has_table(mod):
