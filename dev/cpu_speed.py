@@ -1,6 +1,7 @@
-"""fastsoftmax on CPU tensors (backend='auto': torch's kernels with the library's conventions) beside torch's
-own ops, single-threaded, in one process: softmax, log_softmax, softmax forward + backward (autograd),
-fs.softmax_backward, cross_entropy forward and forward + backward, fp32 and bf16, from 1x4096 to 4096x4096.
+"""fastsoftmax on CPU tensors (backend='auto': its row kernels, else torch's, with the library's conventions)
+beside torch's own ops, single-threaded, in one process: softmax, log_softmax, softmax forward + backward
+(autograd), fs.softmax_backward and fs.log_softmax_backward, cross_entropy forward and forward + backward,
+fp32 and bf16, from 1x4096 to 4096x4096.
 Each repetition times fastsoftmax and torch back to back (the order alternating), so both see the same
 machine; the figure is the median of each. ``chunks`` adds the sweep behind backends/torch.py's CHUNK
 (rows computed a chunk at a time: cross-entropy, 16-bit log_softmax).
@@ -30,7 +31,7 @@ def cases(m: int, n: int, dtype: torch.dtype) -> dict:
     t = torch.randint(0, n, (m,), generator=g)
     dy = torch.randn(m, n, generator=g).to(dtype)
     xg = x.clone().requires_grad_()
-    y = torch.softmax(x, -1)
+    y, ly = torch.softmax(x, -1), torch.log_softmax(x, -1)
 
     def fwd_bwd(f):
         return lambda: torch.autograd.grad(f(xg, -1), xg, dy)
@@ -45,6 +46,10 @@ def cases(m: int, n: int, dtype: torch.dtype) -> dict:
         "softmax_backward": (
             lambda: fs.softmax_backward(dy, y, -1),
             lambda: torch._softmax_backward_data(dy, y, -1, dtype),
+        ),
+        "log_softmax_backward": (
+            lambda: fs.log_softmax_backward(dy, ly, -1),
+            lambda: torch._log_softmax_backward_data(dy, ly, -1, dtype),
         ),
         "cross_entropy": (lambda: fs.cross_entropy(x, t), lambda: F.cross_entropy(x, t)),
         "cross_entropy_fwd_bwd": (ce_fwd_bwd(fs.cross_entropy), ce_fwd_bwd(F.cross_entropy)),

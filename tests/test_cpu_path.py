@@ -148,13 +148,18 @@ def test_float64_log_softmax_near_zero():
 def _direct_cases(dtype, cpp: bool):
     """(name, call(fn_kind), whether the C path takes it) for test_direct_path_in_c_and_in_python; fn_kind
     picks the public function or fastpath.fast's direct call. cpp: fastlaunch.c reaches torch through C++
-    (16-bit log_softmax in C then)."""
+    (16-bit log_softmax in C then, and log_softmax_backward from the row kernels: fp32 and bf16 rows in
+    memory)."""
     x = logits((5, 37, 3), dtype, 41, special=False)
     masked = x.clone()
     masked[2, :, 1] = -INF  # a fully masked row along dim 1: its first output NaN in torch's result
     y = torch.softmax(x.double(), -1).to(dtype)
     dy = logits((5, 37, 3), dtype, 42, special=False)
-    fp32, wide = dtype is torch.float32, dtype in (torch.float32, torch.float64)
+    fp32, wide, rows = (
+        dtype is torch.float32,
+        dtype in (torch.float32, torch.float64),
+        dtype in (torch.float32, torch.bfloat16),
+    )
     cases = []
     for dim in (0, 1, -1):
         cases += [(f"softmax dim {dim}", (x, None, dim, None, False, "auto"), True)]
@@ -169,7 +174,8 @@ def _direct_cases(dtype, cpp: bool):
         ("requires grad, log", (x.clone().requires_grad_(), None, 1, None, True, "auto"), fp32),
         ("softmax_backward", (y, dy, -1, None, False, "auto"), True),
         ("softmax_backward dim 0", (y, dy, 0, None, False, "auto"), True),
-        ("log_softmax_backward", (y.log(), dy, -1, None, True, "auto"), False),
+        ("log_softmax_backward", (y.log(), dy, -1, None, True, "auto"), cpp and rows),
+        ("log_softmax_backward dim 0", (y.log(), dy, 0, None, True, "auto"), False),
         ("backward, dy of another dtype", (y, dy.double(), -1, None, False, "auto"), dtype is torch.float64),
     ]
     return cases
@@ -309,9 +315,9 @@ def test_direct_path_steps_aside_for_a_plain_tensor(reach, state):
 
 def test_profiler_sees_the_direct_paths_kernels(reach):
     """Under torch.profiler every kernel of the direct path is an event: the row kernels (fastsoftmax::,
-    fp32 rows in memory) and torch's backward, which fastlaunch_torch calls directly unless a profiler (a
-    RecordFunction callback) listens: then through the dispatcher, an aten:: event as torch's own calls are.
-    The outputs are the Python path's either way."""
+    fp32 rows in memory, softmax's backward included) where fastlaunch_torch is built, else torch's, which
+    the Python path calls through the dispatcher (aten:: events). The outputs are the Python path's either
+    way."""
     from fastsoftmax import fastpath
 
     x = logits((4, 37), torch.float32, 47, special=False)
@@ -321,14 +327,14 @@ def test_profiler_sees_the_direct_paths_kernels(reach):
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         got = (fs.softmax(x), fs.log_softmax(x), fs.softmax_backward(dy, y))
     names = {e.name for e in prof.events()}
-    rows = {"fastsoftmax::softmax_rows", "fastsoftmax::log_softmax_rows"}
-    aten = {"aten::_softmax", "aten::_log_softmax"}
+    rows = {"fastsoftmax::softmax_rows", "fastsoftmax::log_softmax_rows", "fastsoftmax::softmax_backward_rows"}
+    aten = {"aten::_softmax", "aten::_log_softmax", "aten::_softmax_backward_data"}
     if reach == "torch_via_python":  # (no row kernels without fastlaunch_torch)
         rows, aten = aten, rows
-    assert rows | {"aten::_softmax_backward_data"} <= names, (reach, names)
+    assert rows <= names, (reach, names)
     assert not aten & names, (reach, names)
     want = (native.native_softmax(x, 1, False, x.dtype), native.native_softmax(x, 1, True, x.dtype))
-    want += (torch._softmax_backward_data(dy, y, -1, torch.float32),)
+    want += (native.native_softmax_backward(dy, y, 1, False, x.dtype),)
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     for a, b in zip((fs.softmax(x), fs.log_softmax(x), fs.softmax_backward(dy, y)), want, strict=True):
@@ -337,14 +343,14 @@ def test_profiler_sees_the_direct_paths_kernels(reach):
 
 def test_plain_and_autograd_routes():
     """No grad needed (no_grad, a tensor that does not require grad): the direct call, no graph; autograd on
-    a contiguous x in its own dtype: torch's graph (SoftmaxBackward0), its backward torch's own (no plan)
-    and equal to fs.softmax_backward's; nn.Parameter too."""
+    a contiguous fp32 x whose rows lie in memory: the row kernels' graph (SoftmaxRowsBackward), its backward
+    a C++ node's (no plan) and equal to fs.softmax_backward's; nn.Parameter too."""
     x = torch.nn.Parameter(torch.randn(3, 7))
     with torch.no_grad():
         y, plans = run(fs.softmax, x)
     assert y.grad_fn is None and plans == [NATIVE]
     dy = torch.randn(3, 7)
-    for log, name in ((False, "SoftmaxBackward0"), (True, "LogSoftmaxBackward0")):
+    for log, name in ((False, "SoftmaxRowsBackward"), (True, "LogSoftmaxRowsBackward")):
         (y, plans) = run(FNS[log], x)
         assert y.grad_fn.name() == name and plans == [GRAPH]
         (dx,), plans = run(torch.autograd.grad, y, x, dy)
@@ -356,17 +362,25 @@ def test_plain_and_autograd_routes():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
 def test_autograd_graph_is_the_library_gradient(dtype):
-    """torch's graph (fp32 and fp64 softmax, fp32 log_softmax): the forward the direct call's, its
-    gradient bit for bit fs.softmax_backward's from the same y, and the oracle's; double backward too."""
+    """The C++ graphs (fp32 softmax and log_softmax: the row kernels' node; fp64 softmax: torch's own): the
+    forward the direct call's, the first-order gradient bit for bit fs.softmax_backward's from the same y,
+    and the oracle's; under create_graph the same (fp32: the library's formula in torch ops, equal to within
+    the rounding of its sums); double backward too."""
     x = logits((6, 513), dtype, 8, special=False)
     dy = torch.randn(6, 513, generator=torch.Generator().manual_seed(8)).to(dtype)
     for log in (False, True) if dtype == torch.float32 else (False,):
         xg = x.clone().requires_grad_()
         y, plans = run(FNS[log], xg)
         assert plans == [GRAPH] and torch.equal(y.detach(), FNS[log](x))
+        want = BWD[log](dy, y.detach())
+        (dx,), plans = run(torch.autograd.grad, y, xg, dy, retain_graph=True)
+        assert plans == [] and torch.equal(dx, want)
         (dx,), plans = run(torch.autograd.grad, y, xg, dy, create_graph=True)
-        assert plans == [] and torch.equal(dx.detach(), BWD[log](dy, y.detach()))
-        assert compare_grad(dx.detach(), dy, y.detach(), -1, log)[1] is None
+        assert plans == [] and compare_grad(dx.detach(), dy, y.detach(), -1, log)[1] is None
+        if dtype == torch.float64:
+            assert torch.equal(dx.detach(), want)
+        else:
+            torch.testing.assert_close(dx.detach(), want, rtol=1e-6, atol=1e-6 * float(want.abs().max()))
         (ddx,) = torch.autograd.grad(dx, xg, dy)
         ref = torch.autograd.grad(
             torch.autograd.grad(FNS[log](xg, backend="torch"), xg, dy, create_graph=True)[0], xg, dy

@@ -1,8 +1,8 @@
-"""The CPU's row kernels (cpu_rows.h, built into fastlaunch_torch): softmax, log_softmax and cross-entropy's
-loss of fp32 and bf16 rows in memory. Each kernel against the float64 oracle under the library's tolerance
-rule, odd lengths (a partial vector, 513, 50257), outliers and special rows; the branch that ran read from
-the profiler's events; the graph they carry under autograd (torch's softmax node, CrossEntropyRowsBackward)
-against float64 gradients, double backward included; the compiler's ISA flags."""
+"""The CPU's row kernels (cpu_rows.h, built into fastlaunch_torch): softmax, log_softmax, their backward and
+cross-entropy's loss of fp32 and bf16 rows in memory. Each kernel against the float64 oracle under the
+library's tolerance rule, odd lengths (a partial vector, 513, 50257), outliers and special rows; the branch
+that ran read from the profiler's events; the graph they carry under autograd (SoftmaxRowsBackward,
+CrossEntropyRowsBackward) against float64 gradients, double backward included; the compiler's ISA flags."""
 
 from __future__ import annotations
 
@@ -18,11 +18,14 @@ from helpers import assert_close, random_logits, special_rows
 
 import fastsoftmax as fs
 from fastsoftmax import torch_build
+from fastsoftmax.reference import compare_grad
 
 ROWS = (torch.float32, torch.bfloat16)
-LENGTHS = (1, 7, 8, 9, 513, 4097, 50257)
+LENGTHS = (1, 7, 8, 9, 24, 57, 513, 4097, 50257)  # (24, 57: every loop of W = 4, 8 and 16 and a tail)
 ROW_EVENTS = {"fastsoftmax::softmax_rows", "fastsoftmax::log_softmax_rows", "fastsoftmax::cross_entropy_rows"}
 ROW_EVENTS |= {"fastsoftmax::cross_entropy_backward_rows"}
+BWD_EVENTS = {False: "fastsoftmax::softmax_backward_rows", True: "fastsoftmax::log_softmax_backward_rows"}
+ROW_EVENTS |= set(BWD_EVENTS.values())
 
 
 @pytest.fixture(scope="module")
@@ -116,18 +119,108 @@ def test_public_calls_keep_the_conventions(dtype):
         assert_close(y, x, 1, log)
 
 
+def backward_inputs(m: int, n: int, dtype: torch.dtype, log: bool, seed: int):
+    """(dy, y): y softmax's (log_softmax's) output of sample(m, n) rounded to dtype, dy with outliers."""
+    x = sample(m, n, torch.float32, seed).double()
+    y = (torch.log_softmax(x, 1) if log else torch.softmax(x, 1)).to(dtype)
+    return random_logits((m, n), torch.float32, torch.Generator().manual_seed(seed + 1), 1.0).to(dtype), y
+
+
+def backward_rows(rows, dy, y, dim, log):
+    """rows.softmax_backward_rows, right after a NaN-filled tensor of the output's size is freed (the
+    allocator tends to hand its memory back out: an element the kernel fails to write shows as NaN)."""
+    poison = torch.full_like(y, float("nan"))
+    del poison
+    return rows.softmax_backward_rows(dy, y, dim, log)
+
+
+@pytest.mark.parametrize("n", LENGTHS)
+@pytest.mark.parametrize("dtype", ROWS, ids=str)
+@pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
+def test_backward_rows_match_the_oracle(rows, n, dtype, log):
+    """The backward kernels alone (dx = y (dy - sum(y dy)); log: dy - exp(y) sum(dy)) against the float64
+    oracle of the same rounded dy and y under the library's gradient tolerance (the row sum's cancellation
+    bounded), the partial vector at the row's end included; the public call gives the same bits."""
+    dy, y = backward_inputs(4, n, dtype, log, n)
+    dx = backward_rows(rows, dy, y, 1, log)
+    assert dx.dtype == dtype and dx.shape == y.shape
+    err, problem = compare_grad(dx, dy, y, 1, log)
+    assert problem is None, problem
+    public, seen = ran(lambda: (fs.log_softmax_backward if log else fs.softmax_backward)(dy, y, -1))
+    assert seen == {BWD_EVENTS[log]} and torch.equal(public, dx)
+    # rows along dim 0 of an (n, 1) tensor lie in memory too
+    col = backward_rows(rows, dy[:1].t().contiguous(), y[:1].t().contiguous(), 0, log)
+    assert torch.equal(col, dx[:1].t())
+
+
+@pytest.mark.parametrize("dtype", ROWS, ids=str)
+def test_backward_rows_masked_and_non_finite(rows, dtype):
+    """Fully masked rows give 0 whatever dy holds (softmax: y all 0; log_softmax: every exp(y) 0 in fp32,
+    so y all -inf or below -104), a row of y whose exps are subnormal (-101) keeps the formula; NaN in y
+    or dy, inf in dy, y above 0 (log: exp overflowing at 100) as the float64 oracle has them (NaN and
+    infinities exactly)."""
+    inf, nan = float("inf"), float("nan")
+    gen = torch.Generator().manual_seed(11)
+    n = 37
+    dy = torch.randn(8, n, generator=gen)
+    dy[0, 3], dy[1, 5], dy[4, 2] = inf, nan, -inf
+    y = torch.softmax(torch.randn(8, n, generator=gen) * 3, 1)
+    y[0], y[1] = 0.0, 0.0  # fully masked, dy holding inf and NaN
+    y[2, 4] = nan
+    dy = dy.to(dtype)
+    dx = backward_rows(rows, dy, y.to(dtype), 1, False)
+    assert (dx[:2] == 0).all() and dx[2].isnan().all() and dx[4].isnan().any()
+    assert compare_grad(dx, dy, y.to(dtype), 1, False)[1] is None
+    ly = torch.log_softmax(torch.randn(8, n, generator=gen) * 3, 1)
+    ly[0], ly[1], ly[3], ly[5] = -inf, -inf, -120.0, -101.0  # (-120 with a finite dy: float64's exp is not 0)
+    ly[2, 4] = nan
+    ly[6] = torch.rand(n, generator=gen) * 80  # exps up to e^80, finite in fp32
+    ly[7, :5] = 100.0  # exp overflows
+    ly = ly.to(dtype)
+    dx = backward_rows(rows, dy, ly, 1, True)
+    assert (dx[:2] == 0).all() and (dx[3] == 0).all() and (dx[5] != 0).any()
+    assert dx[2].isnan().sum() == 1  # (log_softmax: NaN where y is)
+    assert compare_grad(dx, dy, ly, 1, True)[1] is None
+
+
+def test_where_the_backward_row_kernels_apply(rows):
+    """The backward kernels take plain contiguous dy and y of one dtype, fp32 or bf16, whose rows lie in
+    memory, with no graph to record; anything else is None, and the library's path then runs torch's
+    kernels (no fastsoftmax:: event), its answer within the oracle's tolerance either way."""
+    dy, y = backward_inputs(6, 40, torch.float32, False, 3)
+    none = [
+        (dy.half(), y.half(), 1),
+        (dy.double(), y.double(), 1),
+        (dy, y, 0),
+        (dy.t().contiguous().t(), y, 1),
+        (dy.bfloat16(), y, 1),
+    ]
+    for a, b, dim in none:
+        assert rows.softmax_backward_rows(a, b, dim, False) is None, (a.dtype, b.dtype, dim)
+    with torch.enable_grad():
+        assert rows.softmax_backward_rows(dy.clone().requires_grad_(), y, 1, False) is None
+    cases = [(dy, y, 1, True), (dy.bfloat16(), y.bfloat16(), 1, True)]
+    cases += [(a, b, dim, False) for a, b, dim in none]
+    for log in (False, True):
+        for a, b, dim, taken in cases:
+            b = b.log() if log else b
+            fn = fs.log_softmax_backward if log else fs.softmax_backward
+            dx, seen = ran(lambda a=a, b=b, dim=dim, fn=fn: fn(a, b, dim))
+            assert (seen == {BWD_EVENTS[log]}) == taken and seen <= {BWD_EVENTS[log]}, (log, a.dtype, dim, seen)
+            assert compare_grad(dx, a, b, dim, log, dx.dtype)[1] is None
+
+
 @pytest.mark.parametrize("dtype", ROWS, ids=str)
 @pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
 def test_graph_under_autograd(log, dtype):
-    """Under autograd: the kernels' output (bit-equal to the no-grad call) with a C++ node. fp32: torch's own
-    (SoftmaxBackward0), bf16: SoftmaxRowsBackward, whose first-order gradient is fs.softmax_backward's
-    (torch's bf16 kernel) and whose double backward runs the library's formula in fp32. Gradients and
-    double backward against float64 autograd."""
+    """Under autograd: the kernels' output (bit-equal to the no-grad call) with their C++ node,
+    SoftmaxRowsBackward, whose first-order gradient is fs.softmax_backward's (the backward row kernels) and
+    whose double backward runs the library's formula in fp32. Gradients and double backward against float64
+    autograd."""
     x = sample(3, 513, dtype, 4).requires_grad_()
     fn = fs.log_softmax if log else fs.softmax
     y, seen = ran(lambda: fn(x, -1))
-    name = ("Log" if log else "") + ("SoftmaxBackward0" if dtype == torch.float32 else "SoftmaxRowsBackward")
-    assert seen and y.grad_fn.name() == name
+    assert seen and y.grad_fn.name() == ("Log" if log else "") + "SoftmaxRowsBackward"
     assert torch.equal(y.detach(), fn(x.detach(), -1))
     x64 = x.detach().double().requires_grad_()
     y64 = (torch.log_softmax if log else torch.softmax)(x64, -1)
@@ -257,9 +350,10 @@ rows = torch_build.row_kernels()
 assert rows is not None, torch_build.describe()
 assert rows.VECTOR_FLOATS == int(sys.argv[1]), (rows.VECTOR_FLOATS, torch_build._isa())
 from helpers import assert_close
+from fastsoftmax.reference import compare_grad
 g = torch.Generator().manual_seed(0)
 for dtype in (torch.float32, torch.bfloat16):
-    for n in (517, 16, 33):
+    for n in (517, 16, 33, 24, 57):
         x = (torch.randn(5, n, generator=g) * 3).to(dtype)
         x[1, ::4] = float("-inf")
         x[2, 3] = 60.0
@@ -275,6 +369,11 @@ for dtype in (torch.float32, torch.bfloat16):
         (want_dx,) = torch.autograd.grad(torch.nn.functional.cross_entropy(xd, t), xd)
         tol = 1e-5 if dtype == torch.float32 else 1e-2
         torch.testing.assert_close(dx.double(), want_dx, rtol=tol, atol=tol * 1e-2)
+        dy = torch.randn(5, n, generator=g).to(dtype)
+        for log in (False, True):
+            y = (torch.log_softmax if log else torch.softmax)(x.double(), 1).to(dtype)
+            problem = compare_grad(rows.softmax_backward_rows(dy, y, 1, log), dy, y, 1, log)[1]
+            assert problem is None, (dtype, n, log, problem)
 print("isa ok")
 """
 LEVELS = ("default", "avx2", "avx512")  # (ATEN_CPU_CAPABILITY's values, lowest first)

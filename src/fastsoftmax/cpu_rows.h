@@ -4,11 +4,13 @@
 // the ISA: torch_build.py passes the one torch's own CPU kernels run with on this machine.
 // Why not torch's kernels: its exp costs 1.4-1.7 ns an element on the 2-core EPYC of CI, this one 0.6-0.8
 // (tests/test_cpu_rows.py holds its error; bench/results/cpu_torch.json the speed), and its bf16
-// log_softmax rounds x - max before subtracting log(sum) (errors past 70x the bf16 tolerance).
+// log_softmax rounds x - max before subtracting log(sum) (errors past 70x the bf16 tolerance). The backward
+// is about torch's speed, but its callers then hold their tensors by reference across the GIL release
+// (torch's kernels copy their handles: fastlaunch_torch.cpp's NoGil) and its masked rows need no second pass.
 // Traffic: softmax and log_softmax read a row twice (max, then exps; fp32 softmax keeps its exps in y, bf16
 // in a per-thread fp32 row) and write it once; the loss reads a row twice (three times with smoothing) and
-// writes nothing per element; its gradient reads it twice and writes it once. (Softmax's backward stays
-// torch's kernel: at parity here, and torch's autograd node runs it.)
+// writes nothing per element; its gradient reads it twice and writes it once; the backward of softmax and
+// log_softmax reads y and dy twice (the row's sum, then dx) and writes dx once.
 // NaN conventions, those of torch's kernels (callers find the rows starting with NaN and fix them): a row
 // whose max is not finite (fully masked, or holding +inf; NaN is skipped by the max) is NaN throughout, and
 // a NaN element makes the row's sum, hence the whole row, NaN.
@@ -81,12 +83,33 @@ inline vf load(const bf16* p) {
 #endif
 }
 inline void store(float* p, vf v) { memcpy(p, &v, sizeof v); }
-inline void store(bf16* p, vf v) {
-    const vu u = bits_as<vu>(v);
-    const vu nan = (vu)((u & 0x7FFFFFFFu) > 0x7F800000u);
-    const vu r = (nan & ((u >> 16) | 0x40u)) | (~nan & ((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16));
+inline void store(bf16* p, vf v) {  // narrow()'s rounding, lane by lane
+    const vu u = bits_as<vu>(v), hi = u >> 16;
+    const vi nan = v != v;
+    const vu r = bits_as<vu>(select(nan, bits_as<vf>(hi | 0x40u), bits_as<vf>((u + ((hi & 1u) + 0x7FFFu)) >> 16)));
+#if defined(__AVX512F__)  // (each lane below 2^16: a truncating narrow, one instruction)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bits_as<__m512i>(r)));
+#elif defined(__AVX2__)  // (a saturating pack, in-lane, then the halves in order)
+    const __m256i packed = _mm256_packus_epi32(bits_as<__m256i>(r), bits_as<__m256i>(r));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0xD8)));
+#else
     const vh h = __builtin_convertvector(r, vh);
     memcpy(p, &h, sizeof h);
+#endif
+}
+// two vectors at p: for bf16 under AVX2, one pack of both (store's rounding)
+inline void store2(float* p, vf a, vf b) { store(p, a), store(p + W, b); }
+inline void store2(bf16* p, vf a, vf b) {
+#if defined(__AVX2__) && !defined(__AVX512F__)
+    auto rounded = [](vf v) {
+        const vu u = bits_as<vu>(v), hi = u >> 16;
+        return bits_as<__m256i>(select(v != v, bits_as<vf>(hi | 0x40u), bits_as<vf>((u + ((hi & 1u) + 0x7FFFu)) >> 16)));
+    };
+    const __m256i packed = _mm256_packus_epi32(rounded(a), rounded(b));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm256_permute4x64_epi64(packed, 0xD8));
+#else
+    store(p, a), store(p + W, b);
+#endif
 }
 // the k < W elements at p, the rest of the vector ``fill``
 template <class T>
@@ -100,9 +123,22 @@ inline void store_part(T* p, vf v, long k) {
     for (long i = 0; i < k; ++i) narrow(p + i, v[i]);
 }
 
+inline bool any_lane(vi m) {  // whether a lane of the comparison m is true
+#if defined(__AVX512F__)
+    return _mm512_movepi32_mask(bits_as<__m512i>(m)) != 0;
+#elif defined(__AVX2__)
+    return _mm256_movemask_ps(bits_as<__m256>(m)) != 0;
+#else
+    uint64_t w[W / 2], a = 0;
+    memcpy(w, &m, sizeof m);
+    for (int i = 0; i < W / 2; ++i) a |= w[i];
+    return a != 0;
+#endif
+}
+
 // exp(d) for d <= 0 (the rows' x - max): Cephes' expf polynomial on d - n ln2, scaled by 2^n; 0 below
 // -87.3 (and for -inf), NaN for NaN. Within 2 ulp of exp (tests/test_cpu_rows.py).
-inline vf exp_nonpositive(vf d) {
+[[gnu::always_inline]] inline vf exp_nonpositive(vf d) {  // (inlined: its constants stay in registers)
     const vf magic = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer, held in the low bits
     const vf t = d * splat(1.44269504088896341f) + magic;
     const vf n = t - magic;
@@ -117,6 +153,24 @@ inline vf exp_nonpositive(vf d) {
     p = p * r * r + r + splat(1.0f);
     const vu scale = (bits_as<vu>(t) - 0x4B400000u + 127u) << 23;  // 2^n (t's bits: 0x4B400000 + n)
     return select(d < splat(-87.33654f), splat(0.0f), p * bits_as<vf>(scale));
+}
+
+// exp(d) for the lanes exp_nonpositive leaves: above 0, exp(d / 2) squared (d / 2 capped at 50, so that the
+// square overflows to inf where exp does); below -87.34, exp(d + 25 ln 2) * 2^-25, subnormal as exp's (0 below
+// -103.98); else exp_nonpositive's.
+[[gnu::noinline]] inline vf exp_outside(vf d) {
+    const vf h = d * splat(0.5f);
+    const vf half = exp_nonpositive(select(h > splat(50.0f), splat(50.0f), h));
+    const vf tiny = exp_nonpositive(d + splat(17.32867951399863f)) * splat(2.98023223876953125e-8f);
+    return select(d > splat(0.0f), half * half, select(d < splat(-87.33654f), tiny, exp_nonpositive(d)));
+}
+
+// exp(d) for any d, within 4 ulp, subnormal below -87.34 as exp's (log_softmax's backward: a row is fully
+// masked where every exp of y is 0 in fp32, as torch's reference has it; its y are <= 0, but for a caller's
+// own values)
+[[gnu::always_inline]] inline vf exp_any(vf d) {
+    if (any_lane((d > splat(0.0f)) | (d < splat(-87.33654f)))) return exp_outside(d);
+    return exp_nonpositive(d);
 }
 
 inline float lanes_max(vf v) {
@@ -196,6 +250,11 @@ inline void fill_nan(T* y, long n) {
     for (long i = 0; i < n; ++i) narrow(y + i, NAN);
 }
 
+template <class T>
+inline void fill_zero(T* y, long n) {
+    std::memset(static_cast<void*>(y), 0, sizeof(T) * n);  // (+0.0 in fp32 and bf16 alike)
+}
+
 inline std::vector<float>& scratch(long n) {  // a per-thread fp32 row (bf16 softmax's exps)
     thread_local std::vector<float> row;
     if (long(row.size()) < n) row.resize(n);
@@ -247,6 +306,61 @@ void cross_entropy_backward_row(const T* x, T* dx, long n, long t, float g) {
     for (; i + W <= n; i += W) store(dx + i, load(e + i) * sv);
     if (i < n) store_part(dx + i, load_part(e + i, n - i, 0.0f) * sv, n - i);
     narrow(dx + t, at_t);
+}
+
+// softmax's backward of the row (log: log_softmax's) from its output y and the upstream gradient dy, into dx:
+// dx = y * (dy - sum(y * dy)), log: dx = dy - exp(y) * sum(dy), in fp32, rounded once; 0 on a fully masked
+// row (softmax: y all 0; log_softmax: every exp of y 0 in fp32, that is every y below -103.98) whatever dy
+// holds, as on every backend. Four sums in flight (each add waits for the last one).
+template <class T>
+void softmax_backward_row(const T* dy, const T* y, T* dx, long n, bool log) {
+    float s;
+    long i = 0;
+    if (log) {
+        s = row_sum(dy, n);
+    } else {
+        vf s0 = splat(0.0f), s1 = s0, s2 = s0, s3 = s0;
+        for (; i + 4 * W <= n; i += 4 * W) {
+            s0 += load(y + i) * load(dy + i);
+            s1 += load(y + i + W) * load(dy + i + W);
+            s2 += load(y + i + 2 * W) * load(dy + i + 2 * W);
+            s3 += load(y + i + 3 * W) * load(dy + i + 3 * W);
+        }
+        for (; i + W <= n; i += W) s0 += load(y + i) * load(dy + i);
+        if (i < n) s0 += load_part(y + i, n - i, 0.0f) * load_part(dy + i, n - i, 0.0f);
+        s = lanes_sum((s0 + s1) + (s2 + s3));
+    }
+    const vf sv = splat(s);
+    i = 0;
+    if (log) {  // (masked: every exp 0; NaN != 0)
+        vi nonzero = vi{};
+        for (; i + 2 * W <= n; i += 2 * W) {
+            const vf e0 = exp_any(load(y + i)), e1 = exp_any(load(y + i + W));
+            nonzero |= (e0 != splat(0.0f)) | (e1 != splat(0.0f));
+            store2(dx + i, load(dy + i) - e0 * sv, load(dy + i + W) - e1 * sv);
+        }
+        for (; i + W <= n; i += W) {
+            const vf e = exp_any(load(y + i));
+            nonzero |= e != splat(0.0f);
+            store(dx + i, load(dy + i) - e * sv);
+        }
+        if (i < n) {
+            const vf e = exp_any(load_part(y + i, n - i, -INFINITY));
+            nonzero |= e != splat(0.0f);
+            store_part(dx + i, load_part(dy + i, n - i, 0.0f) - e * sv, n - i);
+        }
+        if (!any_lane(nonzero)) fill_zero(dx, n);
+        return;
+    }
+    if (!std::isfinite(s)) {  // (y all 0 gives 0 below, unless dy holds inf or NaN: then s is not finite)
+        bool masked = true;
+        for (long k = 0; k < n && masked; ++k) masked = widen(y[k]) == 0.0f;
+        if (masked) return fill_zero(dx, n);
+    }
+    for (; i + 2 * W <= n; i += 2 * W)
+        store2(dx + i, load(y + i) * (load(dy + i) - sv), load(y + i + W) * (load(dy + i + W) - sv));
+    for (; i + W <= n; i += W) store(dx + i, load(y + i) * (load(dy + i) - sv));
+    if (i < n) store_part(dx + i, load_part(y + i, n - i, 0.0f) * (load_part(dy + i, n - i, 0.0f) - sv), n - i);
 }
 
 }  // namespace rows

@@ -226,22 +226,47 @@ static PyObject* configure(PyObject* self, PyObject* const* args, Py_ssize_t n) 
     Py_RETURN_NONE;
 }
 
-// heuristics.record(plan) without its Python frame: the thread's last plan (heuristics._state.last) set,
-// or record() itself called while a heuristics.plans() block collects them. 0, or -1 with an error.
+// module.name, a new reference (NULL with an error): from the module's dict, a quarter of a generic getattr's
+// cost, where it is there (monkeypatch writes there too); else the module's getattr
+static PyObject* module_attr(PyObject* module, PyObject* name) {
+    if (PyModule_CheckExact(module)) {
+        PyObject* v = PyDict_GetItemWithError(PyModule_GetDict(module), name);
+        if (v) return Py_NewRef(v);
+        if (PyErr_Occurred()) return NULL;
+    }
+    return PyObject_GetAttr(module, name);
+}
+
+// This thread's dict of heuristics._state (a threading.local: its __dict__ is the thread's own), borrowed: kept
+// in the thread state's dict, which lets it go with the thread; NULL where there is none (an error may be set)
+static PyObject* state_dict(void) {
+    static PyObject *state, *key;  // (heuristics._state, never replaced; the thread state dict's key)
+    PyObject* ts = PyThreadState_GetDict();
+    if (!ts || (!key && !(key = PyUnicode_InternFromString("fastsoftmax.heuristics._state")))) return NULL;
+    PyObject* d = PyDict_GetItemWithError(ts, key);
+    if (d || PyErr_Occurred()) return d;
+    if (!state && !(state = module_attr(g_heuristics, s_state))) return NULL;
+    if (!(d = PyObject_GetAttrString(state, "__dict__"))) return NULL;
+    const int t = PyDict_SetItem(ts, key, d);
+    Py_DECREF(d);
+    return t < 0 ? NULL : d;
+}
+
+// heuristics.record(plan) without its Python frame: the thread's last plan (heuristics._state.last) set in
+// the thread's dict of _state (a third of a setattr's cost), or record() itself called while a
+// heuristics.plans() block collects them. 0, or -1 with an error.
 static int record_plan(PyObject* plan) {
-    PyObject* plans = PyObject_GetAttr(g_heuristics, s_plans);
-    PyObject* state = plans == Py_None ? PyObject_GetAttr(g_heuristics, s_state) : NULL;
-    Py_XDECREF(plans);
+    PyObject* plans = module_attr(g_heuristics, s_plans);
     if (!plans) return -1;
-    if (!state) {
-        PyErr_Clear();
+    PyObject* d = plans == Py_None ? state_dict() : NULL;
+    Py_DECREF(plans);
+    if (!d) {
+        if (PyErr_Occurred()) return -1;
         PyObject* r = PyObject_Vectorcall(g_record, &plan, 1, NULL);
         Py_XDECREF(r);
         return r ? 0 : -1;
     }
-    int t = PyObject_SetAttr(state, s_last, plan);
-    Py_DECREF(state);
-    return t;
+    return PyDict_SetItem(d, s_last, plan);
 }
 
 static int call_truthy(PyObject* f) {
@@ -253,7 +278,7 @@ static int call_truthy(PyObject* f) {
 }
 
 static int attr_is(PyObject* o, PyObject* name, PyObject* value) {
-    PyObject* a = PyObject_GetAttr(o, name);
+    PyObject* a = module_attr(o, name);
     if (!a) return -1;
     int is = a == value;
     Py_DECREF(a);
@@ -282,7 +307,7 @@ static int eager_state(void) {
     } else if ((t = call_truthy(g_functorch)) != 0) {
         return t < 0 ? -1 : 0;
     }
-    PyObject* lvl = PyObject_GetAttr(g_fwad, s_level);
+    PyObject* lvl = module_attr(g_fwad, s_level);
     if (!lvl) return -1;
     long level = PyLong_AsLong(lvl);
     Py_DECREF(lvl);

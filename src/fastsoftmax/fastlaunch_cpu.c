@@ -6,9 +6,10 @@
 // autocast and heuristics.force leave the CPU's calls alone there too), and
 //   softmax of fp32, fp64, fp16, bf16; log_softmax of fp32, and of fp16 and bf16 of one chunk in fp32
 //   through fastlaunch_torch (fp64: another formula, see backends/torch.py);
-//   under autograd, fp32 and fp64 softmax and fp32 log_softmax (torch's graph, as native_softmax_graph), and
-//   bf16 rows in memory (the row kernels' graph);
-//   softmax_backward with dy and y of one dtype and no autograd.
+//   under autograd, fp32 and bf16 rows in memory (the row kernels' graph, through fastlaunch_torch), else
+//   fp32 and fp64 softmax and fp32 log_softmax (torch's graph, as native_softmax_graph);
+//   softmax_backward with dy and y of one dtype and no autograd; log_softmax_backward the same, through
+//   fastlaunch_torch's row kernels (fp32 and bf16 rows in memory) only.
 // Anything else returns None and the Python path runs, as does a call whose output has a row starting with
 // NaN (a fully masked row, or one holding NaN or +inf): it is computed again there, and fixed.
 
@@ -153,15 +154,18 @@ static PyObject* recorded(PyObject* out, PyObject* plan) {
     return out;
 }
 
-// torch's kernel: op (FT_SOFTMAX, FT_LOG_SOFTMAX, FT_SOFTMAX_BACKWARD: a is dy, b is y) along the normalised
-// dim, in the dtype of g_floats[kind] (autograd records where it may); its address in *address.
-// A new reference, or NULL with an error.
+// torch's kernel or fastlaunch_torch's: op (FT_SOFTMAX, FT_LOG_SOFTMAX, FT_SOFTMAX_BACKWARD and
+// FT_LOG_SOFTMAX_BACKWARD: a is dy, b is y) along the normalised dim, in the dtype of g_floats[kind]
+// (autograd records where it may); its address in *address. A new reference, or NULL with an error, or with
+// none where the Python path must run (log_softmax's backward where the row kernels do not apply).
 static PyObject* cpu_kernel(int op, PyObject* a, PyObject* b, long dim, int kind, unsigned long long* address) {
     PyObject* out;
     const FtCalls* calls = ft;
     *address = 0;
     if (calls) {
         out = calls->cpu_op(op, a, b, dim, calls->dtype_code(g_floats[kind]), address);
+    } else if (op == FT_LOG_SOFTMAX_BACKWARD) {
+        return NULL;
     } else {
         PyObject* dim_n = PyLong_FromLong(dim);  // (normalised, as the Python path passes it: the graph saves it)
         if (!dim_n) return NULL;
@@ -186,7 +190,7 @@ static PyObject* cpu_kernel(int op, PyObject* a, PyObject* b, long dim, int kind
 
 // backends/torch.py's CHUNK (read per call: tests change it); -1 with an error
 static long long chunk_elements(void) {
-    PyObject* chunk = PyObject_GetAttr(g_native, s_chunk);
+    PyObject* chunk = module_attr(g_native, s_chunk);
     long long n = chunk ? PyLong_AsLongLong(chunk) : -1;
     Py_XDECREF(chunk);
     return n;
@@ -196,7 +200,7 @@ static long long chunk_elements(void) {
 static PyObject* cpu_fast(PyObject* x, PyObject* d, PyObject* dim, PyObject* dtype, PyObject* log, PyObject* backend,
                           const FtMeta* x_meta) {
     if (!g_softmax || !PyUnicode_Check(backend) || PyUnicode_CompareWithASCIIString(backend, "auto") != 0 ||
-        !PyLong_CheckExact(dim) || (log != Py_True && log != Py_False) || (d != Py_None && log == Py_True))
+        !PyLong_CheckExact(dim) || (log != Py_True && log != Py_False) || (d != Py_None && log == Py_True && !ft))
         Py_RETURN_NONE;
     // first: under a torch.func transform x is a wrapper (still exactly torch.Tensor) whose data_ptr raises
     int t = eager_state();
@@ -216,7 +220,7 @@ static PyObject* cpu_fast(PyObject* x, PyObject* d, PyObject* dim, PyObject* dty
         if (i < dm) outer *= cx.sizes[i];
         if (i > dm) inner *= cx.sizes[i];
     }
-    PyObject* devices = PyObject_GetAttr(g_dispatch, s_devices);  // (a device without a path: the full path raises)
+    PyObject* devices = module_attr(g_dispatch, s_devices);  // (a device without a path: the full path raises)
     t = devices ? PySequence_Contains(devices, s_cpu) : -1;
     Py_XDECREF(devices);
     int grad = t == 1 ? cpu_grad(x, &cx) : t;
@@ -231,7 +235,8 @@ static PyObject* cpu_fast(PyObject* x, PyObject* d, PyObject* dim, PyObject* dty
             t = g < 0 ? -1 : !g;
         }
         if (t != 1 || grad) return t < 0 ? NULL : Py_NewRef(Py_None);
-        out = cpu_kernel(FT_SOFTMAX_BACKWARD, d, x, dm, cx.kind, &p);
+        out = cpu_kernel(log == Py_True ? FT_LOG_SOFTMAX_BACKWARD : FT_SOFTMAX_BACKWARD, d, x, dm, cx.kind, &p);
+        if (!out) return PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
     } else {
         // log: fp64 takes the reference's formula, 16-bit fp32 rows (through fastlaunch_torch, within one
         // chunk: past it the Python path's chunks keep the fp32 rows in cache); 16-bit autograd: the row
@@ -303,7 +308,7 @@ static PyObject* loss_cpu(PyObject* self, PyObject* const* args, Py_ssize_t n) {
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(g_targets); ++i)
         target_ok |= calls->dtype_code(PyTuple_GET_ITEM(g_targets, i)) == mt.dtype;
     if (!target_ok) Py_RETURN_NONE;
-    PyObject* devices = PyObject_GetAttr(g_dispatch, s_devices);  // (a device without a path: the full path raises)
+    PyObject* devices = module_attr(g_dispatch, s_devices);  // (a device without a path: the full path raises)
     t = devices ? PySequence_Contains(devices, s_cpu) : -1;
     Py_XDECREF(devices);
     int grad = t == 1 ? cpu_grad(x, &cx) : t;

@@ -72,9 +72,10 @@ int meta(PyObject* obj, FtMeta* m) {
 }
 
 // The GIL released for a CPU kernel's run, as torch's own bindings do (other threads go on meanwhile). The
-// tensors it reads are held by value, taken before: a tensor whose only reference is its Python object's
-// takes the GIL back each time a kernel copies its handle (TensorImpl::incref_pyobject, from torch 2.10),
-// four times a call in torch's softmax backward.
+// tensors torch's kernels read are held by value, taken before: a tensor whose only reference is its Python
+// object's takes the GIL back each time a kernel copies its handle (TensorImpl::incref_pyobject, from torch
+// 2.10), four times a call in torch's softmax backward. The row kernels copy none: theirs are held by
+// reference (a copy, and its release, cost about 400 instructions a tensor).
 struct NoGil {
     PyThreadState* state = PyEval_SaveThread();
     ~NoGil() { PyEval_RestoreThread(state); }
@@ -158,6 +159,30 @@ at::Tensor softmax_rows(const at::Tensor& x, int64_t dim, bool log) {
     return y;
 }
 
+// Whether dy and y are the backward row kernels': rows_of(y, dim) and dy of y's shape and dtype, contiguous
+bool backward_rows_of(const at::Tensor& dy, const at::Tensor& y, int64_t dim) {
+    return rows_of(y, dim) && rows_of(dy, dim) && dy.scalar_type() == y.scalar_type() && dy.sizes() == y.sizes();
+}
+
+// softmax's (log_softmax's) backward of dy and y (backward_rows_of) along dim, in y's dtype: a new tensor
+// laid out as y
+at::Tensor softmax_backward_rows(const at::Tensor& dy, const at::Tensor& y, int64_t dim, bool log) {
+    RECORD_FUNCTION(log ? "fastsoftmax::log_softmax_backward_rows" : "fastsoftmax::softmax_backward_rows",
+                    std::vector<c10::IValue>({dy, y}));
+    at::Tensor dx = new_like(y, y.scalar_type());
+    const int64_t n = y.size(dim), m = y.numel() / n;
+    on_rows(y, [&](auto* type) {
+        using T = std::remove_pointer_t<decltype(type)>;
+        const T* dyp = static_cast<const T*>(dy.const_data_ptr());
+        const T* yp = static_cast<const T*>(y.const_data_ptr());
+        T* dxp = static_cast<T*>(dx.mutable_data_ptr());
+        at::parallel_for(0, m, grain(n), [&](int64_t b, int64_t e) {
+            for (int64_t r = b; r < e; ++r) rows::softmax_backward_row(dyp + r * n, yp + r * n, dxp + r * n, n, log);
+        });
+    });
+    return dx;
+}
+
 // A new autograd node of type N, held as this torch holds nodes: a std::shared_ptr with torch's iterative
 // deleter (torch up to 2.1x), or a c10::intrusive_ptr (since)
 template <class N>
@@ -169,10 +194,10 @@ auto new_node() {
         return c10::make_intrusive<N>();
 }
 
-// The backward of a bf16 softmax_rows_graph: torch's bf16 kernel where nothing is recorded (as native_softmax_
-// backward's for y and dy of one dtype: exact to the bf16 tolerance); the library's formula in fp32 where a
-// double backward is asked for (create_graph: reference.softmax_backward_torch's, which autograd records), as
-// the library's Function has it (torch's own node would run that formula in 16 bits).
+// The backward of softmax_rows_graph: the backward row kernels where nothing is recorded (fs.softmax_backward's
+// and fs.log_softmax_backward's, so the first-order gradient is theirs; torch's kernel for a dy they do not
+// take, as theirs too); the library's formula in fp32 where a double backward is asked for (create_graph:
+// reference.softmax_backward_torch's, which autograd records), as the library's Function has it.
 struct SoftmaxRowsBackward : torch::autograd::Node {
     torch::autograd::SavedVariable y_;
     int64_t dim = 0;
@@ -185,6 +210,7 @@ struct SoftmaxRowsBackward : torch::autograd::Node {
         const at::Tensor y = y_.unpack(getptr());  // (an output: saved without its node)
         const at::Tensor& dy = grads[0];
         if (!at::GradMode::is_enabled()) {
+            if (backward_rows_of(dy, y, dim)) return {softmax_backward_rows(dy, y, dim, log)};
             return {log ? at::_log_softmax_backward_data(dy, y, dim, y.scalar_type())
                         : at::_softmax_backward_data(dy, y, dim, y.scalar_type())};
         }
@@ -196,32 +222,16 @@ struct SoftmaxRowsBackward : torch::autograd::Node {
     }
 };
 
-// softmax_rows of an x that requires grad, with its graph. fp32: the graph torch's own _softmax
-// (_log_softmax) records, its node (SoftmaxBackward0, LogSoftmaxBackward0) saving y, whose backward is
-// torch's kernel and whose double backward torch's formula, as native_softmax_graph's; bf16:
-// SoftmaxRowsBackward. Undefined where x has a forward-mode tangent (that graph is torch's to make).
+// softmax_rows of an x that requires grad, with SoftmaxRowsBackward as its graph (saving y). Undefined where
+// x has a forward-mode tangent (that graph is torch's to make).
 at::Tensor softmax_rows_graph(const at::Tensor& x, int64_t dim, bool log) {
     if (torch::autograd::isFwGradDefined(x)) return at::Tensor();
     at::Tensor y = softmax_rows(x, dim, log);
-    auto edges = torch::autograd::collect_next_edges(x);
-    auto attach = [&](auto node) {
-        node->set_next_edges(std::move(edges));
-        node->dim = dim;
-        node->self_scalar_type = x.scalar_type();
-        torch::autograd::set_history(y, node);
-        node->result_ = torch::autograd::SavedVariable(y, true);
-    };
-    if (x.scalar_type() != at::kFloat) {
-        auto node = new_node<SoftmaxRowsBackward>();
-        node->set_next_edges(std::move(edges));
-        node->dim = dim, node->log = log;
-        torch::autograd::set_history(y, node);
-        node->y_ = torch::autograd::SavedVariable(y, true);
-    } else if (log) {
-        attach(new_node<torch::autograd::generated::LogSoftmaxBackward0>());
-    } else {
-        attach(new_node<torch::autograd::generated::SoftmaxBackward0>());
-    }
+    auto node = new_node<SoftmaxRowsBackward>();
+    node->set_next_edges(torch::autograd::collect_next_edges(x));
+    node->dim = dim, node->log = log;
+    torch::autograd::set_history(y, node);
+    node->y_ = torch::autograd::SavedVariable(y, true);
     return y;
 }
 
@@ -364,29 +374,38 @@ at::Tensor cross_entropy_rows_graph(const at::Tensor& x, const at::Tensor& t, in
     return loss;
 }
 
-// softmax or log_softmax of a along dim (op FT_SOFTMAX, FT_LOG_SOFTMAX), or softmax's backward of a: dy and
-// b: y (FT_SOFTMAX_BACKWARD, in dtype), on CPU tensors, the GIL released, as backends/torch.py's native_softmax
-// and native_softmax_backward compute them for a contiguous tensor: the row kernels where they apply and
-// autograd records nothing; else torch's kernels (a 16-bit log_softmax in fp32, rounded once), through the
-// whole dispatcher where autograd records or a profiler listens, else called directly (at::cpu::, what the
-// dispatcher reaches for a plain CPU tensor). The output's address in *address; a new reference, NULL with
-// torch's error.
+// softmax or log_softmax of a along dim (op FT_SOFTMAX, FT_LOG_SOFTMAX), or their backward of a: dy and b: y
+// (FT_SOFTMAX_BACKWARD, FT_LOG_SOFTMAX_BACKWARD, in dtype), on CPU tensors, the GIL released, as
+// backends/torch.py's native_softmax and native_softmax_backward compute them for a contiguous tensor: the
+// row kernels where they apply (forward: also where autograd records, with their graph); else torch's
+// kernels (a 16-bit log_softmax in fp32, rounded once), through the whole dispatcher where autograd records
+// or a profiler listens, else called directly (at::cpu::, what the dispatcher reaches for a plain CPU
+// tensor); log_softmax's backward only from the row kernels (torch's kernel leaves the library's masked rows
+// to the Python path). The output's address in *address; a new reference, NULL with torch's error, or with
+// none where the Python path must run.
 PyObject* cpu_op(int op, PyObject* a, PyObject* b, long dim, int dtype, unsigned long long* address) {
     HANDLE_TH_ERRORS
-    const at::Tensor x = THPVariable_Unpack(a);  // (by value: see NoGil)
-    const at::Tensor y_owned = b ? THPVariable_Unpack(b) : at::Tensor();
-    const at::Tensor* y_in = b ? &y_owned : nullptr;
+    const at::Tensor& xr = THPVariable_Unpack(a);
+    const at::Tensor* yr = b ? &THPVariable_Unpack(b) : nullptr;
+    const bool graph = at::GradMode::is_enabled() && (xr.requires_grad() || (yr && yr->requires_grad()));
+    const bool backward = op == FT_SOFTMAX_BACKWARD || op == FT_LOG_SOFTMAX_BACKWARD;
+    const bool log = op == FT_LOG_SOFTMAX || op == FT_LOG_SOFTMAX_BACKWARD;
     at::Tensor y;
-    {
+    if (!graph && (backward ? at::ScalarType(dtype) == yr->scalar_type() && backward_rows_of(xr, *yr, dim)
+                            : rows_of(xr, dim))) {
+        NoGil released;  // (the row kernels copy no handle of their inputs: held by reference, see NoGil)
+        y = backward ? softmax_backward_rows(xr, *yr, dim, log) : softmax_rows(xr, dim, log);
+    } else {
+        const at::Tensor x = xr;  // (by value: see NoGil)
+        const at::Tensor y_owned = yr ? *yr : at::Tensor();
         NoGil released;
-        const bool graph = at::GradMode::is_enabled() && (x.requires_grad() || (y_in && y_in->requires_grad()));
         const bool direct = !graph && !at::hasCallbacks();
-        const bool backward = op == FT_SOFTMAX_BACKWARD;
-        const bool log = op == FT_LOG_SOFTMAX;
-        if (!backward && rows_of(x, dim))  // (the caller hands a bf16 graph over where rows_of does not hold)
-            y = graph ? softmax_rows_graph(x, dim, log) : softmax_rows(x, dim, log);
+        if (!backward && graph && rows_of(x, dim))  // (the caller hands a bf16 graph over where rows_of fails)
+            y = softmax_rows_graph(x, dim, log);
         if (y.defined())
-            ;  // (the row kernels)
+            ;  // (the row kernels, with their graph)
+        else if (op == FT_LOG_SOFTMAX_BACKWARD)
+            return nullptr;  // (the GIL held again: NoGil's destructor runs first)
         else if (op == FT_SOFTMAX)
             y = direct ? at::cpu::_softmax(x, dim, false) : at::_softmax(x, dim, false);
         else if (op == FT_LOG_SOFTMAX && (x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16))
@@ -394,9 +413,9 @@ PyObject* cpu_op(int op, PyObject* a, PyObject* b, long dim, int dtype, unsigned
         else if (op == FT_LOG_SOFTMAX)
             y = direct ? at::cpu::_log_softmax(x, dim, false) : at::_log_softmax(x, dim, false);
         else if (direct)
-            y = at::cpu::_softmax_backward_data(x, *y_in, dim, at::ScalarType(dtype));
+            y = at::cpu::_softmax_backward_data(x, y_owned, dim, at::ScalarType(dtype));
         else
-            y = at::_softmax_backward_data(x, *y_in, dim, at::ScalarType(dtype));
+            y = at::_softmax_backward_data(x, y_owned, dim, at::ScalarType(dtype));
     }
     *address = reinterpret_cast<unsigned long long>(y.const_data_ptr());
     return THPVariable_Wrap(std::move(y));
@@ -412,15 +431,27 @@ PyObject* cpu_op(int op, PyObject* a, PyObject* b, long dim, int dtype, unsigned
 PyObject* cpu_loss(PyObject* logits, PyObject* target, long ignore_index, int reduction, double smoothing,
                    int graph) {
     HANDLE_TH_ERRORS
-    const at::Tensor x = THPVariable_Unpack(logits);  // (by value: see NoGil)
-    const at::Tensor t = THPVariable_Unpack(target);
+    const at::Tensor& xr = THPVariable_Unpack(logits);
+    const at::Tensor& tr = THPVariable_Unpack(target);
+    if (!graph && loss_rows_of(xr, tr)) {  // (the row kernels copy no handle: held by reference, see NoGil)
+        int64_t bad = -1;
+        at::Tensor loss;
+        {
+            NoGil released;
+            loss = cross_entropy_rows(xr, tr, ignore_index, reduction, smoothing, &bad);
+            if (loss.defined() && reduction == 0) loss = loss.reshape(tr.sizes());
+        }
+        if (!loss.defined()) return nullptr;  // (a bad target, whose error is the library's)
+        return THPVariable_Wrap(std::move(loss));
+    }
+    const at::Tensor x = xr;  // (by value: see NoGil)
+    const at::Tensor t = tr;
     at::Tensor loss;
     try {
         NoGil released;
-        if (loss_rows_of(x, t) && (!graph || smoothing == 0.0)) {
+        if (graph && loss_rows_of(x, t) && smoothing == 0.0) {  // (with smoothing: torch's ops)
             int64_t bad = -1;
-            loss = graph ? cross_entropy_rows_graph(x, t, ignore_index, reduction, &bad)
-                         : cross_entropy_rows(x, t, ignore_index, reduction, smoothing, &bad);
+            loss = cross_entropy_rows_graph(x, t, ignore_index, reduction, &bad);
             if (!loss.defined()) return nullptr;  // (a bad target, whose error is the library's; a NaN row)
         } else {
             const auto wide = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
@@ -488,6 +519,32 @@ PyObject* py_softmax_rows(PyObject*, PyObject* const* args, Py_ssize_t n) {
     END_HANDLE_TH_ERRORS
 }
 
+// softmax_backward_rows(dy, y, dim, log) -> softmax_backward_rows's dx, or None where the backward row kernels
+// do not apply (or autograd would record: the caller's graph is its own)
+PyObject* py_softmax_backward_rows(PyObject*, PyObject* const* args, Py_ssize_t n) {
+    HANDLE_TH_ERRORS
+    if (n != 4 || !tensors(args, 2) || !PyLong_Check(args[2])) {
+        PyErr_SetString(PyExc_TypeError, "softmax_backward_rows(dy, y, dim, log)");
+        return nullptr;
+    }
+    const at::Tensor& dy_given = THPVariable_Unpack(args[0]);  // (their values' rows, as C's path has them)
+    const at::Tensor& y_given = THPVariable_Unpack(args[1]);
+    const at::Tensor dy = dy_given.is_neg() ? dy_given.resolve_neg() : dy_given;  // (by value: see NoGil)
+    const at::Tensor y = y_given.is_neg() ? y_given.resolve_neg() : y_given;
+    const long long dim = PyLong_AsLongLong(args[2]);
+    const int log = PyObject_IsTrue(args[3]);
+    if (PyErr_Occurred()) return nullptr;
+    const bool graph = at::GradMode::is_enabled() && (dy.requires_grad() || y.requires_grad());
+    if (!eager() || graph || !backward_rows_of(dy, y, dim)) Py_RETURN_NONE;
+    at::Tensor dx;
+    {
+        NoGil released;
+        dx = softmax_backward_rows(dy, y, dim, log);
+    }
+    return THPVariable_Wrap(std::move(dx));
+    END_HANDLE_TH_ERRORS
+}
+
 // cross_entropy_rows(x, t, ignore_index, reduction (0 none, 1 mean, 2 sum), smoothing) -> cross_entropy_rows's
 // loss (cross_entropy_rows_graph's where autograd records), or None where the row kernels do not apply or
 // the graph cannot be had; IndexError for a target out of range
@@ -524,6 +581,8 @@ PyObject* table(PyObject*, PyObject*) { return PyCapsule_New(const_cast<FtCalls*
 PyMethodDef methods[] = {
     {"table", table, METH_NOARGS, "the capsule fastlaunch.c takes (fastlaunch_torch.h's FtCalls)"},
     {"softmax_rows", (PyCFunction)(void (*)(void))py_softmax_rows, METH_FASTCALL, "softmax_rows(x, dim, log)"},
+    {"softmax_backward_rows", (PyCFunction)(void (*)(void))py_softmax_backward_rows, METH_FASTCALL,
+     "softmax_backward_rows(dy, y, dim, log)"},
     {"cross_entropy_rows", (PyCFunction)(void (*)(void))py_cross_entropy_rows, METH_FASTCALL,
      "cross_entropy_rows(x, t, ignore_index, reduction, smoothing)"},
     {nullptr, nullptr, 0, nullptr},

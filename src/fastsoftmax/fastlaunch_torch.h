@@ -3,11 +3,11 @@
 #ifndef FASTLAUNCH_TORCH_H
 #define FASTLAUNCH_TORCH_H
 
-#define FT_ABI 6
+#define FT_ABI 7
 #define FT_CAPSULE "fastsoftmax.fastlaunch_torch.FtCalls"
 #define FT_MAX_DIMS 8
 
-enum { FT_SOFTMAX, FT_LOG_SOFTMAX, FT_SOFTMAX_BACKWARD };
+enum { FT_SOFTMAX, FT_LOG_SOFTMAX, FT_SOFTMAX_BACKWARD, FT_LOG_SOFTMAX_BACKWARD };
 
 typedef struct {
     int ndim, dtype;  // dtype: c10::ScalarType's number

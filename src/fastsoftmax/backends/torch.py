@@ -306,17 +306,17 @@ def native_softmax(x: torch.Tensor, dim: int, log: bool, out_dtype: torch.dtype)
     return y
 
 
-NATIVE_GRAPH = heuristics.Plan("torch", "native_graph")  # the forward; the backward is torch's own (no plan)
+NATIVE_GRAPH = heuristics.Plan("torch", "native_graph")  # the forward; its backward is a C++ node's (no plan)
 
 
 def native_softmax_graph(x: torch.Tensor, dim: int, log: bool) -> torch.Tensor | None:
     """native_softmax of a contiguous x that requires grad, in x's dtype, with a C++ autograd graph, at a
-    fraction of a Python Function's host time. fp32 (fp64 softmax): torch's own graph, whose backward runs
-    the kernel native_softmax_backward runs for y and dy of x's dtype and whose double backward the formula
-    of the library's; the row kernels' output where they apply. bf16 rows in memory: the row kernels with
-    their node (fastlaunch_torch's SoftmaxRowsBackward: torch's bf16 kernel, and the library's fp32 formula
-    under create_graph; torch's own would run it in 16 bits). None where none applies (fp16, fp64
-    log_softmax: another formula; bf16 without the row kernels), or where a row's first output is NaN: a
+    fraction of a Python Function's host time. fp32 and bf16 rows in memory: the row kernels with their node
+    (fastlaunch_torch's SoftmaxRowsBackward: the backward row kernels, native_softmax_backward's, and the
+    library's fp32 formula under create_graph; torch's own node would run it in 16 bits for bf16). Else fp32
+    (fp64 softmax): torch's own graph, whose backward runs the kernel native_softmax_backward runs for y and
+    dy of x's dtype and whose double backward the formula of the library's. None where none applies (fp16,
+    fp64 log_softmax: another formula; bf16 without the row kernels), or where a row's first output is NaN: a
     fully masked row, whose gradient torch makes NaN and the library 0 (or a row holding NaN or +inf); the
     caller then takes the Function."""
     if x.dtype not in (torch.float32, torch.bfloat16) and (log or x.dtype is not torch.float64):
@@ -332,16 +332,20 @@ def native_softmax_graph(x: torch.Tensor, dim: int, log: bool) -> torch.Tensor |
 def native_softmax_backward(
     dy: torch.Tensor, y: torch.Tensor, dim: int, log: bool, out_dtype: torch.dtype
 ) -> torch.Tensor:
-    """dx of softmax (log_softmax) from its output y with torch's CPU kernels, in out_dtype, laid out as
-    torch.empty_like(y), computed in fp32 (fp64 where any of them is); 0 on fully masked rows whatever dy
-    holds: for log_softmax the rows whose exps sum to 0, as on every backend; for softmax the rows of zeros
-    (a y of mixed signs that merely sums to 0, never a softmax output, gets the formula's value)."""
+    """dx of softmax (log_softmax) from its output y with the row kernels (fp32 and bf16 rows in memory, one
+    dtype) or torch's CPU kernels, in out_dtype, laid out as torch.empty_like(y), computed in fp32 (fp64
+    where any of them is); 0 on fully masked rows whatever dy holds: for log_softmax the rows whose exps sum
+    to 0, as on every backend; for softmax the rows of zeros (a y of mixed signs that merely sums to 0,
+    never a softmax output, gets the formula's value)."""
     if not y.is_contiguous():
         perm = _dense_order(y)
         if perm is None:
             return _empty_like_layout(native_softmax_backward(dy, y.contiguous(), dim, log, out_dtype), y)
         dx = native_softmax_backward(dy.permute(perm), y.permute(perm), perm.index(dim), log, out_dtype)
         return _unpermute(dx, perm, y)
+    rows = torch_build.row_kernels() if y.dtype == dy.dtype == out_dtype else None
+    if rows is not None and (dx := rows.softmax_backward_rows(dy, y, dim, log)) is not None:
+        return dx  # (the row kernels, where they apply: fully masked rows 0 there)
     kernel = torch._log_softmax_backward_data if log else torch._softmax_backward_data
     if y.dtype == dy.dtype == out_dtype:
         dx = kernel(dy, y, dim, y.dtype)
