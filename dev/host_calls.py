@@ -45,7 +45,7 @@ def cases(m: int, v: int, dtype: torch.dtype) -> dict:
     x = torch.randn(m, v, device="cuda", dtype=dtype)
     t = torch.randint(0, v, (m,), device="cuda")
     xg = x.clone().requires_grad_()
-    y = torch.softmax(x, -1)
+    y, ly = torch.softmax(x, -1), torch.log_softmax(x, -1)
     dy = torch.randn_like(y)
     return {
         "softmax": (lambda: fs.softmax(x, -1), lambda: torch.softmax(x, -1)),
@@ -53,6 +53,10 @@ def cases(m: int, v: int, dtype: torch.dtype) -> dict:
         "softmax_backward": (
             lambda: fs.softmax_backward(dy, y, -1),
             lambda: torch._softmax_backward_data(dy, y, -1, dtype),
+        ),
+        "log_softmax_backward": (
+            lambda: fs.log_softmax_backward(dy, ly, -1),
+            lambda: torch._log_softmax_backward_data(dy, ly, -1, dtype),
         ),
         "cross_entropy": (lambda: fs.cross_entropy(x, t), lambda: F.cross_entropy(x, t)),
         "cross_entropy_fwd_bwd": (
