@@ -1,6 +1,6 @@
 """Host time per eager call (wall time, the GPU kept ahead of the host; best of 7 (--rounds) batches of 200
-calls, ours and torch's interleaved) of fs.softmax, fs.log_softmax, their backward (both), fs.cross_entropy forward and
-forward + backward, beside torch's, on 1x4096 and 8x4096 fp32/bf16
+calls, ours and torch's interleaved) of fs.softmax, fs.log_softmax, both backward functions, fs.cross_entropy
+forward and forward + backward, beside torch's, on 1x4096 and 8x4096 fp32/bf16
 (issue: portability, host time <= torch's) and on the cross-entropy suite's 1024x256000; then cProfile's
 top functions of fs.cross_entropy forward + backward. --python-calls: fastlaunch.c reaching torch through
 Python, as where fastlaunch_torch.cpp cannot be built. Usage: python dev/host_calls.py [OUT.json] [profile]
