@@ -148,18 +148,19 @@ def test_float64_log_softmax_near_zero():
 def _direct_cases(dtype, cpp: bool):
     """(name, call(fn_kind), whether the C path takes it) for test_direct_path_in_c_and_in_python; fn_kind
     picks the public function or fastpath.fast's direct call. cpp: fastlaunch.c reaches torch through C++
-    (16-bit log_softmax in C then, and log_softmax_backward from the row kernels: fp32 and bf16 rows in
-    memory)."""
+    (16-bit log_softmax in C then, and log_softmax_backward: the row kernels' for fp32 and bf16 rows in
+    memory, else torch's kernel where no row of y starts below -100)."""
     x = logits((5, 37, 3), dtype, 41, special=False)
     masked = x.clone()
     masked[2, :, 1] = -INF  # a fully masked row along dim 1: its first output NaN in torch's result
     y = torch.softmax(x.double(), -1).to(dtype)
     dy = logits((5, 37, 3), dtype, 42, special=False)
-    fp32, wide, rows = (
-        dtype is torch.float32,
-        dtype in (torch.float32, torch.float64),
-        dtype in (torch.float32, torch.bfloat16),
-    )
+    fp32, wide = dtype is torch.float32, dtype in (torch.float32, torch.float64)
+
+    def no_low_first(d):  # (log_softmax_backward in C: no row of y starting below -100, as torch's kernel has it)
+        rows = dtype in (torch.float32, torch.bfloat16) and d == -1  # (the row kernels zero masked rows themselves)
+        return rows or not bool((y.log().select(d, 0) < -100).any())
+
     cases = []
     for dim in (0, 1, -1):
         cases += [(f"softmax dim {dim}", (x, None, dim, None, False, "auto"), True)]
@@ -174,8 +175,8 @@ def _direct_cases(dtype, cpp: bool):
         ("requires grad, log", (x.clone().requires_grad_(), None, 1, None, True, "auto"), fp32),
         ("softmax_backward", (y, dy, -1, None, False, "auto"), True),
         ("softmax_backward dim 0", (y, dy, 0, None, False, "auto"), True),
-        ("log_softmax_backward", (y.log(), dy, -1, None, True, "auto"), cpp and rows),
-        ("log_softmax_backward dim 0", (y.log(), dy, 0, None, True, "auto"), False),
+        ("log_softmax_backward", (y.log(), dy, -1, None, True, "auto"), cpp and no_low_first(-1)),
+        ("log_softmax_backward dim 0", (y.log(), dy, 0, None, True, "auto"), cpp and no_low_first(0)),
         ("backward, dy of another dtype", (y, dy.double(), -1, None, False, "auto"), dtype is torch.float64),
     ]
     return cases
@@ -339,6 +340,38 @@ def test_profiler_sees_the_direct_paths_kernels(reach):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     for a, b in zip((fs.softmax(x), fs.log_softmax(x), fs.softmax_backward(dy, y)), want, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)  # (no profiler: the kernels called directly)
+
+
+def test_large_backward_takes_torchs_kernels(reach):
+    """Past fastlaunch_torch's BACKWARD_ROWS_MAX elements the backward runs torch's kernels (no row-kernel
+    event), in C for softmax and, through fastlaunch_torch, for log_softmax where no row of y starts below
+    -100; a log_softmax y with a fully masked row is handed to the Python path, which zeroes it. Values
+    within the oracle's tolerance and C's answer bit-equal to the Python path's."""
+    from fastsoftmax import fastpath, torch_build
+
+    torch_build.torch_calls()
+    limit = torch_build._module[0].BACKWARD_ROWS_MAX  # (row_kernels() is None under torch_via_python)
+    gen = torch.Generator().manual_seed(49)
+    x = torch.randn(limit // 512 + 1, 512, generator=gen) * 3  # (no outliers: log_softmax's y above -100)
+    dy = torch.randn(limit // 512 + 1, 512, generator=gen)
+    masked = x.clone()
+    masked[3] = -INF
+    events = {"fastsoftmax::softmax_backward_rows", "fastsoftmax::log_softmax_backward_rows"}
+    for log in (False, True):
+        for name, t in (("plain", x), ("masked row", masked)):
+            y = FNS[log](t)
+            direct = fastpath.fast(y, dy, -1, None, log, "auto")
+            in_c = not log or (name == "plain" and reach == "torch_in_cpp")  # (log: through fastlaunch_torch)
+            assert (direct is not None) == in_c, (log, name)
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                dx = BWD[log](dy, y)
+            assert not {e.name for e in prof.events()} & events
+            assert compare_grad(dx, dy, y, -1, log)[1] is None, (log, name)
+            assert bool((dx[3] == 0).all()) == (name == "masked row"), (log, name)
+            want = native.native_softmax_backward(dy, y, 1, log, torch.float32)
+            torch.testing.assert_close(dx, want, rtol=0, atol=0)
+            if direct is not None:
+                torch.testing.assert_close(direct, want, rtol=0, atol=0)
 
 
 def test_plain_and_autograd_routes():

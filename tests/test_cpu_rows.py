@@ -43,7 +43,7 @@ def sample(m: int, n: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     x = random_logits((m, n), torch.float32, gen)
     x[0, n // 2] = 60.0
-    if n > 2:
+    if n > 2 and m > 1:
         x[1, ::3] = float("-inf")
     return x.to(dtype)
 
@@ -141,7 +141,7 @@ def test_backward_rows_match_the_oracle(rows, n, dtype, log):
     """The backward kernels alone (dx = y (dy - sum(y dy)); log: dy - exp(y) sum(dy)) against the float64
     oracle of the same rounded dy and y under the library's gradient tolerance (the row sum's cancellation
     bounded), the partial vector at the row's end included; the public call gives the same bits."""
-    dy, y = backward_inputs(4, n, dtype, log, n)
+    dy, y = backward_inputs(max(1, min(4, rows.BACKWARD_ROWS_MAX // n)), n, dtype, log, n)
     dx = backward_rows(rows, dy, y, 1, log)
     assert dx.dtype == dtype and dx.shape == y.shape
     err, problem = compare_grad(dx, dy, y, 1, log)
@@ -185,10 +185,14 @@ def test_backward_rows_masked_and_non_finite(rows, dtype):
 
 def test_where_the_backward_row_kernels_apply(rows):
     """The backward kernels take plain contiguous dy and y of one dtype, fp32 or bf16, whose rows lie in
-    memory, with no graph to record; anything else is None, and the library's path then runs torch's
-    kernels (no fastsoftmax:: event), its answer within the oracle's tolerance either way."""
+    memory, of at most BACKWARD_ROWS_MAX elements, with no graph to record; anything else is None, and the
+    library's path then runs torch's kernels (no fastsoftmax:: event), its answer within the oracle's
+    tolerance either way."""
     dy, y = backward_inputs(6, 40, torch.float32, False, 3)
+    big_dy, big = backward_inputs(2, rows.BACKWARD_ROWS_MAX // 2 + 1, torch.float32, False, 4)
+    assert rows.softmax_backward_rows(big_dy[:, :-1].contiguous(), big[:, :-1].contiguous(), 1, False) is not None
     none = [
+        (big_dy, big, 1),
         (dy.half(), y.half(), 1),
         (dy.double(), y.double(), 1),
         (dy, y, 0),

@@ -9,7 +9,7 @@
 //   under autograd, fp32 and bf16 rows in memory (the row kernels' graph, through fastlaunch_torch), else
 //   fp32 and fp64 softmax and fp32 log_softmax (torch's graph, as native_softmax_graph);
 //   softmax_backward with dy and y of one dtype and no autograd; log_softmax_backward the same, through
-//   fastlaunch_torch's row kernels (fp32 and bf16 rows in memory) only.
+//   fastlaunch_torch only (its row kernels, or torch's kernel where no row of y starts below -100).
 // Anything else returns None and the Python path runs, as does a call whose output has a row starting with
 // NaN (a fully masked row, or one holding NaN or +inf): it is computed again there, and fixed.
 
@@ -157,7 +157,7 @@ static PyObject* recorded(PyObject* out, PyObject* plan) {
 // torch's kernel or fastlaunch_torch's: op (FT_SOFTMAX, FT_LOG_SOFTMAX, FT_SOFTMAX_BACKWARD and
 // FT_LOG_SOFTMAX_BACKWARD: a is dy, b is y) along the normalised dim, in the dtype of g_floats[kind]
 // (autograd records where it may); its address in *address. A new reference, or NULL with an error, or with
-// none where the Python path must run (log_softmax's backward where the row kernels do not apply).
+// none where the Python path must run (log_softmax's backward of a row that may be fully masked).
 static PyObject* cpu_kernel(int op, PyObject* a, PyObject* b, long dim, int kind, unsigned long long* address) {
     PyObject* out;
     const FtCalls* calls = ft;

@@ -13,6 +13,8 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/_log_softmax.h>
+#include <ATen/ops/_log_softmax_backward_data.h>
+#include <ATen/ops/_log_softmax_backward_data_cpu_dispatch.h>
 #include <ATen/ops/_log_softmax_cpu_dispatch.h>
 #include <ATen/ops/_softmax.h>
 #include <ATen/ops/_softmax_backward_data.h>
@@ -159,9 +161,16 @@ at::Tensor softmax_rows(const at::Tensor& x, int64_t dim, bool log) {
     return y;
 }
 
-// Whether dy and y are the backward row kernels': rows_of(y, dim) and dy of y's shape and dtype, contiguous
+// The backward row kernels' largest tensor (elements): there a call's fixed cost, which they save (about
+// 0.3 us: no tensor copied across the GIL release), is still 2% of it; beyond, torch's kernels, as fast
+// or faster (fresh output pages: 1.13-1.16x at 4096 x 4096 on CI's EPYC, bench/results/cpu_torch.json)
+constexpr int64_t kBackwardRowsMax = int64_t(1) << 16;
+
+// Whether dy and y are the backward row kernels': rows_of(y, dim), dy of y's shape and dtype, contiguous,
+// and at most kBackwardRowsMax elements
 bool backward_rows_of(const at::Tensor& dy, const at::Tensor& y, int64_t dim) {
-    return rows_of(y, dim) && rows_of(dy, dim) && dy.scalar_type() == y.scalar_type() && dy.sizes() == y.sizes();
+    return rows_of(y, dim) && rows_of(dy, dim) && dy.scalar_type() == y.scalar_type() &&
+           dy.sizes() == y.sizes() && y.numel() <= kBackwardRowsMax;
 }
 
 // softmax's (log_softmax's) backward of dy and y (backward_rows_of) along dim, in y's dtype: a new tensor
@@ -380,9 +389,9 @@ at::Tensor cross_entropy_rows_graph(const at::Tensor& x, const at::Tensor& t, in
 // row kernels where they apply (forward: also where autograd records, with their graph); else torch's
 // kernels (a 16-bit log_softmax in fp32, rounded once), through the whole dispatcher where autograd records
 // or a profiler listens, else called directly (at::cpu::, what the dispatcher reaches for a plain CPU
-// tensor); log_softmax's backward only from the row kernels (torch's kernel leaves the library's masked rows
-// to the Python path). The output's address in *address; a new reference, NULL with torch's error, or with
-// none where the Python path must run.
+// tensor); log_softmax's backward through torch's kernel only where no row starts below -100 (torch's kernel
+// leaves the library's masked rows to the Python path). The output's address in *address; a new reference,
+// NULL with torch's error, or with none where the Python path must run.
 PyObject* cpu_op(int op, PyObject* a, PyObject* b, long dim, int dtype, unsigned long long* address) {
     HANDLE_TH_ERRORS
     const at::Tensor& xr = THPVariable_Unpack(a);
@@ -404,8 +413,11 @@ PyObject* cpu_op(int op, PyObject* a, PyObject* b, long dim, int dtype, unsigned
             y = softmax_rows_graph(x, dim, log);
         if (y.defined())
             ;  // (the row kernels, with their graph)
+        else if (op == FT_LOG_SOFTMAX_BACKWARD && y_owned.select(dim, 0).lt(-100.0).any().item<bool>())
+            return nullptr;  // (a row whose exps may all be 0: the Python path fixes it; the GIL held again)
         else if (op == FT_LOG_SOFTMAX_BACKWARD)
-            return nullptr;  // (the GIL held again: NoGil's destructor runs first)
+            y = direct ? at::cpu::_log_softmax_backward_data(x, y_owned, dim, at::ScalarType(dtype))
+                       : at::_log_softmax_backward_data(x, y_owned, dim, at::ScalarType(dtype));
         else if (op == FT_SOFTMAX)
             y = direct ? at::cpu::_softmax(x, dim, false) : at::_softmax(x, dim, false);
         else if (op == FT_LOG_SOFTMAX && (x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16))
@@ -595,5 +607,6 @@ PyModuleDef module = {PyModuleDef_HEAD_INIT, "fastlaunch_torch", nullptr, -1, me
 PyMODINIT_FUNC PyInit_fastlaunch_torch(void) {
     PyObject* m = PyModule_Create(&module);
     if (m && PyModule_AddIntConstant(m, "VECTOR_FLOATS", rows::W) < 0) Py_CLEAR(m);  // (the build's ISA)
+    if (m && PyModule_AddIntConstant(m, "BACKWARD_ROWS_MAX", kBackwardRowsMax) < 0) Py_CLEAR(m);
     return m;
 }
