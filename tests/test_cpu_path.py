@@ -593,7 +593,8 @@ def ce_check(x, t, dtype, reduction, smoothing=0.0, weight=None, ignore_index=-1
     xg = x.clone().requires_grad_()
     kw = dict(reduction=reduction, label_smoothing=smoothing, class_weight=weight, ignore_index=ignore_index)
     loss, plans = run(fs.cross_entropy, xg, t, **kw)
-    graph = x.numel() <= fs_loss._GRAPH_MAX and not smoothing  # (and no row of NaN softmax)
+    rows = weight is None and x.dtype in (torch.float32, torch.bfloat16)  # (the row kernels' graph: any size)
+    graph = (x.numel() <= fs_loss._GRAPH_MAX or rows) and not smoothing  # (and no row of NaN softmax)
     assert plans == [GRAPH_CE if graph else NATIVE_CE] and loss.dtype == x.dtype
     x64, ref = ce_ref(x, t, reduction, smoothing, weight, ignore_index)
     assert loss.shape == ref.shape
@@ -809,6 +810,33 @@ def test_cross_entropy_double_backward_and_other_paths():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss, plans = run(fs.cross_entropy, x.bfloat16(), t)
     assert loss.dtype == torch.float32 and [p.path for p in plans] == ["cross_entropy"]
+
+
+def test_large_logits_under_autograd_take_the_row_kernels_graph():
+    """Logits past one chunk that need a gradient: the row kernels' graph (CrossEntropyRowsBackward, no M x V
+    temporary) for fp32 and bf16 without weights or smoothing; the Function (chunked torch ops) for fp16,
+    class weights, smoothing, or a row whose softmax is NaN. Loss and dlogits against float64 torch."""
+    v = fs_loss._GRAPH_MAX // 4 + 1
+    for dtype, kw, node in (
+        (torch.float32, {}, "CrossEntropyRowsBackward"),
+        (torch.bfloat16, {"reduction": "sum"}, "CrossEntropyRowsBackward"),
+        (torch.float16, {}, "CpuCrossEntropyFunctionBackward"),
+        (torch.float32, {"label_smoothing": 0.1}, "CpuCrossEntropyFunctionBackward"),
+        (torch.float32, {"class_weight": torch.rand(v) + 0.5}, "CpuCrossEntropyFunctionBackward"),
+        (torch.float32, {"reduction": "none", "nan_row": True}, "CpuCrossEntropyFunctionBackward"),
+    ):
+        x, t = ce_data((4,), v, dtype, 3)
+        if kw.pop("nan_row", False):
+            x[2, 5] = float("nan")
+        xg = x.clone().requires_grad_()
+        loss, plans = run(fs.cross_entropy, xg, t, **kw)
+        assert loss.grad_fn.name() == node and plans == [GRAPH_CE if node.startswith("CrossEntropyRows") else NATIVE_CE]
+        x64, ref = ce_ref(x, t, kw.get("reduction", "mean"), kw.get("label_smoothing", 0.0), kw.get("class_weight"))
+        (dx,) = torch.autograd.grad(loss, xg, torch.ones_like(loss))
+        (dref,) = torch.autograd.grad(ref, x64, torch.ones_like(ref))
+        for got, want, what in ((loss.detach(), ref.detach(), "loss"), (dx, dref, "dlogits")):
+            assert torch.equal(got.isnan(), want.isnan()), (what, dtype, kw)  # (the NaN row where the reference has it)
+            close(torch.nan_to_num(got.double()), torch.nan_to_num(want), dtype, f"{what} {dtype} {kw}")
 
 
 @pytest.fixture

@@ -314,10 +314,11 @@ def cpu_cross_entropy(x, t, w, ignore_index: int, reduction: str, smoothing: flo
     return _checked(native_cross_entropy, NATIVE_CE, x, t, w, ignore_index, reduction, smoothing)
 
 
-def cpu_cross_entropy_graph(x, t, w, ignore_index: int, reduction: str):
-    """cpu_cross_entropy on logits that require grad, small and without smoothing, with torch's autograd
-    graph for the backward; None where a row's softmax is NaN (then cpu_cross_entropy under a Function)."""
-    return _checked(native_cross_entropy_graph, NATIVE_CE_GRAPH, x, t, w, ignore_index, reduction)
+def cpu_cross_entropy_graph(x, t, w, ignore_index: int, reduction: str, rows_only: bool = False):
+    """cpu_cross_entropy on logits that require grad, without smoothing, with a C++ autograd graph for the
+    backward (native_cross_entropy_graph; rows_only: past one chunk, the row kernels' alone); None where it
+    cannot be had (then cpu_cross_entropy under a Function)."""
+    return _checked(native_cross_entropy_graph, NATIVE_CE_GRAPH, x, t, w, ignore_index, reduction, rows_only)
 
 
 def _checked(run, plan, x, t, w, ignore_index: int, *args):

@@ -80,6 +80,7 @@ _FLOATS, _TARGETS = frozenset(dtypes.FLOATS), frozenset(dtypes.TARGETS)
 _PLAIN = compose.PLAIN_TYPES
 _NUM = (int, float)
 _GRAPH_MAX = CHUNK  # logits elements up to which torch's autograd graph runs the backward (one chunk)
+_ROWS = (torch.float32, torch.bfloat16)  # the row kernels' dtypes: their graph past one chunk too
 
 
 def _cpu_ok(logits, target, class_weight, ignore_index, reduction, smoothing) -> bool:
@@ -111,12 +112,13 @@ def _cpu(logits, target, class_weight, ignore_index, reduction, smoothing):
         return None
     opts = (ignore_index, reduction, float(smoothing))
     grad = logits.requires_grad and torch.is_grad_enabled()
-    if grad and (logits.numel() > _GRAPH_MAX or smoothing):
+    large = logits.numel() > _GRAPH_MAX  # (under autograd: only the row kernels' graph, which has no M x V)
+    if grad and (smoothing or (large and (class_weight is not None or logits.dtype not in _ROWS))):
         return CpuCrossEntropyFunction.apply(logits, target, class_weight, opts)
     x, t, w = dispatch.cpu_flat(logits, target, class_weight)
     if not grad:
         loss = dispatch.cpu_cross_entropy(x, t, w, *opts)
-    elif (loss := dispatch.cpu_cross_entropy_graph(x, t, w, ignore_index, reduction)) is None:
+    elif (loss := dispatch.cpu_cross_entropy_graph(x, t, w, ignore_index, reduction, large)) is None:
         return CpuCrossEntropyFunction.apply(logits, target, class_weight, opts)  # (a row of NaN softmax)
     return loss.reshape(target.shape) if reduction == "none" else loss
 

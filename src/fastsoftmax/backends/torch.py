@@ -406,17 +406,21 @@ def native_cross_entropy(x, t, w, ignore_index: int, reduction: str, smoothing: 
     return torch.where(w_kept == 0, float("nan"), total / w_kept).to(x.dtype)  # (as reduce_terms)
 
 
-def native_cross_entropy_graph(x, t, w, ignore_index: int, reduction: str) -> torch.Tensor | None:
-    """native_cross_entropy of logits that require grad, within one chunk and without smoothing, as torch's
-    log_softmax and nll_loss on fp32 (fp64) rows, whose backward torch runs in C++ (on a small problem a
-    Python backward costs more than the whole of torch's). None where a row's log_softmax is NaN: there
-    torch's gradient is not the library's (the caller takes its Function instead)."""
+def native_cross_entropy_graph(x, t, w, ignore_index: int, reduction: str, rows_only: bool = False):
+    """native_cross_entropy of logits that require grad, without smoothing, with a C++ graph: the row
+    kernels' (CrossEntropyRowsBackward: no M x V temporary, any size) where they apply, else, within one
+    chunk, torch's log_softmax and nll_loss on fp32 (fp64) rows, whose backward torch runs in C++ (on a
+    small problem a Python backward costs more than the whole of torch's). None where a row's log_softmax
+    is NaN (there torch's gradient is not the library's), or with ``rows_only`` (logits past one chunk)
+    where the row kernels do not apply: the caller takes its Function instead."""
     rows = torch_build.row_kernels() if w is None else None
     if (
         rows is not None
         and (loss := rows.cross_entropy_rows(x, t, ignore_index, _REDUCTION[reduction], 0.0)) is not None
     ):
         return loss  # (the row kernels and their graph; None where they do not apply or a row is NaN)
+    if rows_only:
+        return None
     wide = torch.float64 if x.dtype == torch.float64 else torch.float32
     ls = torch._log_softmax(x if x.dtype == wide else x.to(wide), 1, False)
     if _any_nan_first(ls, 1):
