@@ -163,7 +163,7 @@ at::Tensor softmax_rows(const at::Tensor& x, int64_t dim, bool log) {
 
 // The backward row kernels' largest tensor (elements): there a call's fixed cost, which they save (about
 // 0.3 us: no tensor copied across the GIL release), is still 2% of it; beyond, torch's kernels, as fast
-// or faster (fresh output pages: 1.13-1.16x at 4096 x 4096 on CI's EPYC, bench/results/cpu_torch.json)
+// or faster (on fresh output pages ours were 1.13-1.16x: docs/performance.md's CPU section)
 constexpr int64_t kBackwardRowsMax = int64_t(1) << 16;
 
 // Whether dy and y are the backward row kernels': rows_of(y, dim), dy of y's shape and dtype, contiguous,
