@@ -81,7 +81,7 @@ def test_auto_dispatch(device):
 
 def test_requires_grad_goes_through_the_eager_function(device):
     """Eager autograd takes ops.softmax.eager (the custom op's code without its dispatch layers; torch.compile
-    traces the custom op, tests/test_backward.py); on the CPU under auto, the row kernels' C++ graph
+    traces the custom op, tests/test_backward.py); on the CPU under auto, torch's own graph
     (tests/test_cpu_path.py)."""
     x = torch.randn(4, 10, device=device, requires_grad=True)
     w = torch.arange(10.0, device=device)
@@ -89,7 +89,7 @@ def test_requires_grad_goes_through_the_eager_function(device):
         y = fs.softmax(x, backend=backend)
         graph = backend == "auto" and device == "cpu"
         assert y.grad_fn is not None and y.grad_fn.name() == (
-            "SoftmaxRowsBackward" if graph else "SoftmaxFunctionBackward"
+            "SoftmaxBackward0" if graph else "SoftmaxFunctionBackward"
         )
         (g,) = torch.autograd.grad((y * w).sum(), x)
         ref = torch.autograd.grad((torch.softmax(x, -1) * w).sum(), x)[0]

@@ -376,29 +376,36 @@ def test_large_backward_takes_torchs_kernels(reach):
 
 def test_plain_and_autograd_routes():
     """No grad needed (no_grad, a tensor that does not require grad): the direct call, no graph; autograd on
-    a contiguous fp32 x whose rows lie in memory: the row kernels' graph (SoftmaxRowsBackward), its backward
-    a C++ node's (no plan) and equal to fs.softmax_backward's; nn.Parameter too."""
+    a contiguous fp32 x in its own dtype: torch's graph (SoftmaxBackward0), its backward torch's own (no
+    plan), within the tolerance of fs.softmax_backward's; compiled autograd captures it; nn.Parameter too."""
     x = torch.nn.Parameter(torch.randn(3, 7))
     with torch.no_grad():
         y, plans = run(fs.softmax, x)
     assert y.grad_fn is None and plans == [NATIVE]
     dy = torch.randn(3, 7)
-    for log, name in ((False, "SoftmaxRowsBackward"), (True, "LogSoftmaxRowsBackward")):
+    for log, name in ((False, "SoftmaxBackward0"), (True, "LogSoftmaxBackward0")):
         (y, plans) = run(FNS[log], x)
         assert y.grad_fn.name() == name and plans == [GRAPH]
-        (dx,), plans = run(torch.autograd.grad, y, x, dy)
-        assert plans == [] and torch.equal(dx, BWD[log](dy, y.detach()))
+        (dx,), plans = run(torch.autograd.grad, y, x, dy, retain_graph=True)
+        assert plans == []
+        torch.testing.assert_close(dx, BWD[log](dy, y.detach()))
         torch.testing.assert_close(
             dx, torch.autograd.grad((torch.log_softmax if log else torch.softmax)(x, -1), x, dy)[0]
         )
+        from torch._dynamo import compiled_autograd  # noqa: PLC0415 (a regression: fp32 had a node of ours)
+
+        enable = getattr(compiled_autograd, "_enable", None) or compiled_autograd.enable
+        x.grad = None
+        with enable(torch.compile(backend="eager")):
+            (y * dy).sum().backward()
+        torch.testing.assert_close(x.grad, dx)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
 def test_autograd_graph_is_the_library_gradient(dtype):
-    """The C++ graphs (fp32 softmax and log_softmax: the row kernels' node; fp64 softmax: torch's own): the
-    forward the direct call's, the first-order gradient bit for bit fs.softmax_backward's from the same y,
-    and the oracle's; under create_graph the same (fp32: the library's formula in torch ops, equal to within
-    the rounding of its sums); double backward too."""
+    """torch's graph (fp32 and fp64 softmax, fp32 log_softmax): the forward the direct call's, its gradient
+    fs.softmax_backward's from the same y (fp64: bit for bit, torch's kernel both; fp32: the row kernels',
+    within the rounding of their sums) and the oracle's, with create_graph too; double backward too."""
     x = logits((6, 513), dtype, 8, special=False)
     dy = torch.randn(6, 513, generator=torch.Generator().manual_seed(8)).to(dtype)
     for log in (False, True) if dtype == torch.float32 else (False,):
@@ -407,13 +414,11 @@ def test_autograd_graph_is_the_library_gradient(dtype):
         assert plans == [GRAPH] and torch.equal(y.detach(), FNS[log](x))
         want = BWD[log](dy, y.detach())
         (dx,), plans = run(torch.autograd.grad, y, xg, dy, retain_graph=True)
-        assert plans == [] and torch.equal(dx, want)
+        assert plans == [] and (torch.equal(dx, want) or dtype == torch.float32)
+        torch.testing.assert_close(dx, want, rtol=1e-5, atol=1e-6 * float(want.abs().max()))
         (dx,), plans = run(torch.autograd.grad, y, xg, dy, create_graph=True)
         assert plans == [] and compare_grad(dx.detach(), dy, y.detach(), -1, log)[1] is None
-        if dtype == torch.float64:
-            assert torch.equal(dx.detach(), want)
-        else:
-            torch.testing.assert_close(dx.detach(), want, rtol=1e-6, atol=1e-6 * float(want.abs().max()))
+        torch.testing.assert_close(dx.detach(), want, rtol=1e-5, atol=1e-6 * float(want.abs().max()))
         (ddx,) = torch.autograd.grad(dx, xg, dy)
         ref = torch.autograd.grad(
             torch.autograd.grad(FNS[log](xg, backend="torch"), xg, dy, create_graph=True)[0], xg, dy

@@ -30,10 +30,11 @@ def _cpu_ok(x, dim, dtype, backend) -> bool:
 
 
 def _cpu(x, dim, dtype, log: bool, backend):
-    """The CPU's direct path (see _cpu_ok): torch's own kernels with the conventions applied
-    (dispatch.cpu_softmax); under autograd, for a contiguous x and no other output dtype, torch's own graph
-    where its output has no NaN row (dispatch.cpu_softmax_graph), else the eager Function, whose passes
-    reach the same kernels. None: the full path runs."""
+    """The CPU's direct path (see _cpu_ok): the row kernels, or torch's own kernels, with the conventions
+    applied (dispatch.cpu_softmax); under autograd, for a contiguous x and no other output dtype, a C++ graph
+    (torch's own for fp32, the row kernels' for bf16) where its output has no NaN row
+    (dispatch.cpu_softmax_graph), else the eager Function, whose passes reach the same kernels. None: the
+    full path runs."""
     if not _cpu_ok(x, dim, dtype, backend):
         return None
     if x.requires_grad and torch.is_grad_enabled():

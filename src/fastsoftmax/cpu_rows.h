@@ -171,9 +171,9 @@ inline bool any_lane(vi m) {  // whether a lane of the comparison m is true
     return select(d > splat(0.0f), half * half, select(d < splat(-87.33654f), tiny, exp_nonpositive(d)));
 }
 
-// exp(d) for any d, within 4 ulp, subnormal below -87.34 as exp's (log_softmax's backward: a row is fully
-// masked where every exp of y is 0 in fp32, as torch's reference has it; its y are <= 0, but for a caller's
-// own values)
+// exp(d) for any d: within 4 ulp where exp is normal; subnormal below -87.34 as exp's (to 4e-6 relative), 0
+// exactly where it is (log_softmax's backward: a row is fully masked where every exp of y is 0 in fp32, as
+// torch's reference has it; its y are <= 0, but for a caller's own values)
 [[gnu::always_inline]] inline vf exp_any(vf d) {
     if (any_lane((d > splat(0.0f)) | (d < splat(-87.33654f)))) return exp_outside(d);
     return exp_nonpositive(d);

@@ -203,10 +203,11 @@ auto new_node() {
         return c10::make_intrusive<N>();
 }
 
-// The backward of softmax_rows_graph: the backward row kernels where nothing is recorded (fs.softmax_backward's
-// and fs.log_softmax_backward's, so the first-order gradient is theirs; torch's kernel for a dy they do not
-// take, as theirs too); the library's formula in fp32 where a double backward is asked for (create_graph:
-// reference.softmax_backward_torch's, which autograd records), as the library's Function has it.
+// The backward of a bf16 softmax_rows_graph: the backward row kernels where nothing is recorded
+// (fs.softmax_backward's and fs.log_softmax_backward's, so the first-order gradient is theirs; torch's kernel
+// for a dy they do not take, as theirs too); the library's formula in fp32 where a double backward is asked
+// for (create_graph: reference.softmax_backward_torch's, which autograd records), as the library's Function
+// has it.
 struct SoftmaxRowsBackward : torch::autograd::Node {
     torch::autograd::SavedVariable y_;
     int64_t dim = 0;
@@ -231,16 +232,34 @@ struct SoftmaxRowsBackward : torch::autograd::Node {
     }
 };
 
-// softmax_rows of an x that requires grad, with SoftmaxRowsBackward as its graph (saving y). Undefined where
-// x has a forward-mode tangent (that graph is torch's to make).
+// softmax_rows of an x that requires grad, with its graph. fp32: the graph torch's own _softmax
+// (_log_softmax) records, its node (SoftmaxBackward0, LogSoftmaxBackward0) saving y, whose backward is
+// torch's kernel and whose double backward torch's formula, as native_softmax_graph's: compiled autograd
+// captures it, as it cannot capture a node of ours (no compiled_args); bf16: SoftmaxRowsBackward (torch's
+// own would run its double backward in 16 bits). Undefined where x has a forward-mode tangent (that graph
+// is torch's to make).
 at::Tensor softmax_rows_graph(const at::Tensor& x, int64_t dim, bool log) {
     if (torch::autograd::isFwGradDefined(x)) return at::Tensor();
     at::Tensor y = softmax_rows(x, dim, log);
-    auto node = new_node<SoftmaxRowsBackward>();
-    node->set_next_edges(torch::autograd::collect_next_edges(x));
-    node->dim = dim, node->log = log;
-    torch::autograd::set_history(y, node);
-    node->y_ = torch::autograd::SavedVariable(y, true);
+    auto edges = torch::autograd::collect_next_edges(x);
+    auto attach = [&](auto node) {
+        node->set_next_edges(std::move(edges));
+        node->dim = dim;
+        node->self_scalar_type = x.scalar_type();
+        torch::autograd::set_history(y, node);
+        node->result_ = torch::autograd::SavedVariable(y, true);
+    };
+    if (x.scalar_type() != at::kFloat) {
+        auto node = new_node<SoftmaxRowsBackward>();
+        node->set_next_edges(std::move(edges));
+        node->dim = dim, node->log = log;
+        torch::autograd::set_history(y, node);
+        node->y_ = torch::autograd::SavedVariable(y, true);
+    } else if (log) {
+        attach(new_node<torch::autograd::generated::LogSoftmaxBackward0>());
+    } else {
+        attach(new_node<torch::autograd::generated::SoftmaxBackward0>());
+    }
     return y;
 }
 

@@ -71,10 +71,11 @@ _compiling = compose.dynamo_compiling
 # ---- the CPU's direct path -----------------------------------------------------------------------------
 # On CPU tensors under backend='auto', a call with no softcap and no z-loss runs torch's loss and a chunked
 # dlogits (backends/torch.py's native cross-entropy) straight from here: plain, or with eager autograd
-# through CpuCrossEntropyFunction; logits of one chunk without smoothing instead keep torch's own autograd
-# graph (log_softmax, nll_loss), whose C++ backward costs less than any Python one, unless a row's softmax is
-# NaN. softcap and z-loss calls, other routes (torch.compile, torch.func, fake tensors, dispatch modes,
-# autocast) and arguments the full checks must see take the full path.
+# through CpuCrossEntropyFunction; logits without smoothing instead keep a C++ autograd graph, whose
+# backward costs less than any Python one, unless a row's softmax is NaN: the row kernels' (fp32 and bf16, no
+# class weights: any size), else torch's own (log_softmax, nll_loss) within one chunk. softcap and z-loss
+# calls, other routes (torch.compile, torch.func, fake tensors, dispatch modes, autocast) and arguments the
+# full checks must see take the full path.
 
 _FLOATS, _TARGETS = frozenset(dtypes.FLOATS), frozenset(dtypes.TARGETS)
 _PLAIN = compose.PLAIN_TYPES

@@ -366,8 +366,8 @@ def native_softmax_backward(
 # every dtype, with reduction 'none', reduced here: torch would write an M x V log_softmax first. The
 # backward writes dlogits = a * softmax(x) - b * onehot(t) - c * w per row, a chunk at a time: one read of
 # the logits, one write, no M x V temporary (torch's writes a dense upstream gradient and reads it back).
-# Within one chunk and without smoothing, logits that need a gradient keep torch's autograd graph instead
-# (native_cross_entropy_graph).
+# Without smoothing, logits that need a gradient keep a C++ graph instead (native_cross_entropy_graph): the
+# row kernels' at any size, else torch's within one chunk.
 
 NATIVE_CE = heuristics.Plan("torch", "native_cross_entropy")
 NATIVE_CE_GRAPH = heuristics.Plan("torch", "native_cross_entropy_graph")  # torch's autograd graph backward
