@@ -83,10 +83,12 @@ inline vf load(const bf16* p) {
 #endif
 }
 inline void store(float* p, vf v) { memcpy(p, &v, sizeof v); }
-inline void store(bf16* p, vf v) {  // narrow()'s rounding, lane by lane
+inline vu bf16_bits(vf v) {  // narrow()'s rounding, lane by lane: each lane's bf16 bits, below 2^16
     const vu u = bits_as<vu>(v), hi = u >> 16;
-    const vi nan = v != v;
-    const vu r = bits_as<vu>(select(nan, bits_as<vf>(hi | 0x40u), bits_as<vf>((u + ((hi & 1u) + 0x7FFFu)) >> 16)));
+    return bits_as<vu>(select(v != v, bits_as<vf>(hi | 0x40u), bits_as<vf>((u + ((hi & 1u) + 0x7FFFu)) >> 16)));
+}
+inline void store(bf16* p, vf v) {
+    const vu r = bf16_bits(v);
 #if defined(__AVX512F__)  // (each lane below 2^16: a truncating narrow, one instruction)
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bits_as<__m512i>(r)));
 #elif defined(__AVX2__)  // (a saturating pack, in-lane, then the halves in order)
@@ -100,18 +102,12 @@ inline void store(bf16* p, vf v) {  // narrow()'s rounding, lane by lane
 // two vectors at p: for bf16, one pack of both (store's rounding) under AVX2 and AVX-512
 inline void store2(float* p, vf a, vf b) { store(p, a), store(p + W, b); }
 inline void store2(bf16* p, vf a, vf b) {
-#if defined(__AVX2__)
-    auto rounded = [](vf v) {
-        const vu u = bits_as<vu>(v), hi = u >> 16;
-        return select(v != v, bits_as<vf>(hi | 0x40u), bits_as<vf>((u + ((hi & 1u) + 0x7FFFu)) >> 16));
-    };
-#endif
 #if defined(__AVX512F__)  // (the pack works within 128-bit lanes: the 64-bit pieces put back in order)
-    const __m512i packed = _mm512_packus_epi32(bits_as<__m512i>(rounded(a)), bits_as<__m512i>(rounded(b)));
+    const __m512i packed = _mm512_packus_epi32(bits_as<__m512i>(bf16_bits(a)), bits_as<__m512i>(bf16_bits(b)));
     const __m512i order = _mm512_set_epi64(7, 5, 3, 1, 6, 4, 2, 0);
     _mm512_storeu_si512(p, _mm512_permutexvar_epi64(order, packed));
 #elif defined(__AVX2__)
-    const __m256i packed = _mm256_packus_epi32(bits_as<__m256i>(rounded(a)), bits_as<__m256i>(rounded(b)));
+    const __m256i packed = _mm256_packus_epi32(bits_as<__m256i>(bf16_bits(a)), bits_as<__m256i>(bf16_bits(b)));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm256_permute4x64_epi64(packed, 0xD8));
 #else
     store(p, a), store(p + W, b);
