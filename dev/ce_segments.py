@@ -10,8 +10,8 @@ import torch
 import triton.testing
 
 from fastsoftmax.heuristics import cross_entropy as rules
-from fastsoftmax.options import Loss
-from fastsoftmax.triton import cross_entropy as k
+from fastsoftmax.core.options import Loss
+from fastsoftmax.kernels.triton import cross_entropy as k
 
 shapes = [tuple(int(s) for s in a.split("x")) for a in sys.argv[2:]] or [
     (1024, 256000),

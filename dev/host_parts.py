@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 
 import fastsoftmax as fs
-from fastsoftmax import fastpath, launch
+from fastsoftmax.kernels import replay as fastpath
+from fastsoftmax.kernels import launch
 
 
 def host_ns(fn, calls: int = 200) -> float:
@@ -30,7 +31,7 @@ def host_ns(fn, calls: int = 200) -> float:
 
 
 def _scale(x, g):
-    from fastsoftmax.triton import cross_entropy as ce
+    from fastsoftmax.kernels.triton import cross_entropy as ce
 
     ce.scale_(x, g)
 

@@ -9,7 +9,7 @@ import sys
 os.environ.pop("TRITON_INTERPRET", None)
 
 from fastsoftmax.heuristics import softmax_triton
-from fastsoftmax.triton.compile import compile_forward, ptxas_report  # noqa: E402
+from fastsoftmax.kernels.triton.compile import compile_forward, ptxas_report  # noqa: E402
 
 
 def facts(path, dtype, n, arch, log=False, backward=False, mask=0, causal=False):
@@ -116,7 +116,7 @@ def ce_facts():
     """The cross-entropy kernels at the launch shapes loss.py takes (triton/cross_entropy.py's _shape), for
     aligned and odd vocabularies, sm_90a."""
     from fastsoftmax.heuristics import cross_entropy as ce_rules
-    from fastsoftmax.triton import cross_entropy as ce
+    from fastsoftmax.kernels.triton import cross_entropy as ce
 
     ty = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
     out = []
@@ -164,7 +164,7 @@ def shard_facts():
     slice, sm_90a: shard_stats with smoothing and softcap, shard_apply's dlogits (mode 2) and softmax (0)."""
 
     from fastsoftmax.heuristics import cross_entropy as ce_rules
-    from fastsoftmax.triton import shard
+    from fastsoftmax.kernels.triton import shard
 
     ty = {"bfloat16": "bf16", "float32": "fp32"}
     data = {"x_ptr", "d_ptr", "out_ptr"}  # (the slice's dtype; t_ptr int32; the rest fp32)
@@ -203,7 +203,7 @@ def loop_facts():
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from fastsoftmax.triton import softmax_bwd, softmax_fwd
+    from fastsoftmax.kernels.triton import softmax_bwd, softmax_fwd
 
     base = dict(
         VEC=1,

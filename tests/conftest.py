@@ -25,19 +25,6 @@ def pytest_configure(config):
         os.environ["TRITON_INTERPRET"] = "1"
     else:
         os.environ.pop("TRITON_INTERPRET", None)
-    if not hasattr(config, "workerinput"):  # (once, before xdist's workers start: they load it from the cache)
-        from fastsoftmax import torch_build
-
-        torch_build.torch_calls()
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _torch_calls_loaded():
-    """fastlaunch_torch.cpp loaded (or found unbuildable) before any test: a build in the background would
-    switch how the replay keys calls, and drop its recorded replays, in the middle of one."""
-    from fastsoftmax import torch_build
-
-    torch_build.torch_calls()
 
 
 def pytest_xdist_auto_num_workers(config):

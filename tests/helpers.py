@@ -1,4 +1,4 @@
-"""Test helpers over the library's one reference and one tolerance rule (fastsoftmax.reference)."""
+"""Test helpers over the library's one reference and one tolerance rule (fastsoftmax.core.reference)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from fastsoftmax.reference import compare, random_logits, special_rows  # noqa: F401
+from fastsoftmax.core.reference import compare, random_logits, special_rows  # noqa: F401
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 WORST: dict[str, float] = {}  # worst err/tol seen per output dtype, printed at the end of the run
@@ -38,9 +38,9 @@ def overflowing_grad_inputs(n: int, seed: int, device="cpu") -> tuple[torch.Tens
 
 
 def forward(x, dim=-1, *, log=False, dtype=None, backend="auto", want_lse=False):
-    """(y, logsumexp per row or None): fastsoftmax.api.forward, for tests that read the logsumexp the
+    """(y, logsumexp per row or None): fastsoftmax.softmax.forward, for tests that read the logsumexp the
     kernels write beside y."""
-    from fastsoftmax.api import forward as api_forward
+    from fastsoftmax.ops.softmax import forward as api_forward
 
     return api_forward(x, dim, log=log, dtype=dtype, backend=backend, want_lse=want_lse)
 

@@ -45,9 +45,9 @@ def test_bad_arguments(device):
 def test_unknown_device_names_the_device(monkeypatch):
     """A device with no path (say xpu; emulated: the CPU taken off the list) raises naming it. Meta tensors
     are not that: they reach the custom ops' fake implementations (tests/test_compose.py)."""
-    from fastsoftmax import dispatch
+    from fastsoftmax.core import checks
 
-    monkeypatch.setattr(dispatch, "DEVICES", ("cuda",))
+    monkeypatch.setattr(checks, "DEVICES", ("cuda",))
     with pytest.raises(RuntimeError, match="device 'cpu'"):
         fs.softmax(torch.randn(3, 4))
     assert fs.softmax(torch.randn(3, 4, device="meta")).is_meta
@@ -80,9 +80,9 @@ def test_auto_dispatch(device):
 
 
 def test_requires_grad_goes_through_the_eager_function(device):
-    """Eager autograd takes ops.softmax.eager (the custom op's code without its dispatch layers; torch.compile
-    traces the custom op, tests/test_backward.py); on the CPU under auto, torch's own graph
-    (tests/test_cpu_path.py)."""
+    """Eager autograd takes the softmax op's eager Function (the custom op's code without its dispatch
+    layers; torch.compile traces the custom op, tests/test_backward.py); on the CPU under auto, torch's own
+    graph (tests/test_cpu_path.py)."""
     x = torch.randn(4, 10, device=device, requires_grad=True)
     w = torch.arange(10.0, device=device)
     for backend in ("auto", "triton", "torch") + (("cuda",) if device == "cuda" else ()):
@@ -113,10 +113,10 @@ def test_backward_rejects_a_non_tensor_dy(device):
 
 
 def test_forward_returns_the_logsumexp(device):
-    """fastsoftmax.api.forward: the output and its fp32 logsumexp per row (x's shape without dim), checked
+    """fastsoftmax.softmax.forward: the output and its fp32 logsumexp per row (x's shape without dim), checked
     like the public functions (the README's documented way to get the logsumexp)."""
-    from fastsoftmax.api import forward
-    from fastsoftmax.reference import oracle, oracle_lse
+    from fastsoftmax.ops.softmax import forward
+    from fastsoftmax.core.reference import oracle, oracle_lse
 
     x = torch.randn(3, 7, 5, device=device) * 4
     for dim in (1, -1):
@@ -146,12 +146,12 @@ def test_eager_functions_skip_argument_binding():
     """The eager-autograd Functions are ctx-first: a Function with setup_context binds its arguments through
     inspect.signature on every apply (host time on every training step); the transform Function, which
     torch.func needs in the setup_context style, is used only under torch.func."""
-    from fastsoftmax import ops
+    from fastsoftmax.ops import cross_entropy, softmax
 
     base = torch.autograd.Function.setup_context
-    for op in (ops.softmax, ops.softmax_masked, ops.cross_entropy):
+    for op in (softmax.SOFTMAX, softmax.SOFTMAX_MASKED, cross_entropy.CROSS_ENTROPY):
         assert op.eager is not None and op.eager.setup_context is base
-    assert ops.softmax.transform.setup_context is not base and ops.softmax.transform.vmap is not None
+    assert softmax.SOFTMAX.transform.setup_context is not base and softmax.SOFTMAX.transform.vmap is not None
 
 
 @pytest.mark.parametrize("backend", ["triton", "cuda", "torch"])
@@ -212,7 +212,7 @@ def test_import_does_no_work():
     # transformers integration imports transformers only when used.
     code = (
         "import sys, torch, fastsoftmax, fastsoftmax.integrations.transformers; "
-        "assert 'fastsoftmax.triton.softmax_fwd' not in sys.modules; "
+        "assert 'fastsoftmax.kernels.triton.softmax_fwd' not in sys.modules; "
         "assert 'transformers' not in sys.modules; "
         "assert not torch.cuda.is_initialized()"
     )

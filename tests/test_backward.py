@@ -9,7 +9,7 @@ from helpers import DTYPES, assert_close, overflowing_grad_inputs, random_logits
 import fastsoftmax as fs
 from fastsoftmax import heuristics
 from fastsoftmax.heuristics import softmax_triton
-from fastsoftmax.reference import compare_grad
+from fastsoftmax.core.reference import compare_grad
 
 # online and split with chunks of 256: rows of 513 and 1000 loop over 3-4 chunks (and segments)
 PATHS = [("rowblock", {}), ("online", {"block_n": 256}), ("split", {"block_n": 256})]
@@ -289,7 +289,7 @@ def test_gradient_overflow_is_checked():
     """A softmax gradient is not bounded: y·dy of large y (as a caller passing any y may) overflows fp16. The
     oracle's own rounding to fp16 (infinities of the right sign) passes; a saturated value, a flipped sign
     or an infinity where the oracle is finite in fp16 fails."""
-    from fastsoftmax.reference import oracle_backward
+    from fastsoftmax.core.reference import oracle_backward
 
     dy, y = overflowing_grad_inputs(4097, 11)
     exact = oracle_backward(dy, y, -1, False).to(torch.float16)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from fastsoftmax import bench, heuristics
-from fastsoftmax.backends import triton as triton_backend
+from fastsoftmax.kernels.triton import backend as triton_backend
 from fastsoftmax.bench import tuning as sweep
 from fastsoftmax.heuristics import device as gpu
 from fastsoftmax.heuristics import tables
@@ -470,7 +470,8 @@ def test_check_loss_rows(device, monkeypatch):
     pass against float64 torch, and a gradient 1% off (the chunked design's backward scaling) fails them."""
     import torch
 
-    from fastsoftmax import cli, lm_head
+    from fastsoftmax import cli
+    from fastsoftmax.ops import lm_head
 
     rows = cli._loss_rows(device, [torch.float32, torch.bfloat16], torch.Generator().manual_seed(0))
     assert len(rows) == 2 * (2 + 2 * 3)

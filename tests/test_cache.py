@@ -27,7 +27,7 @@ def cdir(tmp_path, monkeypatch):
 
 def _nvrtc():
     pytest.importorskip("cuda.bindings.nvrtc", reason="the CUDA backend's NVRTC bindings are a default dependency")
-    from fastsoftmax.cuda import build
+    from fastsoftmax.kernels.cuda import build
 
     build._memory.clear()
     return build
@@ -66,7 +66,7 @@ def test_no_home_in_a_fresh_process(tmp_path):
         "import pwd\n"
         "def no_entry(uid): raise KeyError(uid)\n"
         "pwd.getpwuid = no_entry\n"
-        "from fastsoftmax import cache, launch; from fastsoftmax.cuda import build\n"
+        "from fastsoftmax import cache; from fastsoftmax.kernels import launch; from fastsoftmax.kernels.cuda import build\n"
         "assert cache.root() is None\n"
         "c = build.compile_kernel(build.Config('fwd', 'float32', 'float16', group=16, rows=8), 'sm_90a')\n"
         "assert launch._load_native() is not None\n"
@@ -137,7 +137,7 @@ def test_corrupt_cubin_is_detected_and_rebuilt(cdir):
 def test_a_planted_library_never_runs(cdir, tmp_path):
     """A shared library planted under the launch helper's cache name (its constructor would write a file)
     is refused; the helper is rebuilt and loads."""
-    from fastsoftmax import launch
+    from fastsoftmax.kernels import launch
 
     cc = os.environ.get("CC") or "cc"
     marker = tmp_path / "ran"

@@ -13,9 +13,9 @@ from helpers import assert_close, pass_through_mode, random_logits, special_rows
 
 import fastsoftmax as fs
 from fastsoftmax import heuristics
-from fastsoftmax import loss as fs_loss
+from fastsoftmax import cross_entropy as fs_loss
 from fastsoftmax.backends import torch as native
-from fastsoftmax.reference import TOLERANCE, compare, compare_grad
+from fastsoftmax.core.reference import TOLERANCE, compare, compare_grad
 
 FNS = {False: fs.softmax, True: fs.log_softmax}
 BWD = {False: fs.softmax_backward, True: fs.log_softmax_backward}
@@ -199,7 +199,8 @@ def _public(args):
 def reach(request, monkeypatch):
     """How fastlaunch.c reaches torch: through fastlaunch_torch.cpp, or through Python's calls (as where the
     C++ part cannot be built); checked by the form of its keys, and restored afterwards."""
-    from fastsoftmax import fastpath, torch_build
+    from fastsoftmax import torch_build
+    from fastsoftmax.kernels import replay as fastpath
 
     mod = fastpath._native()
     if mod is None:
@@ -224,7 +225,7 @@ def test_direct_path_in_c_and_in_python(monkeypatch, dtype, reach):
     tensor, or None), the plans recorded, outputs and gradients bit-equal. Rows along dims 0, 1 and 2 of a
     contiguous (5, 37, 3); a fully masked row (C's scan of the rows' first elements hands it over); layouts,
     dtype=, backends and autograd C leaves alone; softmax_backward."""
-    from fastsoftmax import fastpath
+    from fastsoftmax.kernels import replay as fastpath
 
     for name, args, in_c in _direct_cases(dtype, reach == "torch_in_cpp"):
         direct = fastpath.fast(*args)  # (with autograd on, as the public call below)
@@ -278,7 +279,7 @@ def test_direct_path_steps_aside_for_a_plain_tensor(reach, state):
 
     import torch.autograd.forward_ad as fwad
 
-    from fastsoftmax import fastpath
+    from fastsoftmax.kernels import replay as fastpath
 
     x = logits((4, 37), torch.float32, 46, special=False)
     t = torch.randint(0, 37, (4,))
@@ -319,7 +320,7 @@ def test_profiler_sees_the_direct_paths_kernels(reach):
     fp32 rows in memory, softmax's backward included) where fastlaunch_torch is built, else torch's, which
     the Python path calls through the dispatcher (aten:: events). The outputs are the Python path's either
     way."""
-    from fastsoftmax import fastpath
+    from fastsoftmax.kernels import replay as fastpath
 
     x = logits((4, 37), torch.float32, 47, special=False)
     dy = logits((4, 37), torch.float32, 48, special=False)
@@ -347,7 +348,8 @@ def test_large_backward_takes_torchs_kernels(reach):
     event), in C for softmax and, through fastlaunch_torch, for log_softmax where no row of y starts below
     -100; a log_softmax y with a fully masked row is handed to the Python path, which zeroes it. Values
     within the oracle's tolerance and C's answer bit-equal to the Python path's."""
-    from fastsoftmax import fastpath, torch_build
+    from fastsoftmax import torch_build
+    from fastsoftmax.kernels import replay as fastpath
 
     torch_build.torch_calls()
     limit = torch_build._module[0].BACKWARD_ROWS_MAX  # (row_kernels() is None under torch_via_python)
@@ -764,7 +766,7 @@ def test_cross_entropy_direct_path_in_c_and_in_python(monkeypatch, dtype, reach)
     common calls) and in Python (loss.py's _cpu), each case forced both ways: which ran (loss_cpu's answer:
     a tensor, or None, always None where fastlaunch reaches torch through Python), the plans recorded,
     losses and dlogits bit-equal; the library's error for a target out of range either way."""
-    from fastsoftmax import fastpath
+    from fastsoftmax.kernels import replay as fastpath
 
     for name, x, t, kw, in_c in _ce_direct_cases(dtype):
         opts = [kw.get(k, d) for k, d in (("ignore_index", -100), ("reduction", "mean"), ("label_smoothing", 0.0))]

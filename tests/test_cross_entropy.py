@@ -120,8 +120,8 @@ def test_out_of_range_target_raises(device, backend):
         if backend == "torch":
             pytest.skip("torch._assert_async would end this process's CUDA context (test_gpu.py: in a subprocess)")
         from fastsoftmax.heuristics import cross_entropy as ce_rules
-        from fastsoftmax.options import Loss
-        from fastsoftmax.triton import cross_entropy as k
+        from fastsoftmax.core.options import Loss
+        from fastsoftmax.kernels.triton import cross_entropy as k
 
         for bad, flag in ((9, 0.0), (-5, 0.0), (-100, 1.0), (8, 1.0)):
             t[2] = bad

@@ -8,10 +8,10 @@ from helpers import DTYPES, assert_close, forward, overflowing_grad_inputs, rand
 
 import fastsoftmax as fs
 from fastsoftmax import heuristics
-from fastsoftmax.backends import cuda as cuda_backend
+from fastsoftmax.kernels.cuda import backend as cuda_backend
 from fastsoftmax.heuristics import device as gpu
 from fastsoftmax.heuristics import softmax_cuda, tables
-from fastsoftmax.reference import compare_grad, oracle, oracle_lse
+from fastsoftmax.core.reference import compare_grad, oracle, oracle_lse
 
 pytestmark = [
     pytest.mark.gpu,
@@ -90,7 +90,7 @@ def test_forward_layouts(variant, make, dim):
 def test_staged_layouts():
     """The staged variant on rows off 16-byte boundaries, a contiguous softmax dim with strided rows and two
     row groups; a strided softmax dim is refused when forced (bulk copies need unit stride) and never hinted."""
-    from fastsoftmax.cuda import kernels
+    from fastsoftmax.kernels.cuda import kernels
 
     base = logits(23, 1024, torch.bfloat16, 3)
     for make, dim in (
@@ -238,7 +238,7 @@ def test_staged_large(shape, dtype):
 def test_staged_backward_needs_dy_like_y():
     """The staged backward stages dy as it stages y: dy of another dtype, or 16-byte-misaligned relative to y,
     is refused when forced and takes another variant otherwise."""
-    from fastsoftmax.cuda import kernels
+    from fastsoftmax.kernels.cuda import kernels
 
     y = torch.softmax(logits(30, 4099, torch.bfloat16, 8).float(), -1).to(torch.bfloat16)
     buf = torch.randn(y.numel() + 1, device="cuda").to(torch.bfloat16)
@@ -328,7 +328,7 @@ def test_graph_capture_as_the_very_first_call(tmp_path):
 
     code = (
         "import torch, fastsoftmax as fs\n"
-        "from fastsoftmax.reference import compare, compare_grad\n"
+        "from fastsoftmax.core.reference import compare, compare_grad\n"
         "x = torch.randn(64, 4096, device='cuda')\n"
         "g = torch.cuda.CUDAGraph()\n"
         "with torch.cuda.graph(g):\n"
@@ -351,8 +351,8 @@ def test_a_module_that_cannot_load_turns_the_backend_off(monkeypatch, tmp_path):
     """A cubin the driver rejects (what a driver older than the NVRTC that compiled it does): backend='cuda'
     raises naming the cause; 'auto' takes the Triton kernels for that call and the rest of the process, and
     fs.info() says why."""
-    from fastsoftmax import fastpath
-    from fastsoftmax.cuda import build, kernels
+    from fastsoftmax.kernels import replay as fastpath
+    from fastsoftmax.kernels.cuda import build, kernels
 
     monkeypatch.setenv("FASTSOFTMAX_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(kernels, "_functions", {})
@@ -385,8 +385,9 @@ def test_a_module_that_cannot_load_turns_the_backend_off(monkeypatch, tmp_path):
 def test_a_cached_cubin_the_driver_rejects_is_rebuilt(monkeypatch, tmp_path):
     """A verified cache entry whose cubin does not load (not one this driver takes): reported by a warning
     naming it, compiled again, and the call runs on the CUDA backend."""
-    from fastsoftmax import cache, fastpath
-    from fastsoftmax.cuda import build, kernels
+    from fastsoftmax import cache
+    from fastsoftmax.kernels import replay as fastpath
+    from fastsoftmax.kernels.cuda import build, kernels
 
     monkeypatch.setenv("FASTSOFTMAX_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(kernels, "_functions", {})

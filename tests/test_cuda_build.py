@@ -15,8 +15,8 @@ import torch
 import fastsoftmax as fs
 from fastsoftmax import cache as disk_cache
 from fastsoftmax import heuristics
-from fastsoftmax.cuda import build, kernels
-from fastsoftmax.cuda.kernels import config_for, function_attributes
+from fastsoftmax.kernels.cuda import build, kernels
+from fastsoftmax.kernels.cuda.kernels import config_for, function_attributes
 from fastsoftmax.heuristics import device as gpu
 from fastsoftmax.heuristics import softmax_cuda
 from fastsoftmax.heuristics.softmax_cuda import VARIANTS, launch_shape
@@ -169,7 +169,7 @@ def test_memory_and_disk_cache(tmp_path, monkeypatch):
 
 def test_two_processes_compile_at_once(tmp_path, monkeypatch):
     code = (
-        "from fastsoftmax.cuda import build; "
+        "from fastsoftmax.kernels.cuda import build; "
         "c = build.compile_kernel(build.Config('bwd', 'float16', 'float32', 'bfloat16', group=64, k=4), 'sm_90a'); "
         "print(len(c.binary))"
     )

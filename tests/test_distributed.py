@@ -9,7 +9,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from helpers import spawn_gloo
 
-from fastsoftmax.reference import softmax_torch
+from fastsoftmax.core.reference import softmax_torch
 
 M, V = 9, 23
 

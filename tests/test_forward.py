@@ -8,7 +8,7 @@ from helpers import DTYPES, assert_close, forward, random_logits, special_rows
 
 import fastsoftmax as fs
 from fastsoftmax import heuristics
-from fastsoftmax.reference import oracle, oracle_lse
+from fastsoftmax.core.reference import oracle, oracle_lse
 
 FNS = {False: fs.softmax, True: fs.log_softmax}
 

@@ -9,7 +9,7 @@ from helpers import DTYPES, assert_close, forward, pass_through_mode, random_log
 import fastsoftmax as fs
 from fastsoftmax import heuristics
 from fastsoftmax.heuristics import tables
-from fastsoftmax.reference import oracle, oracle_lse
+from fastsoftmax.core.reference import oracle, oracle_lse
 
 pytestmark = [
     pytest.mark.gpu,
@@ -120,7 +120,7 @@ def test_more_than_2_pow_31_elements(n, path):
     ],
 )
 def test_backward_large(shape, path, dtype, log):
-    from fastsoftmax.reference import compare_grad
+    from fastsoftmax.core.reference import compare_grad
 
     gen = torch.Generator().manual_seed(shape[1] + 1)
     x = random_logits(shape, dtype, gen)
@@ -144,7 +144,7 @@ def test_backward_more_than_2_pow_31_elements():
     with heuristics.force(poison=True):
         dx = fs.softmax_backward(dy, y, backend="triton")
     assert not dx.isnan().any()
-    from fastsoftmax.reference import oracle_backward
+    from fastsoftmax.core.reference import oracle_backward
 
     for r in (0, (1 << 31) // n, rows - 1):
         ref = oracle_backward(dy[r], y[r])
@@ -200,7 +200,8 @@ def test_fast_path_replays_bit_identical(monkeypatch, shape, backend, path):
     """A plain call's second run replays the recorded launches without dispatching again: bit-identical
     output, the same plan recorded, forward and backward, softmax and log_softmax, each path of each
     backend, on every Triton release, each entry of the one replay kind (launch.py's prepared launches)."""
-    from fastsoftmax import dispatch, fastpath
+    from fastsoftmax import dispatch
+    from fastsoftmax.kernels import replay as fastpath
 
     if not fastpath.ENABLED:
         pytest.skip("FASTSOFTMAX_FAST_LAUNCH=0")
@@ -247,7 +248,9 @@ def test_replay_in_c_steps_aside_where_it_must():
     forward-mode AD level, a torch.func transform, torch.compile; every result right."""
     import torch.autograd.forward_ad as fwad
 
-    from fastsoftmax import dispatch, fastpath, launch
+    from fastsoftmax import dispatch
+    from fastsoftmax.kernels import replay as fastpath
+    from fastsoftmax.kernels import launch
 
     fastpath.clear()
     x = torch.randn(64, 1000, device="cuda") * 3
@@ -288,7 +291,7 @@ def _within(ctx, fn):
 
 _BAD_TARGET = r"""
 import sys, torch, fastsoftmax as fs
-from fastsoftmax import fastpath
+from fastsoftmax.kernels import replay as fastpath
 how = sys.argv[1]
 x = torch.randn(8, 100, device="cuda")
 t = torch.randint(0, 100, (8,), device="cuda")
@@ -337,7 +340,8 @@ def test_full_path_launches_through_launch_py(monkeypatch):
     Launches only, bit-identical."""
     from triton.runtime.jit import JITFunction
 
-    from fastsoftmax import fastpath, launch
+    from fastsoftmax.kernels import replay as fastpath
+    from fastsoftmax.kernels import launch
 
     submitted = []
     real_submit = launch.submit
@@ -374,8 +378,8 @@ def test_compiled_kernel_memo_matches_tritons_choice():
     arguments Triton specialises differently (a pointer 16-byte aligned or not, an int equal to 1, divisible
     by 16 or neither) it must hand back the very CompiledKernel Triton's own lookup picks, and the launch
     through it must compute the right thing."""
-    from fastsoftmax.triton import cross_entropy as ce
-    from fastsoftmax.triton import launch as tl_launch
+    from fastsoftmax.kernels.triton import cross_entropy as ce
+    from fastsoftmax.kernels.triton import launch as tl_launch
 
     base = torch.randn(4099, device="cuda")
     g = torch.full((1,), 3.0, device="cuda")
@@ -403,7 +407,8 @@ def test_launch_hooks_take_tritons_own_launch():
     removed, launches go through launch.py and replay again."""
     from triton import knobs
 
-    from fastsoftmax import fastpath, launch
+    from fastsoftmax.kernels import replay as fastpath
+    from fastsoftmax.kernels import launch
 
     seen = []
 
@@ -431,7 +436,7 @@ def test_fast_path_threads():
     the replay steps aside, the full path makes the context current and launches): every output right."""
     import threading
 
-    from fastsoftmax import fastpath
+    from fastsoftmax.kernels import replay as fastpath
 
     fastpath.clear()
     gen = torch.Generator(device="cuda").manual_seed(3)
@@ -460,7 +465,7 @@ def test_fast_path_threads():
 def test_fast_path_keeps_off_what_it_cannot_replay():
     """Calls the replay must not take go through the full path every time: a forced path, a non-dense or
     16-byte-misaligned input, autograd, a different output dtype is its own key; a side stream is honoured."""
-    from fastsoftmax import fastpath
+    from fastsoftmax.kernels import replay as fastpath
 
     fastpath.clear()
     x = torch.randn(64, 1001, device="cuda")
@@ -587,7 +592,7 @@ def test_lce_cuda_graph(reduction):
 
 def test_lce_scale_kernel_both_branches():
     """scale_by, the backward's in-place scaling: untouched (not read or written) when g == 1, scaled else."""
-    from fastsoftmax.triton import cross_entropy as k
+    from fastsoftmax.kernels.triton import cross_entropy as k
 
     a = torch.randn(10007, device="cuda", dtype=torch.bfloat16)
     b = a.clone()
@@ -610,7 +615,8 @@ def test_cross_entropy_replay(monkeypatch, shape, dtype, opts):
     """fs.cross_entropy seen before is replayed (fastpath.loss_*): no launch through the full path's submit,
     forward and backward bit-identical to the full path's, and right against float64 torch; the backward
     with create_graph=True leaves the replay for torch ops and gives torch's second derivatives."""
-    from fastsoftmax import fastpath, launch
+    from fastsoftmax.kernels import replay as fastpath
+    from fastsoftmax.kernels import launch
 
     submitted = []
     real_submit = launch.submit
@@ -643,7 +649,7 @@ def test_cross_entropy_replay(monkeypatch, shape, dtype, opts):
             assert torch.equal(a, b)
         assert torch.equal(dx, ref_dx)
         assert heuristics.last_plan().backend == "triton"
-    # against float64 torch (the z-loss and softcap in torch ops: fastsoftmax.reference's definitions)
+    # against float64 torch (the z-loss and softcap in torch ops: fastsoftmax.core.reference's definitions)
     x64 = x.double().requires_grad_()
     ref = fs.cross_entropy(x64, t, **opts)  # float64: the torch path, never replayed
     ref = ref[0] if want_z else ref

@@ -15,10 +15,12 @@ import pytest
 import torch
 from helpers import pass_through_mode, triton_hook
 
-from fastsoftmax import fastpath, heuristics, launch, torch_build
-from fastsoftmax.backends.torch import native_softmax
-from fastsoftmax.cuda.kernels import _Params
-from fastsoftmax.errors import BackendFailed
+from fastsoftmax import heuristics, torch_build
+from fastsoftmax.kernels import replay as fastpath
+from fastsoftmax.kernels import launch
+from fastsoftmax.kernels.torch_ops import native_softmax
+from fastsoftmax.kernels.cuda.kernels import _Params
+from fastsoftmax.core.errors import BackendFailed
 
 
 def test_pack_lays_parameters_out_as_the_compiler_does():
@@ -293,7 +295,7 @@ def test_triton_signature_packed_into_launch_params(native):
     (one per pointer argument, in order), integers and floats by their types (narrower integers in 32-bit
     storage, sign- or zero-extended), the global and profile scratch pointers last (null); block = 32 x
     num_warps, the kernel's shared memory, the grid padded to three dims."""
-    from fastsoftmax.triton.launch import KernelPlan
+    from fastsoftmax.kernels.triton.launch import KernelPlan
 
     plan = KernelPlan(_fake_ck(SIG), list(SIG), [None] * len(SIG))
     assert [n for _, n, _ in plan.runtime] == [n for n in SIG if n != "BLOCK"] and plan.trailing == 2
@@ -316,7 +318,7 @@ def test_triton_signature_packed_into_launch_params(native):
 @needs_cc
 def test_triton_kernels_launch_cannot_make_are_refused(native):
     """What launch.py does not make raises errors.BackendFailed at the first launch, naming it."""
-    from fastsoftmax.triton.launch import KernelPlan
+    from fastsoftmax.kernels.triton.launch import KernelPlan
 
     cases = [
         (_fake_ck(SIG, global_scratch_size=256), "global or profile scratch"),
@@ -399,7 +401,7 @@ def test_triton_full_path_launches_a_cached_launch(native, monkeypatch):
     from the positional arguments, the keywords and the defaults, one Launch per (kernel, grid, non-pointer
     values) reused, the pointers' addresses submitted on torch's current stream; with a launch hook
     registered, kernel[grid](...) instead, and the recording marked not replayable."""
-    from fastsoftmax.triton import launch as tl
+    from fastsoftmax.kernels.triton import launch as tl
 
     sig = {"x": "*fp32", "y": "*fp32", "n": "i32", "scale": "fp32", "BLOCK": "constexpr", "tail": "i32"}
     ck = _HashableCk(**vars(_fake_ck(sig)))
@@ -523,7 +525,7 @@ try:
 except Exception as e:  # Triton's internals used here moved: nothing to check against
     print("SKIP", repr(e)); sys.exit(0)
 from fastsoftmax import heuristics
-from fastsoftmax.triton import launch as tlaunch, softmax_bwd, softmax_fwd
+from fastsoftmax.kernels.triton import launch as tlaunch, softmax_bwd, softmax_fwd
 
 captured = []
 softmax_fwd.launch = softmax_bwd.launch = lambda *a: captured.append(a)
@@ -865,11 +867,11 @@ def test_every_kernel_fits_a_prepared_launch():
     import inspect
     import pkgutil
 
-    import fastsoftmax.triton as kernels
+    import fastsoftmax.kernels.triton as kernels
 
     seen = {}
     for info in pkgutil.iter_modules(kernels.__path__):
-        mod = importlib.import_module(f"fastsoftmax.triton.{info.name}")
+        mod = importlib.import_module(f"fastsoftmax.kernels.triton.{info.name}")
         for name, k in vars(mod).items():  # (@triton.jit functions, compiled or interpreted)
             fn = getattr(k, "fn", None)
             if callable(fn) and hasattr(k, "arg_names") and fn.__module__ == mod.__name__:

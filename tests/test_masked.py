@@ -9,8 +9,9 @@ import torch
 from helpers import DTYPES
 
 import fastsoftmax as fs
-from fastsoftmax import heuristics, masking
-from fastsoftmax.reference import TOLERANCE, softmax_torch
+from fastsoftmax import heuristics
+from fastsoftmax.core import masking
+from fastsoftmax.core.reference import TOLERANCE, softmax_torch
 
 FNS = {False: fs.softmax, True: fs.log_softmax}
 B, H, SQ, SK = 2, 3, 5, 37

@@ -16,11 +16,11 @@ from helpers import assert_close, random_logits
 
 import fastsoftmax as fs
 from fastsoftmax import heuristics
-from fastsoftmax.backends import cuda as cuda_backend
+from fastsoftmax.kernels.cuda import backend as cuda_backend
 from fastsoftmax.bench import tuning as sweep
 from fastsoftmax.heuristics import device as gpu
 from fastsoftmax.heuristics import softmax_cuda, softmax_triton, tables
-from fastsoftmax.reference import compare_grad
+from fastsoftmax.core.reference import compare_grad
 
 H200 = gpu.INTERPRETER
 # Parts we have no access to, from their published device properties (SMs, compute capability, shared
@@ -139,7 +139,7 @@ def _nvrtc_available():
     try:
         from cuda.bindings import nvrtc  # noqa: F401
 
-        from fastsoftmax.cuda.build import nvrtc_version
+        from fastsoftmax.kernels.cuda.build import nvrtc_version
 
         nvrtc_version()
     except Exception as e:
@@ -152,8 +152,8 @@ def _nvrtc_available():
 def test_cuda_kernels_compile_for_each_part(name, tmp_path, monkeypatch):
     """The launches the rules make on each part compile for its architecture, with registers a CTA of that
     size can have (ptxas -v, where NVRTC logs it)."""
-    from fastsoftmax.cuda import build
-    from fastsoftmax.cuda.kernels import config_for
+    from fastsoftmax.kernels.cuda import build
+    from fastsoftmax.kernels.cuda.kernels import config_for
 
     monkeypatch.setenv("FASTSOFTMAX_CACHE_DIR", str(tmp_path))
     part = PARTS[name]
@@ -220,7 +220,7 @@ sys.modules["cuda.bindings"] = None  # what a machine without the cu13 / cu12 ex
 import json, torch
 import fastsoftmax as fs
 from fastsoftmax import heuristics
-from fastsoftmax.backends import cuda as cuda_backend
+from fastsoftmax.kernels.cuda import backend as cuda_backend
 out = {"import_error": cuda_backend.import_error(), "off": cuda_backend.off(), "info": fs.info()["backends"]["cuda"]}
 if torch.cuda.is_available():
     x = torch.randn(8, 50257, device="cuda", dtype=torch.bfloat16)  # the H200 table: the CUDA backend (staged)

@@ -76,7 +76,7 @@ def test_matches_oracle(device, backend, problem):
 @given(problem=problems())
 def test_gradients_match_oracle(device, problem):
     """Gradients through the custom op, every path, against the float64 oracle of the backward."""
-    from fastsoftmax.reference import compare_grad
+    from fastsoftmax.core.reference import compare_grad
 
     x, dim, path, log, out_dtype = problem
     x = x.to(device).requires_grad_()

@@ -391,7 +391,7 @@ def _count_gpu_launches(stack):
     """Counts every kernel launched on the GPU from now on in this (child) process through the library's one
     launcher (launch.submit, which every kernel of the full path goes through: not Triton's launch hook,
     which would send them through Triton's own launcher instead)."""
-    from fastsoftmax import launch
+    from fastsoftmax.kernels import launch
 
     launches, submit = [], launch.submit
 

@@ -3,10 +3,10 @@
 Nothing runs at import: kernels are imported, compiled and cached on first use.
 """
 
-from .api import LogSoftmax, Softmax, log_softmax, log_softmax_backward, softmax, softmax_backward
 from .info import info
-from .lm_head import LinearCrossEntropy, linear_cross_entropy
-from .loss import cross_entropy
+from .ops.cross_entropy import cross_entropy
+from .ops.lm_head import LinearCrossEntropy, linear_cross_entropy
+from .ops.softmax import LogSoftmax, Softmax, log_softmax, log_softmax_backward, softmax, softmax_backward
 from .version import __version__
 
 __all__ = [

@@ -64,8 +64,8 @@ def check(args) -> int:
 
     import fastsoftmax as fs
     from fastsoftmax import heuristics
-    from fastsoftmax.dtypes import KERNEL
-    from fastsoftmax.reference import compare, compare_grad, random_logits, special_rows
+    from fastsoftmax.core.dtypes import KERNEL
+    from fastsoftmax.core.reference import compare, compare_grad, random_logits, special_rows
 
     info = fs.info()
     where = (
@@ -118,7 +118,7 @@ def check(args) -> int:
         print(f"{ran:18} {dt:9} {shp:22} {name:16} {err:9.3f}  {'pass' if ok else 'FAIL: ' + str(problem)}")
     print(
         f"\n{len(rows) - failed}/{len(rows)} passed in {time.time() - t0:.1f} s; err/tol is the worst error as a "
-        "fraction of the tolerance (fastsoftmax.reference.TOLERANCE), <= 1 passes"
+        "fraction of the tolerance (fastsoftmax.core.reference.TOLERANCE), <= 1 passes"
     )
     for dt in sorted({r[1] for r in rows}):
         print(f"  worst err/tol, {dt}: {max(r[4] for r in rows if r[1] == dt):.3f}")
@@ -140,7 +140,7 @@ def _loss_rows(device: str, dtypes, gen) -> list:
 
     import fastsoftmax as fs
     from fastsoftmax import heuristics
-    from fastsoftmax.reference import TOLERANCE
+    from fastsoftmax.core.reference import TOLERANCE
 
     n, d, v = LOSS_CASE[device]
     opts = {"label_smoothing": 0.1, "softcap": 30.0, "z_loss": 1e-3}
@@ -212,7 +212,7 @@ def asm(args) -> int:
         print(f"fastsoftmax asm: the Triton backend has no variant {args.variant!r}", file=sys.stderr)
         return 2
     os.environ.pop("TRITON_INTERPRET", None)  # compiling needs the real JIT functions
-    from fastsoftmax.triton.compile import compile_forward, ptxas_report
+    from fastsoftmax.kernels.triton.compile import compile_forward, ptxas_report
 
     arch = int(args.arch.removeprefix("sm_").rstrip("a"))
     for k in compile_forward(args.variant, args.dtype, args.n, log=args.log, arch=arch, backward=args.backward):
@@ -229,11 +229,11 @@ def asm(args) -> int:
 
 
 def _asm_cuda(args) -> int:
-    from fastsoftmax.cuda import build
-    from fastsoftmax.cuda.kernels import config_for
     from fastsoftmax.heuristics import device
     from fastsoftmax.heuristics.softmax_cuda import VARIANTS
     from fastsoftmax.info import KERNEL_FAMILIES
+    from fastsoftmax.kernels.cuda import build
+    from fastsoftmax.kernels.cuda.kernels import config_for
 
     if args.variant not in (None, *VARIANTS):
         print(f"fastsoftmax asm: the CUDA backend's variants are {', '.join(VARIANTS)}", file=sys.stderr)

@@ -7,10 +7,11 @@ import platform
 
 import torch
 
-from . import cache, fastpath
-from .backends import cuda as cuda_backend
-from .backends import triton as triton_backend
+from . import cache
 from .heuristics import CUDA_PATHS, PATHS
+from .kernels import replay as replay_mod
+from .kernels.cuda import backend as cuda_backend
+from .kernels.triton import backend as triton_backend
 
 # How each kernel family computes (what a user comparing numerics needs).
 KERNEL_FAMILIES = {
@@ -72,7 +73,7 @@ KERNEL_FAMILIES = {
 def _nvrtc_version() -> str | None:
     if cuda_backend.import_error():
         return None
-    from .cuda.build import nvrtc_version
+    from .kernels.cuda.build import nvrtc_version
 
     try:
         return ".".join(map(str, nvrtc_version()))
@@ -91,7 +92,7 @@ def _auto(cuda: bool) -> dict:
     from .heuristics import device, tables
 
     if not cuda:
-        return {"cpu": "torch ops"}
+        return {"cpu": "torch's own kernels, with the library's conventions (the torch backend's native path)"}
     out = {}
     for i in range(torch.cuda.device_count()):
         facts = device.of(i)
@@ -151,11 +152,8 @@ def info() -> dict:
 
 
 def replay() -> str:
-    """How the eager fast path (fastpath.py) launches a replayed call."""
-    if not fastpath.ENABLED:
-        return "off (FASTSOFTMAX_FAST_LAUNCH=0)"
-    from . import torch_build
-    from .launch import describe
+    """How kernels are launched here, and whether eager calls seen before are replayed (kernels/replay.py)."""
+    from .kernels.launch import describe
 
     how = describe()
-    return how if how != "fastlaunch.c" else f"{how}, torch reached through {torch_build.describe()}"
+    return how if replay_mod.ENABLED else f"{how}; the replay is off (FASTSOFTMAX_REPLAY=0)"

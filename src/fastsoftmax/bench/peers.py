@@ -160,7 +160,7 @@ def masked_fn(
         if pass_ == "fwd":
             return lambda: fs.softmax(x, mask=pad, scale=scale, causal=causal, backend=be)
         return lambda: fs.softmax_backward(dy, y, mask=pad, scale=scale, causal=causal, backend=be)
-    from ..masking import causal_keep
+    from ..core.masking import causal_keep
 
     fwd, bwd = _torch_masked(pad, causal_keep(x) if causal else None, scale, name == "torch.compile")
     return (lambda: fwd(x)) if pass_ == "fwd" else (lambda: bwd(dy, y))

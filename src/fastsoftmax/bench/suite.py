@@ -125,7 +125,7 @@ def check_rows(
 ) -> tuple[float, str | None]:
     """(worst error / tolerance, problem or None): the first and last rows of an implementation's output
     against the float64 oracle."""
-    from ..reference import compare, compare_grad
+    from ..core.reference import compare, compare_grad
 
     rows = sorted({0, min(1, x.shape[0] - 1), x.shape[0] - 1})
     if pass_ == "fwd":
@@ -281,13 +281,13 @@ def _masked_check(out, x, y, dy, pad, causal, pass_) -> tuple[float, str | None]
     """First and last query rows against the float64 torch path of fastsoftmax (masking.py's semantics)."""
     import fastsoftmax as fs
 
-    from ..reference import TOLERANCE
+    from ..core.reference import TOLERANCE
 
     rows = [0, x.shape[-2] - 1]
     sel = (slice(None), slice(None), rows)
     m = pad
     if causal:  # the causal rule of the full problem, for the selected query rows
-        from ..masking import causal_keep
+        from ..core.masking import causal_keep
 
         keep = causal_keep(x)[rows]
         m = keep[None, None] if m is None else (m & keep[None, None])

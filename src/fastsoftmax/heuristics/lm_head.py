@@ -20,6 +20,24 @@ def design(reduction: str, forced: str | None) -> str:
     return forced if forced in DESIGNS else "lce_chunked"
 
 
+def free_bytes(x) -> int | None:
+    """Bytes the caching allocator can hand out on x's GPU (None on the CPU, and while a CUDA graph is
+    captured: its chunks must not depend on what is free then)."""
+    import torch
+
+    if not x.is_cuda or torch.cuda.is_current_stream_capturing():
+        return None
+    free, _ = torch.cuda.mem_get_info(x.device)
+    return free + torch.cuda.memory_reserved(x.device) - torch.cuda.memory_allocated(x.device)
+
+
+def rows_per_chunk(x, v: int, memory: int | None) -> int:
+    """Rows of (n, d) x whose logits against v classes a chunk holds (``memory`` bytes, or the rule's choice
+    from the problem and the free memory where None or 0)."""
+    n, d = x.shape
+    return chunk_rows(n, d, v, x.element_size(), memory if memory else None, free_bytes(x))
+
+
 def chunk_rows(n: int, d: int, v: int, elsize: int, memory: int | None, free: int | None) -> int:
     """Rows of logits per chunk: ``memory`` bytes of them when given (at least one row). Else about (n - d) / 2 rows,
     at least MIN_ROWS: the peak (dW + dx + the chunk) is then half of the materialised loss's (n rows of

@@ -1,0 +1,241 @@
+"""The public functions' argument checks: every check that can fail, before any launch, with a clear error
+naming the function."""
+
+from __future__ import annotations
+
+import math
+import operator
+
+import torch
+
+from . import dtypes, masking
+
+REDUCTIONS = ("none", "mean", "sum")
+BACKENDS = ("auto", "triton", "cuda", "torch")  # the names backend= takes (dispatch.py maps them to code)
+LOSS_BACKENDS = ("auto", "triton", "torch")  # the losses' (the CUDA backend has no loss kernels)
+DEVICES = ("cpu", "cuda")  # devices with a path (meta tensors: the custom ops' fakes)
+
+
+_FLOATS = frozenset(dtypes.FLOATS)
+_BACKENDS = frozenset(BACKENDS)
+
+
+def softmax(fn: str, x, dim, dtype, backend) -> tuple[int, torch.dtype]:
+    """(dim made non-negative, output dtype)."""
+    if (  # the common case, in few steps (a small call's host time is mostly Python's); else each check
+        type(x) is torch.Tensor
+        and type(dim) is int
+        and x.dtype in _FLOATS
+        and (dtype is None or dtype in _FLOATS)
+        and type(backend) is str
+        and backend in _BACKENDS
+        and ((x.is_cuda and "cuda" in DEVICES) or (x.is_cpu and "cpu" in DEVICES))
+    ):
+        ndim = x.dim() or 1
+        if -ndim <= dim < ndim:
+            return dim % ndim, (dtype or x.dtype)
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{fn}: expected a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in dtypes.FLOATS:
+        raise TypeError(f"{fn}: expected a floating-point tensor ({dtypes.FLOAT_NAMES}), got {x.dtype}")
+    if dtype is not None and dtype not in dtypes.FLOATS:
+        raise TypeError(f"{fn}: dtype must be None, {dtypes.FLOAT_NAMES}, got {dtype}")
+    if isinstance(dim, bool):
+        raise TypeError(f"{fn}: dim must be an int, got bool")
+    try:
+        dim = operator.index(dim)
+    except TypeError:
+        raise TypeError(f"{fn}: dim must be an int, got {type(dim).__name__}") from None
+    ndim = max(x.dim(), 1)
+    if not -ndim <= dim < ndim:
+        raise IndexError(f"{fn}: dim out of range (expected to be in range of [{-ndim}, {ndim - 1}], but got {dim})")
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        raise ValueError(f"{fn}: unknown backend {backend!r}; valid: {', '.join(map(repr, BACKENDS))}")
+    if x.device.type not in DEVICES and x.device.type != "meta":  # meta: the custom op's fake
+        raise RuntimeError(
+            f"{fn}: no path for tensors on device '{x.device}'; fastsoftmax runs cuda tensors (Triton "
+            "kernels or torch ops) and cpu tensors (torch ops; Triton under TRITON_INTERPRET=1)"
+        )
+    return dim % ndim, (dtype or x.dtype)
+
+
+def targets(t: torch.Tensor, v, ignore_index: int, fn: str = "cross_entropy") -> None:
+    """Raise when a target is outside [0, v) and not ignore_index (``v``: an int or a 0-d tensor), comparing
+    as int64 whatever the target's integer dtype (uint8 would wrap -100 to 156). On a GPU through
+    torch._assert_async (no host synchronisation: the error surfaces at the next synchronising call). The
+    Triton kernels make the same check on the device as they read the targets."""
+    t = t.long()
+    bad = ((t < 0) | (t >= v)) & (t != ignore_index)
+    if t.is_cuda:
+        torch._assert_async(~bad.any(), f"{fn}: a target is outside [0, V) and not ignore_index")
+    elif bad.any():
+        i = int(bad.nonzero()[0, 0])
+        raise IndexError(f"{fn}: target {int(t[i])} at row {i} is outside [0, {int(v)}) and not ignore_index")
+
+
+def masked(fn: str, x, dim: int, mask, scale, causal) -> bool:
+    """Whether the call is masked (a mask, a scale or causal), with masking.check's errors."""
+    if mask is None and scale is None and causal is False:
+        return False
+    masking.check(fn, x, dim, mask, scale, causal)
+    return True
+
+
+def softmax_backward(fn, dy, y, dim, dtype, backend) -> tuple[int, torch.dtype]:
+    if type(dy) is torch.Tensor and type(y) is torch.Tensor and dy.dtype in _FLOATS and dy.shape == y.shape:
+        if dy.is_cuda == y.is_cuda and dy.get_device() == y.get_device():
+            return softmax(fn, y, dim, dtype, backend)
+    if not isinstance(dy, torch.Tensor):
+        raise TypeError(f"{fn}: expected dy to be a torch.Tensor, got {type(dy).__name__}")
+    dim, out_dtype = softmax(fn, y, dim, dtype, backend)
+    if dy.dtype not in dtypes.FLOATS:
+        raise TypeError(f"{fn}: dy must be floating point ({dtypes.FLOAT_NAMES}), got {dy.dtype}")
+    if dy.shape != y.shape:
+        raise ValueError(f"{fn}: dy has shape {tuple(dy.shape)} but y has {tuple(y.shape)}")
+    if dy.device != y.device:
+        raise ValueError(f"{fn}: dy is on {dy.device} but y is on {y.device}")
+    return dim, out_dtype
+
+
+def loss_options(fn: str, ignore_index, reduction, label_smoothing) -> None:
+    """The loss options' checks, shared with fastsoftmax.distributed."""
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"{fn}: reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)):
+        raise TypeError(f"{fn}: label_smoothing must be a float")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"{fn}: label_smoothing must be in [0, 1], got {label_smoothing}")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"{fn}: ignore_index must be an int")
+
+
+def target(fn: str, logits, target) -> None:
+    if not isinstance(target, torch.Tensor):
+        raise TypeError(f"{fn}: target must be a torch.Tensor")
+    if target.dtype not in dtypes.TARGETS:
+        raise TypeError(f"{fn}: target must hold class indices (an integer dtype), got {target.dtype}")
+    if tuple(target.shape) != tuple(logits.shape[:-1]):
+        raise ValueError(
+            f"{fn}: target has shape {tuple(target.shape)}, expected logits' shape without "
+            f"the class dim, {tuple(logits.shape[:-1])}"
+        )
+
+
+def cross_entropy_options(fn: str, ignore_index, reduction, label_smoothing, backend) -> None:
+    loss_options(fn, ignore_index, reduction, label_smoothing)
+    if backend not in LOSS_BACKENDS:
+        raise ValueError(f"{fn}: backend must be 'auto', 'triton' or 'torch', got {backend!r}")
+
+
+_TARGETS, _REDUCTIONS, _LOSS_BACKENDS = frozenset(dtypes.TARGETS), frozenset(REDUCTIONS), frozenset(LOSS_BACKENDS)
+
+
+def cross_entropy(logits, tgt, ignore_index, reduction, label_smoothing, backend) -> None:
+    if (  # the common case, in few steps (a small call's host time is mostly Python's); else each check
+        type(logits) is torch.Tensor
+        and type(tgt) is torch.Tensor
+        and logits.dtype in _FLOATS
+        and tgt.dtype in _TARGETS
+        and type(ignore_index) is int
+        and type(reduction) is str
+        and reduction in _REDUCTIONS
+        and type(label_smoothing) is float
+        and 0.0 <= label_smoothing <= 1.0
+        and type(backend) is str
+        and backend in _LOSS_BACKENDS
+        and logits.dim()
+        and logits.shape[:-1] == tgt.shape
+        and logits.shape[-1]
+        and logits.is_cuda == tgt.is_cuda
+        and logits.get_device() == tgt.get_device()
+    ):
+        return
+    if not isinstance(logits, torch.Tensor) or not isinstance(tgt, torch.Tensor):
+        raise TypeError("cross_entropy: logits and target must be torch.Tensors")
+    if not logits.dtype.is_floating_point:
+        raise TypeError(f"cross_entropy: logits must be floating point, got {logits.dtype}")
+    if logits.dim() < 1 or logits.shape[-1] == 0:
+        raise ValueError(f"cross_entropy: logits need a class dim (the last) of size >= 1, got {tuple(logits.shape)}")
+    target("cross_entropy", logits, tgt)
+    if tgt.device != logits.device:
+        raise ValueError(f"cross_entropy: target is on {tgt.device} but logits on {logits.device}")
+    cross_entropy_options("cross_entropy", ignore_index, reduction, label_smoothing, backend)
+
+
+def _number(fn: str, name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{fn}: {name} must be a float, got {type(value).__name__}")
+    if not math.isfinite(value):
+        raise ValueError(f"{fn}: {name} must be finite, got {value}")
+    return float(value)
+
+
+def loss_extras(fn: str, logits, class_weight, softcap, z_loss, return_z_loss: bool = False) -> None:
+    """class_weight: None or a (V,) floating tensor on the logits' device; softcap: None or a float > 0;
+    z_loss: a float >= 0; return_z_loss: a bool. ``logits``: the logits, or (V, device) of a weight matrix."""
+    if class_weight is None and softcap is None and type(z_loss) is float and z_loss == 0.0:
+        if type(return_z_loss) is bool:  # (the common case)
+            return
+    v, device = (logits.shape[-1], logits.device) if isinstance(logits, torch.Tensor) else logits
+    if class_weight is not None:
+        if not isinstance(class_weight, torch.Tensor):
+            raise TypeError(f"{fn}: class_weight must be None or a torch.Tensor, got {type(class_weight).__name__}")
+        if not class_weight.dtype.is_floating_point:
+            raise TypeError(f"{fn}: class_weight must be floating point, got {class_weight.dtype}")
+        if tuple(class_weight.shape) != (v,):
+            raise ValueError(
+                f"{fn}: class_weight must have shape ({v},) (one per class), got {tuple(class_weight.shape)}"
+            )
+        if class_weight.device != device:
+            raise ValueError(f"{fn}: class_weight is on {class_weight.device} but the logits on {device}")
+    if softcap is not None and _number(fn, "softcap", softcap) <= 0:
+        raise ValueError(f"{fn}: softcap must be None or > 0, got {softcap}")
+    if _number(fn, "z_loss", z_loss) < 0:
+        raise ValueError(f"{fn}: z_loss must be >= 0, got {z_loss}")
+    if not isinstance(return_z_loss, bool):
+        raise TypeError(f"{fn}: return_z_loss must be a bool, got {type(return_z_loss).__name__}")
+
+
+def linear_cross_entropy(
+    x, weight, tgt, bias, memory, same_dtype: bool = True, fn: str = "linear_cross_entropy", min_v: int = 1
+) -> None:
+    """x (..., d), weight (V, d) with V >= min_v (a rank's slice may be empty: 0), bias (V,) or None:
+    floating, on one device, of one dtype (``same_dtype``; under autocast linear_dtypes checks it after the
+    cast); target x's shape without d; memory None or an int > 0."""
+    for name, t in (("x", x), ("weight", weight), ("target", tgt)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if bias is not None and not isinstance(bias, torch.Tensor):
+        raise TypeError(f"{fn}: bias must be None or a torch.Tensor, got {type(bias).__name__}")
+    if x.dtype not in dtypes.FLOATS:
+        raise TypeError(f"{fn}: x must be floating point ({dtypes.FLOAT_NAMES}), got {x.dtype}")
+    if x.dim() < 1:
+        raise ValueError(f"{fn}: x must have a feature dim (the last), got shape {tuple(x.shape)}")
+    if weight.dim() != 2 or weight.shape[1] != x.shape[-1] or weight.shape[0] < min_v:
+        raise ValueError(
+            f"{fn}: weight must be (V, d) with V >= {min_v} and d = x.shape[-1] = {x.shape[-1]}, "
+            f"got {tuple(weight.shape)}"
+        )
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(f"{fn}: bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}")
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None and not t.dtype.is_floating_point:
+            raise TypeError(f"{fn}: {name} must be floating point, got {t.dtype}")
+    if same_dtype:
+        linear_dtypes(x, weight, bias)
+    for name, t in (("weight", weight), ("target", tgt), ("bias", bias)):
+        if t is not None and t.device != x.device:
+            raise ValueError(f"{fn}: {name} is on {t.device} but x on {x.device}")
+    if x.device.type not in DEVICES and x.device.type != "meta":
+        raise RuntimeError(f"{fn}: no path for tensors on device '{x.device}' (cuda and cpu tensors run)")
+    target(fn, x, tgt)  # (x's shape without d, as the logits' without the classes)
+    if memory is not None and (isinstance(memory, bool) or not isinstance(memory, int) or memory < 1):
+        raise ValueError(f"{fn}: memory must be None or a positive int (bytes of logits a chunk holds), got {memory!r}")
+
+
+def linear_dtypes(x, weight, bias) -> None:
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None and t.dtype != x.dtype:
+            raise TypeError(
+                f"linear_cross_entropy: {name} is {t.dtype} but x is {x.dtype} (one dtype, as F.linear needs)"
+            )

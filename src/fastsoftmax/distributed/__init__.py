@@ -1,0 +1,329 @@
+"""Softmax, log_softmax, cross-entropy and the LM head's loss with the classes split across a torch.distributed
+process group (tensor parallelism): rank r holds a contiguous slice of the classes (of the logits' last dim,
+or of the LM head's weight rows), in rank order; slices may differ in width, hold no finite value, or be empty.
+
+Per forward, the same collectives on every rank whatever its inputs:
+  1. an all-gather of each rank's signature (its slice's width, its row count, its dtype, a digest of the
+     call's options, the sum of its class weights), from which every rank checks that the ranks agree and
+     finds its slice's offset in the vocabulary, as a device tensor;
+  2. an all-gather of per-row statistics of each slice (its logsumexp, and for the losses the target's
+     logit and class weight where the target falls in the slice, and the weighted sum of its logits for
+     label smoothing), merged into the row's global numbers. Megatron-LM's vocabulary-parallel
+     cross-entropy sends three all-reduces (max, sum of exp, target logit); a logsumexp carries the max
+     and the sum in one number.
+The backward of the losses needs no collective but the LM head's one all-reduce of dx; softmax and
+log_softmax need one all-reduce of a per-row sum. No host synchronisation anywhere (a step can be captured
+in a CUDA graph): on CUDA tensors ranks that disagree stop at the same device-side assertion before the
+statistics move; on CPU tensors (gloo) every rank raises the same ValueError.
+
+The collectives, their merge and the slice's own work (the kernels', or torch ops') are merge.py's;
+this module holds the public functions, their checks and their autograd Functions.
+
+Conventions as the rest of the library: a row that is -inf on every rank gives zeros (softmax) / -inf
+(log_softmax) and a zero gradient; NaN or +inf anywhere in a row gives NaN across it. Loss options as
+fs.cross_entropy's, with ``class_weight`` this rank's slice of the class weights. Not supported: double
+backward (create_graph=True through a backward raises: the second derivative crosses ranks) and torch.func
+transforms of these functions.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from ..core import checks, compose, options
+from ..core.layout import flat_target
+from ..heuristics.lm_head import rows_per_chunk
+from ..kernels.torch_loss import chunk_logits, reduce_terms
+from . import merge as shard_merge
+
+
+def _no_double_backward(fn: str) -> None:
+    if torch.is_grad_enabled():
+        raise NotImplementedError(
+            f"{fn}: double backward (create_graph=True) is not supported: the second derivative crosses ranks"
+        )
+
+
+# ---- softmax and log_softmax --------------------------------------------------------------------------------
+
+
+class _Softmax(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, log, group, dtype, backend):
+        fn = "distributed.log_softmax" if log else "distributed.softmax"
+        x2 = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        if dtype == torch.float64:  # (computed in float64 then, as fs.softmax does: torch ops)
+            x2 = x2.double()
+        shard_merge.agree(fn, x, x2.shape[1], x2.shape[0], group, (log, str(dtype)))
+        impl = shard_merge.slice_work(x2, backend)
+        local = shard_merge.slice_stats(impl, x2, None, None, False)[0]
+        lse = shard_merge.merge_lse(shard_merge.gather(local, group))
+        out = shard_merge.empty_out(x2.shape, dtype or x.dtype, x.device)
+        y = impl.normalise(x2, lse.to(shard_merge.wide_dtype(x2)), log, out) if x2.numel() else out
+        ctx.save_for_backward(y, lse)
+        ctx.log, ctx.group, ctx.x_dtype, ctx.backend, ctx.fn = log, group, x.dtype, backend, fn
+        return y.reshape(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        _no_double_backward(ctx.fn)
+        y, lse = ctx.saved_tensors
+        dy2 = dy.reshape(y.shape)
+        if dy2.stride(-1) != 1:
+            dy2 = dy2.contiguous()
+        impl = shard_merge.slice_work(y, ctx.backend, backward=True)
+        s = impl.dot(y, dy2, ctx.log) if y.numel() else torch.zeros(y.shape[0], dtype=lse.dtype, device=y.device)
+        dist.all_reduce(s, group=ctx.group)
+        dx = shard_merge.empty_out(y.shape, ctx.x_dtype, y.device)
+        if y.numel():
+            impl.softmax_backward(y, dy2, s.to(lse.dtype), lse, ctx.log, dx)
+        return dx.reshape(dy.shape), None, None, None, None
+
+
+def _check_shard(fn, x, backend=None, target=None):
+    """The shard's (and the target's, and a softmax's backend) checks: what can fail before a collective,
+    with _need_group. (The losses' backend: checks.cross_entropy_options, in _loss_checks.)"""
+    if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point:
+        raise TypeError(f"{fn}: expected a floating-point torch.Tensor shard")
+    if x.dim() < 1:
+        raise ValueError(f"{fn}: the shard needs the split class dim (the last)")
+    if backend is not None and backend not in checks.LOSS_BACKENDS:
+        raise ValueError(f"{fn}: backend must be 'auto', 'triton' or 'torch', got {backend!r}")
+    if target is not None:
+        checks.target(fn, x, target)
+
+
+def _need_group(fn: str) -> None:
+    """An initialised process group, and no torch.func transform or dispatch mode (fake tensors): the
+    statistics cross ranks through collectives, which neither can carry."""
+    if compose.transforms_active() or compose.dispatch_modes():
+        raise NotImplementedError(
+            f"{fn}: torch.func transforms, fake tensors and dispatch modes are not supported (the statistics "
+            "cross ranks through collectives); call it outside them"
+        )
+    if not dist.is_initialized():
+        raise RuntimeError(f"{fn}: torch.distributed is not initialised (init_process_group first)")
+
+
+def softmax(
+    x: torch.Tensor,
+    *,
+    group: dist.ProcessGroup | None = None,
+    dtype: torch.dtype | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Softmax along the last dim of logits whose last dim is split across ``group`` (this rank's slice)."""
+    _check_shard("distributed.softmax", x, backend)
+    _need_group("distributed.softmax")
+    return _Softmax.apply(x, False, group, dtype, backend)
+
+
+def log_softmax(
+    x: torch.Tensor,
+    *,
+    group: dist.ProcessGroup | None = None,
+    dtype: torch.dtype | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Log-softmax along the last dim of logits whose last dim is split across ``group``."""
+    _check_shard("distributed.log_softmax", x, backend)
+    _need_group("distributed.log_softmax")
+    return _Softmax.apply(x, True, group, dtype, backend)
+
+
+# ---- the losses -----------------------------------------------------------------------------------------------
+
+
+def _loss_out(rows: shard_merge.Rows, ce, zr, out_dtype):
+    loss, z = reduce_terms(ce, zr, rows.kept, rows.w_kept, rows.o.reduction, out_dtype)
+    return loss, (z if z is not None else torch.zeros_like(loss))
+
+
+def _options_key(o, w, extra=()) -> tuple:
+    return (o.ignore_index, o.reduction, o.smoothing, o.softcap, o.z_loss, w is not None, *extra)
+
+
+class _CrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, target, w, o, group, backend, out_dtype):
+        fn = "distributed.cross_entropy"
+        t = flat_target(target)
+        xf = x.reshape(t.shape[0], x.shape[-1])
+        if xf.stride(-1) != 1:
+            xf = xf.contiguous()
+        offset, v_total, w_total = shard_merge.agree(fn, x, xf.shape[1], t.shape[0], group, _options_key(o, w), w)
+        checks.targets(t, v_total, o.ignore_index, fn)
+        rows = shard_merge.Rows(t, o, offset, xf.shape[-1], w)
+        impl = shard_merge.slice_work(xf, backend)
+        gathered = shard_merge.gather(rows.local_stats(impl, xf, shard_merge.wide_dtype(xf)), group)
+        ce, zr = rows.merge(gathered, v_total, w_total)
+        loss, z = _loss_out(rows, ce, zr, out_dtype)
+        ctx.mark_non_differentiable(z)
+        ctx.save_for_backward(xf)
+        ctx.rows, ctx.backend, ctx.shape = rows, backend, x.shape
+        if o.reduction == "none":
+            loss, z = loss.reshape(target.shape), z.reshape(target.shape)
+        return loss, z
+
+    @staticmethod
+    def backward(ctx, grad, _grad_z):
+        _no_double_backward("distributed.cross_entropy")
+        (xf,) = ctx.saved_tensors
+        rows = ctx.rows
+        a, b, cc = rows.coefficients(grad)
+        dx = shard_merge.empty_out(xf.shape, xf.dtype, xf.device)
+        if xf.numel():
+            impl = shard_merge.slice_work(xf, ctx.backend, backward=True)
+            o = rows.o
+            lse = rows.lse.to(shard_merge.wide_dtype(xf))
+            impl.dlogits(xf, lse, a, b, cc, rows.code, rows.w_local, o.softcap, o.smoothing != 0, dx)
+        return dx.reshape(ctx.shape), None, None, None, None, None, None
+
+
+def _loss_checks(fn, ignore_index, reduction, label_smoothing, backend, v_device, class_weight, softcap, z_loss, ret_z):
+    checks.cross_entropy_options(fn, ignore_index, reduction, label_smoothing, backend)
+    checks.loss_extras(fn, v_device, class_weight, softcap, z_loss, ret_z)
+    return options.Loss(
+        ignore_index, reduction, float(label_smoothing), None if softcap is None else float(softcap), float(z_loss)
+    )
+
+
+def cross_entropy(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    group: dist.ProcessGroup | None = None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    class_weight: torch.Tensor | None = None,
+    softcap: float | None = None,
+    z_loss: float = 0.0,
+    return_z_loss: bool = False,
+    backend: str = "auto",
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """fs.cross_entropy of the full logits (classes along the last dim, split across ``group``; ``logits``
+    is this rank's slice and ``class_weight`` its slice of the class weights) with global class indices as
+    targets, on every rank."""
+    fn = "distributed.cross_entropy"
+    _check_shard(fn, logits, target=target)
+    v_device = (logits.shape[-1], logits.device)
+    o = _loss_checks(
+        fn, ignore_index, reduction, label_smoothing, backend, v_device, class_weight, softcap, z_loss, return_z_loss
+    )
+    _need_group(fn)
+    w = class_weight.contiguous() if class_weight is not None else None
+    loss, z = _CrossEntropy.apply(logits, target, w, o, group, backend, compose.loss_dtype(logits))
+    return (loss, z) if return_z_loss else loss
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """The LM head with W split on the classes: chunks of rows through x_c @ W_r^T into one buffer (the
+    rows per chunk from ``memory``, as fs.linear_cross_entropy), the slice's statistics of each, one gather;
+    the backward recomputes each chunk's logits, turns them into dlogits in place, and accumulates dx (then
+    all-reduced once), dW_r and db_r."""
+
+    @staticmethod
+    def forward(ctx, x, weight, target, bias, w, o, group, backend, memory, out_dtype):
+        fn = "distributed.linear_cross_entropy"
+        t = flat_target(target)
+        x2 = x.reshape(t.shape[0], x.shape[-1])
+        n, v_local = x2.shape[0], weight.shape[0]
+        offset, v_total, w_total = shard_merge.agree(fn, x2, v_local, n, group, _options_key(o, w, (x.shape[-1],)), w)
+        checks.targets(t, v_total, o.ignore_index, fn)
+        rows = shard_merge.Rows(t, o, offset, v_local, w)
+        wide = shard_merge.wide_dtype(x2)
+        local = torch.empty((n, 4), dtype=wide, device=x.device)
+        step = rows_per_chunk(x2, v_local, memory) if n and v_local else max(n, 1)
+        if n and v_local:
+            buf = torch.empty((min(step, n), v_local), dtype=x2.dtype, device=x.device)
+            impl = shard_merge.slice_work(buf, backend)
+            for r0 in range(0, n, step):
+                r1 = min(r0 + step, n)
+                local[r0:r1] = rows.local_stats(impl, chunk_logits(x2[r0:r1], weight, bias, buf[: r1 - r0]), wide, r0)
+        else:
+            local.copy_(rows.local_stats(shard_merge.TorchOps(), x2.new_empty((n, 0)), wide))
+        ce, zr = rows.merge(shard_merge.gather(local, group), v_total, w_total)
+        loss, z = _loss_out(rows, ce, zr, out_dtype)
+        ctx.mark_non_differentiable(z)
+        ctx.save_for_backward(x2, weight, bias)
+        ctx.rows, ctx.group, ctx.backend, ctx.step, ctx.x_shape = rows, group, backend, step, x.shape
+        if o.reduction == "none":
+            loss, z = loss.reshape(target.shape), z.reshape(target.shape)
+        return loss, z
+
+    @staticmethod
+    def backward(ctx, grad, _grad_z):
+        _no_double_backward("distributed.linear_cross_entropy")
+
+        x2, weight, bias = ctx.saved_tensors
+        rows, o, step = ctx.rows, ctx.rows.o, ctx.step
+        need_x, need_w, _, need_b = ctx.needs_input_grad[:4]
+        need_b = need_b and bias is not None
+        n, v_local = x2.shape[0], weight.shape[0]
+        a, b, cc = rows.coefficients(grad)
+        wide = shard_merge.wide_dtype(x2)
+        dx = torch.zeros_like(x2) if need_x else None
+        dw = torch.zeros_like(weight) if need_w else None
+        db = torch.zeros(v_local, dtype=wide, device=x2.device) if need_b else None
+        if n and v_local:
+            buf = torch.empty((min(step, n), v_local), dtype=x2.dtype, device=x2.device)
+            impl = shard_merge.slice_work(buf, ctx.backend, backward=True)
+            lse = rows.lse.to(wide)
+            for r0 in range(0, n, step):
+                r1 = min(r0 + step, n)
+                xc = x2[r0:r1]
+                logits = chunk_logits(xc, weight, bias, buf[: r1 - r0])
+                s = slice(r0, r1)
+                w = rows.w_local
+                impl.dlogits(logits, lse[s], a[s], b[s], cc[s], rows.code[s], w, o.softcap, o.smoothing != 0, logits)
+                if need_x:
+                    torch.mm(logits, weight, out=dx[r0:r1])
+                if need_w:
+                    dw.addmm_(logits.t(), xc)
+                if need_b:
+                    db += logits.sum(0, dtype=wide)
+        if need_x:
+            dist.all_reduce(dx, group=ctx.group)  # (every rank's slice of the classes contributes to dx)
+            dx = dx.reshape(ctx.x_shape)
+        return dx, dw, None, (db.to(bias.dtype) if need_b else None), None, None, None, None, None, None
+
+
+def linear_cross_entropy(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    group: dist.ProcessGroup | None = None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    class_weight: torch.Tensor | None = None,
+    softcap: float | None = None,
+    z_loss: float = 0.0,
+    return_z_loss: bool = False,
+    memory: int | None = None,
+    backend: str = "auto",
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """fs.linear_cross_entropy with the LM head's weight split on the classes across ``group``: ``weight``
+    (V_r, d) is this rank's rows of W (``bias`` and ``class_weight`` its slices), x (..., d) the same on
+    every rank. The loss on every rank; x's gradient whole on every rank (one all-reduce in the backward),
+    the weight's and bias's this rank's slice. memory: bytes of logits a chunk may hold, as
+    fs.linear_cross_entropy's."""
+    fn = "distributed.linear_cross_entropy"
+    checks.linear_cross_entropy(x, weight, target, bias, memory, fn=fn, min_v=0)
+    v_device = (weight.shape[0], weight.device)
+    o = _loss_checks(
+        fn, ignore_index, reduction, label_smoothing, backend, v_device, class_weight, softcap, z_loss, return_z_loss
+    )
+    _need_group(fn)
+    w = class_weight.contiguous() if class_weight is not None else None
+    out_dtype = compose.loss_dtype(x)
+    loss, z = _LinearCrossEntropy.apply(x, weight, target, bias, w, o, group, backend, memory, out_dtype)
+    return (loss, z) if return_z_loss else loss

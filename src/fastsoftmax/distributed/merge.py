@@ -1,0 +1,241 @@
+"""One rank's slice of classes split across ranks, for distributed.py's functions: the collectives and the
+merge of their statistics, and the slice's own work.
+
+The collectives: agree (the first all-gather: each rank's signature, checked for agreement, giving the slice's
+offset in the vocabulary) and gather (the second: per-row statistics, in rank order). merge_lse and Rows.merge
+turn the gathered statistics into each row's global numbers; Rows.coefficients turns those into the three
+numbers per row of the losses' backward. Between the two collectives is O(rows) work in torch ops.
+
+The slice's own work is the kernels' (triton/shard.py: one read of the slice for its statistics, one read
+and one write for the output or dlogits) on CUDA tensors, torch ops on the CPU and for float64 (``backend``
+as fs.cross_entropy's): slice_work() picks _Kernels or TorchOps, which answer the same calls.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+import torch.distributed as dist
+
+from .. import dispatch, heuristics
+from ..core import dtypes
+from ..core.reference import logsumexp_torch
+from ..kernels.torch_loss import capped, row_grads
+
+# ---- the collectives and the merge -------------------------------------------------------------------------
+
+
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # (its name from torch 2.13)
+
+
+def gather(stats: torch.Tensor, group) -> torch.Tensor:
+    """(world, *stats.shape): every rank's stats, in rank order (one all-gather)."""
+    world = dist.get_world_size(group)
+    out = torch.empty(world * stats.numel(), dtype=stats.dtype, device=stats.device)
+    _all_gather(out, stats.contiguous().reshape(-1), group=group)
+    return out.reshape(world, *stats.shape)
+
+
+def merge_lse(lses: torch.Tensor) -> torch.Tensor:
+    """Merge per-rank logsumexps (dim 0): -inf if all are, NaN if any is NaN or +inf (the library's rule for
+    a row holding NaN or +inf)."""
+    bad = lses.isnan().any(0) | (lses == float("inf")).any(0)
+    m = lses.amax(0)
+    m_safe = torch.where(m == float("-inf"), torch.zeros_like(m), m)
+    out = m_safe + (lses - m_safe).exp().sum(0).log()
+    return torch.where(bad, float("nan"), out)
+
+
+def agree(fn: str, x: torch.Tensor, width: int, rows: int, group, opts: tuple, w_local=None):
+    """The first collective: every rank's (width of its slice, rows, x's dtype, options digest, class-weight
+    sum), checked for agreement. Returns (this rank's offset in the vocabulary, the vocabulary's size, the
+    sum of the class weights over every rank or None), 0-d tensors on x's device."""
+    digest = float(int(hashlib.sha256(repr(opts).encode()).hexdigest()[:13], 16))  # < 2^52: exact in float64
+    sig = torch.empty(5, dtype=torch.float64, device=x.device)
+    for i, v in enumerate((width, rows, dtypes.CODE[x.dtype], digest, 0.0)):
+        sig[i].fill_(v)  # a fill kernel each: no host-to-device copy, so a CUDA graph can capture it
+    if w_local is not None:
+        sig[4].copy_(w_local.sum(dtype=torch.float64))
+    every = gather(sig, group)  # (world, 5)
+    same = (every[:, 1:4] == every[:1, 1:4]).all()
+    if x.is_cuda:
+        torch._assert_async(same, f"{fn}: the ranks disagree on the row count, dtype or options")
+    elif not bool(same):
+        names = {v: dtypes.NAME[k] for k, v in dtypes.CODE.items()}
+        seen = []
+        for r, (_, rows_r, code, digest_r, _) in enumerate(every.tolist()):
+            other = "" if digest_r == every[0, 3] else ", other options"
+            seen.append(f"rank {r}: {int(rows_r)} rows of {names[int(code)]}{other}")
+        raise ValueError(
+            f"{fn}: the ranks must pass shards of the same rows and dtype, with the same options ({'; '.join(seen)})"
+        )
+    widths = every[:, 0].long()
+    w_total = every[:, 4].sum() if w_local is not None else None
+    return widths[: dist.get_rank(group)].sum(), widths.sum(), w_total
+
+
+# ---- the slice's work: the kernels, or torch ops ------------------------------------------------------------
+
+
+def wide_dtype(x) -> torch.dtype:
+    """The dtype the slice's statistics are kept in: float64 for float64 x, else float32."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+class _Kernels:
+    """The slice's statistics and outputs by triton/shard.py's kernels."""
+
+    def __init__(self, x, backward: bool):
+        from ..kernels.triton.backend import kernels  # (the kernels import Triton)
+
+        self.k, self.shape = kernels("shard"), kernels("cross_entropy").shape(x.shape[-1], x.element_size(), backward)
+
+    def stats(self, x, w, cap, smooth):
+        """(each row's logsumexp of capped x, its sum of w * z or None), fp32."""
+        m = x.shape[0]
+        lse = empty_out(m, torch.float32, x.device)
+        sums = empty_out(m, torch.float32, x.device) if smooth else lse
+        self.k.stats(x, None, w, lse, sums, cap, self.shape, smooth=smooth)
+        return lse, (sums if smooth else None)
+
+    def dot(self, y, dy, log: bool):
+        """Each row's sum of dy (log) or of y * dy, fp32."""
+        s = empty_out(y.shape[0], torch.float32, y.device)
+        self.k.stats(y, dy, None, s, s, None, self.shape, dot=not log, logdot=log)
+        return s
+
+    def normalise(self, x, lse, log: bool, out):
+        self.k.apply(1 if log else 0, x, None, out, lse, lse, lse, lse, lse, None, None, self.shape)
+        return out
+
+    def dlogits(self, x, lse, a, b, cc, t, w, cap, smooth, out):
+        self.k.apply(2, x, None, out, lse, a, b, cc, t, w, cap, self.shape, smooth=smooth)
+        return out
+
+    def softmax_backward(self, y, dy, s, lse, log: bool, out):
+        self.k.apply(4 if log else 3, y, dy, out, lse, s, s, s, s, None, None, self.shape)
+        return out
+
+
+class TorchOps:
+    """The same in torch ops (the CPU, float64, backend='torch')."""
+
+    def stats(self, x, w, cap, smooth):
+        z = capped(x.to(wide_dtype(x)), cap)
+        lse = logsumexp_torch(z)
+        if not smooth:
+            return lse, None
+        return lse, (z * w.to(z.dtype) if w is not None else z).sum(-1)
+
+    def dot(self, y, dy, log: bool):
+        acc = wide_dtype(y) if dy.dtype != torch.float64 else torch.float64
+        return (dy.to(acc) if log else y.to(acc) * dy.to(acc)).sum(-1)
+
+    def normalise(self, x, lse, log: bool, out):
+        d = x.to(lse.dtype) - _safe(lse)[:, None]
+        return out.copy_(d if log else d.exp())
+
+    def dlogits(self, x, lse, a, b, cc, t, w, cap, smooth, out):
+        z = capped(x.to(lse.dtype), cap)
+        hot = torch.arange(x.shape[-1], device=x.device) == t[:, None]
+        d = a[:, None] * (z - _safe(lse)[:, None]).exp() - b[:, None] * hot
+        if smooth:
+            d = d - cc[:, None] * (w.to(d.dtype) if w is not None else 1.0)
+        if cap is not None:
+            d = d * (1 - (z / cap) ** 2)
+        return out.copy_(torch.where((t != -2)[:, None], d, 0.0))
+
+    def softmax_backward(self, y, dy, s, lse, log: bool, out):
+        yc, dyc = y.to(s.dtype), dy.to(s.dtype)
+        dx = dyc - yc.exp() * s[:, None] if log else yc * (dyc - s[:, None])
+        return out.copy_(torch.where((lse == float("-inf"))[:, None], 0.0, dx))
+
+
+def _safe(lse):
+    return torch.where(lse == float("-inf"), 0.0, lse)
+
+
+def slice_work(x, backend: str, backward: bool = False):
+    """The slice's worker for x: the kernels where the loss kernels run x (dispatch.select_loss), else
+    torch ops; a slice without rows or columns is torch ops' (nothing to launch). Recorded (Plan 'shard')."""
+    kernels = x.numel() and dispatch.select_loss(backend, x)[0].name == "triton"
+    worker = _Kernels(x, backward) if kernels else TorchOps()
+    heuristics.record(heuristics.Plan("triton" if kernels else "torch", "shard"))
+    return worker
+
+
+def empty_out(shape, dtype, device):
+    """An output the kernels write whole (NaN first under heuristics.force(poison=True): a test hook)."""
+    t = torch.empty(shape, dtype=dtype, device=device)
+    return t.fill_(float("nan")) if heuristics.poisoning() else t
+
+
+def slice_stats(impl, x, w, cap, smooth):
+    """impl.stats, or for an empty slice -inf logsumexps and zero sums."""
+    if x.shape[-1] == 0 or x.shape[0] == 0:
+        lse = torch.full(x.shape[:1], float("-inf"), dtype=wide_dtype(x), device=x.device)
+        return lse, (torch.zeros_like(lse) if smooth else None)
+    return impl.stats(x, w, cap, smooth)
+
+
+# ---- a loss's rows: their statistics, merged, and the backward's coefficients -------------------------------
+
+
+class Rows:
+    """One loss call's rows: the targets as this slice sees them, the merged statistics, the mean's divisors."""
+
+    def __init__(self, t, o, offset, v_local: int, w_local):
+        self.t, self.o = t.long(), o
+        self.keep = self.t != o.ignore_index
+        local = self.t - offset
+        own = self.keep & (local >= 0) & (local < v_local)
+        self.own = own
+        self.local = torch.where(own, local, 0)
+        self.code = torch.where(own, local, torch.where(self.keep, -1, -2)).to(torch.int32)  # (triton/shard.py's t)
+        self.w_local = w_local
+
+    def local_stats(self, impl, x, stats_dtype, r0: int = 0):
+        """(m, 4) this slice's [logsumexp, target's z, target's class weight, sum of w * z] for x (m, V_r):
+        rows r0 to r0 + m of the call."""
+        o = self.o
+        smooth = o.smoothing != 0.0
+        lse, swz = slice_stats(impl, x, self.w_local, o.softcap, smooth)
+        m = x.shape[0]
+        if x.shape[-1] and m:
+            own, local = self.own[r0 : r0 + m], self.local[r0 : r0 + m]
+            z_t = capped(x.gather(-1, local[:, None])[:, 0].to(stats_dtype), o.softcap)
+            w_t = self.w_local.to(stats_dtype)[local] if self.w_local is not None else 1.0
+            z_t, w_t = torch.where(own, z_t, 0.0), torch.where(own, w_t, 0.0)
+        else:
+            z_t = w_t = torch.zeros(m, dtype=stats_dtype, device=x.device)
+        swz = swz if swz is not None else torch.zeros(m, dtype=stats_dtype, device=x.device)
+        return torch.stack([lse.to(stats_dtype), z_t, w_t, swz.to(stats_dtype)], -1)
+
+    def merge(self, gathered, v_total, w_total):
+        """The loss per row, and the numbers its backward needs, from every rank's local_stats (world, M, 4)."""
+        o = self.o
+        self.lse = merge_lse(gathered[..., 0])
+        z_t, self.w_t, swz = gathered[..., 1].sum(0), gathered[..., 2].sum(0), gathered[..., 3].sum(0)
+        self.v_total = v_total.to(self.lse.dtype)
+        self.w_total = w_total.to(self.lse.dtype) if w_total is not None else self.v_total
+        ce = self.w_t * (self.lse - z_t)
+        if o.smoothing:
+            ce = (1 - o.smoothing) * ce + (o.smoothing / self.v_total) * (self.lse * self.w_total - swz)
+        ce = torch.where(self.keep, ce, 0.0)
+        zr = torch.where(self.keep, o.z_loss * self.lse * self.lse, 0.0) if o.z_loss else None
+        self.kept = self.keep.sum().to(self.lse.dtype)
+        self.w_kept = torch.where(self.keep, self.w_t, 0.0).sum()
+        return ce, zr
+
+    def coefficients(self, grad):
+        """Each row's (a, b, cc) of dlogits = a * p - b * [j == t] - cc * w_j for the upstream gradient."""
+        o = self.o
+        g_ce, g_z = row_grads(grad.to(self.lse.dtype), self.kept, self.w_kept, o.reduction, self.t.shape[0])
+        b = g_ce * (1 - o.smoothing) * self.w_t
+        cc = g_ce * (o.smoothing / self.v_total) if o.smoothing else torch.zeros_like(b)
+        a = b + cc * self.w_total if o.smoothing else b
+        if o.z_loss:
+            a = a + g_z * (2 * o.z_loss) * _safe(self.lse)
+        zero = torch.zeros((), dtype=a.dtype, device=a.device)
+        return tuple(torch.where(self.keep, c, zero).contiguous() for c in (a, b, cc))

@@ -1,0 +1,177 @@
+"""The eager replay: a plain call seen before runs its recorded launches again, without planning them. One
+design for every kernel the library launches (softmax and its backward, the cross-entropy kernels).
+
+Everything a launch depends on (the layout, the backend's and path's choice, the kernel, its grid and its
+integer arguments) is a pure function of the call's key: each tensor's shape, strides, dtype and address
+modulo 16 (and its storage's, for a tensor not on a 16-byte boundary), the device, and every other
+argument. So the first call with a key takes the full path while launch.py records what it launched
+(`recording`); `store` gives every address a role (an input, an output or a workspace, at a byte offset)
+and keeps the replay. A later call with that key allocates the outputs and workspaces and calls the
+recorded launches with the new addresses: on the host, a dict lookup, the allocations and the launches.
+
+Only plain calls are keyed (dispatch.py asks): CUDA tensors of type torch.Tensor, outside heuristics.force,
+with no launch hooks registered with Triton (a profiler must see every launch), FASTSOFTMAX_REPLAY not 0.
+A call is kept only when every launch was a prepared one (launch.py) and every address has a role (an input
+copied into another layout has none). A replay whose launch fails returns None: the full path then runs,
+and reports. At most MAX_ENTRIES keys are kept.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .. import heuristics
+from . import launch
+
+ENABLED = os.environ.get("FASTSOFTMAX_REPLAY", "1") != "0"
+MAX_ENTRIES = 4096
+
+_cache: dict = {}
+lookup = _cache.get  # (a C call: no Python frame on the hot path)
+
+
+def tensor_key(t: torch.Tensor):
+    """What a replay keys a tensor by: shape, strides, dtype and address modulo 16 (with its storage's
+    where the address is not on a 16-byte boundary: the kernels then address it from the boundary below)."""
+    p = t.data_ptr() & 15
+    if p:
+        p = (p, t.untyped_storage().data_ptr() & 15)
+    return t.shape, t.stride(), t.dtype, p
+
+
+def replayable(*tensors) -> bool:
+    """Whether a call on ``tensors`` (None entries skipped) may be keyed: plain CUDA tensors, no force block,
+    no Triton launch hooks."""
+    if not ENABLED or heuristics.overridden():
+        return False
+    for t in tensors:
+        if t is not None and (type(t) is not torch.Tensor or not t.is_cuda):
+            return False
+    return launch.hooks_idle()
+
+
+def clear() -> None:
+    _cache.clear()
+
+
+def start(key):
+    """Record this thread's launches from now when ``key`` (a call's key, or None) may be stored: the
+    recording, or None. The caller then calls store(), or stop() where the call failed."""
+    if key is None or len(_cache) >= MAX_ENTRIES:
+        return None
+    return launch.start()
+
+
+stop = launch.abort
+
+
+def _span(t: torch.Tensor) -> int:
+    """Bytes from t's first element to the end of its last one."""
+    if not t.numel():
+        return 0
+    return (1 + sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride(), strict=True))) * t.element_size()
+
+
+def _maker(out: torch.Tensor, inputs):
+    """How a replay makes an output like ``out``: empty_like(an input) where that gives out's layout, else
+    empty_strided."""
+    for i, t in enumerate(inputs):
+        if t.shape == out.shape and torch.empty_like(t, dtype=out.dtype, device="meta").stride() == out.stride():
+            return ("like", i, out.dtype)
+    return ("strided", tuple(out.shape), out.stride(), out.dtype)
+
+
+def store(key, rec, inputs: tuple, outputs: tuple) -> None:
+    """Keep the replay of the call just recorded in ``rec`` under ``key`` (the recording stops): ``inputs``
+    are the tensors a replay is called with, ``outputs`` the ones the full path returned (a replay returns
+    new ones alike)."""
+    launch.abort()
+    plan = heuristics.last_plan()
+    if rec is None or not rec.ok or not rec.launches or plan is None or plan.copied:
+        return
+    scratch = list(rec.scratch.items())  # (address, (numel, dtype)) of each workspace
+    bases = [(t.data_ptr(), _span(t)) for t in (*inputs, *outputs)]
+    bases += [(p, numel * dtype.itemsize) for p, (numel, dtype) in scratch]
+    if any(o.data_ptr() & 15 for o in outputs):
+        return
+
+    def role(v):
+        p = v if type(v) is int else 0 if v is None else v.data_ptr()
+        if not p:
+            return None
+        for i, (lo, n) in enumerate(bases):
+            if lo <= p < lo + max(n, 1):
+                return i, p - lo
+        for i, (lo, _) in enumerate(bases):
+            if lo - 16 < p < lo:  # a view from the 16-byte boundary below (triton/launch.aligned_view)
+                return i, p - lo
+        raise LookupError
+
+    steps = []
+    try:
+        for ln, values in rec.launches:
+            pairs = []  # the distinct (base, offset) the launch's slots take, in order
+            groups = []
+            for slot, v in enumerate(values):
+                r = role(v)
+                if r is None:
+                    continue
+                if r not in pairs:
+                    pairs.append(r)
+                    groups.append([])
+                groups[pairs.index(r)].append(slot)
+            steps.append((ln.regroup(groups), tuple(pairs)))
+    except (LookupError, ValueError):
+        return
+    makers = [_maker(o, inputs) for o in outputs] + [("strided", (n,), (1,), d) for _, (n, d) in scratch]
+    device = inputs[0].get_device()
+    _cache[key] = _replay(steps, makers, len(inputs), len(outputs), plan, device, inputs[0].device)
+
+
+def _replay(steps, makers, n_in: int, n_out: int, plan, index: int, dev):
+    """The replay's closure: (*inputs) -> the outputs (one tensor, or a tuple of several), or None."""
+    if len(steps) == 1 and n_in == 1 and n_out == 1 and len(makers) == 1 and makers[0][0] == "like":
+        ln, pairs = steps[0]
+        call, dtype = ln.call, makers[0][2]
+        offset = pairs[0][1] if pairs[0][0] == 0 else 0
+        if pairs == ((0, offset), (1, 0)):  # (one input and one output, in that order)
+            return _one(call, dtype, offset, plan, index)
+    return _general(steps, makers, n_out, plan, index, dev)
+
+
+def _one(call, dtype, offset: int, plan, index: int):
+    record, stream, empty_like = heuristics.record, launch.raw_stream(), torch.empty_like
+
+    def one(x):  # the common case: x in, y out, one launch
+        y = empty_like(x, dtype=dtype)
+        if call(stream(index), x.data_ptr() + offset, y.data_ptr()):
+            return None
+        record(plan)
+        return y
+
+    return one
+
+
+def _general(steps, makers, n_out: int, plan, index: int, dev):
+    record, stream = heuristics.record, launch.raw_stream()
+    empty_like, empty_strided = torch.empty_like, torch.empty_strided
+    calls = [(ln.call, pairs) for ln, pairs in steps]
+
+    def make(m, inputs):
+        if m[0] == "like":
+            return empty_like(inputs[m[1]], dtype=m[2])
+        return empty_strided(m[1], m[2], dtype=m[3], device=dev)
+
+    def general(*inputs):
+        made = [make(m, inputs) for m in makers]
+        ptrs = [t.data_ptr() for t in inputs] + [t.data_ptr() for t in made]
+        s = stream(index)
+        for call, pairs in calls:
+            if call(s, *[ptrs[i] + off for i, off in pairs]):
+                return None
+        record(plan)
+        return made[0] if n_out == 1 else tuple(made[:n_out])
+
+    return general

@@ -1,0 +1,343 @@
+"""The torch backend's native path (kernels/torch_ops.py): what backend='auto' runs on CPU tensors, torch's own
+CPU kernels with the library's conventions applied after them, where they differ."""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from .. import heuristics
+from ..core import dtypes
+from ..core.options import Loss
+from ..core.reference import logsumexp_torch, softmax_torch
+from .torch_loss import dlogits_options, kept_rows
+
+# torch.softmax and log_softmax differ from the conventions only on a fully masked row, which they make NaN
+# across, as they do every row holding NaN or +inf. So the rows to fix are among those whose first output is
+# NaN: M reads, and a pass over x only when there is one. Their backward kernels give a fully masked row 0
+# for softmax (NaN where dy is not finite: the same test finds those) and dy for log_softmax (found from y's
+# first elements). torch's 16-bit log_softmax along rows in memory loses the digits of outputs near 0
+# (errors past 100x the tolerance: tests/test_cpu_path.py), so those rows are computed in fp32 a chunk of
+# rows at a time (in cache: no fp32 copy of x is made) and rounded once. Its fp64 log_softmax sums a row's
+# exps in a few vector lanes, the small ones added one by one to the lane that holds the max's 1, each
+# rounded to 1's ulp: outputs near 0 miss the fp64 tolerance (tests/test_cpu_path.py), so fp64 log_softmax
+# takes the reference's torch ops instead (torch.sum's cascade sum). Traffic: the forward reads x once and
+# writes y once, as torch's (fp64 log_softmax: a few passes more); the backward reads y and dy, writes dx.
+
+NATIVE = heuristics.Plan("torch", "native")
+CHUNK = 1 << 18  # elements of a chunk of fp32 rows (1 MiB, about a core's L2): dev/cpu_speed.py chunks
+READ_ROWS = 64  # rows whose first elements are read from memory (more: torch ops, a few us whatever M)
+_WIDER = {torch.float16: 1, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}  # exact conversions upwards
+# per dtype: (its bits as an unsigned int, the bits of +inf, of 100.0, the sign bit; its values as a ctypes
+# type, where Python has one)
+_BITS = {
+    torch.float32: (ctypes.c_uint32, 0x7F800000, 0x42C80000, 1 << 31, ctypes.c_float),
+    torch.float64: (ctypes.c_uint64, 0x7FF0000000000000, 0x4059000000000000, 1 << 63, ctypes.c_double),
+    torch.float16: (ctypes.c_uint16, 0x7C00, 0x5640, 1 << 15, None),
+    torch.bfloat16: (ctypes.c_uint16, 0x7F80, 0x42C8, 1 << 15, None),
+}
+# ctypes arrays as long as any tensor: from_address reads nothing, and a slice reads only what it names
+_SPAN = 1 << 40
+_SPANS = {c: c * _SPAN for b in _BITS.values() for c in (b[0], b[4]) if c is not None}
+
+
+def _last(x: torch.Tensor, dim: int) -> bool:
+    """Whether dim's rows lie in memory, as torch's kernels see them (every later dim of size 1)."""
+    return dim == x.dim() - 1 or all(s == 1 for s in x.shape[dim + 1 :])
+
+
+def _firsts(t: torch.Tensor, dim: int, ctype):
+    """Each row's first element along dim of a contiguous t, read from its memory as ``ctype`` (a list)
+    where its rows lie in memory and there are at most READ_ROWS of them (a torch op on a small tensor costs
+    as much as the softmax of a row of 4096); else None."""
+    n = t.shape[dim]
+    m = t.numel() // n
+    if m > READ_ROWS or (m > 1 and not _last(t, dim)):
+        return None
+    return _SPANS[ctype].from_address(t.data_ptr())[0 : (m - 1) * n + 1 : n]
+
+
+def _any_nan_first(t: torch.Tensor, dim: int) -> bool:
+    """Whether a row of the contiguous t starts with NaN; may also say so for a first column that holds
+    both +inf and -inf (callers confirm)."""
+    uint, inf, _, sign, value = _BITS[t.dtype]
+    if t.numel() == t.shape[dim]:  # one row: its first element's bits
+        return uint.from_address(t.data_ptr()).value & (sign - 1) > inf
+    if value is not None:
+        values = _firsts(t, dim, value)
+        if values is not None:
+            s = sum(values)  # NaN iff one is NaN (or both infinities are there)
+            return s != s
+    else:
+        bits = _firsts(t, dim, uint)
+        if bits is not None:
+            return any(b & (sign - 1) > inf for b in bits)
+    return bool(t.select(dim, 0).isnan().any())
+
+
+def _any_underflow_first(t: torch.Tensor, dim: int) -> bool:
+    """Whether a row of the contiguous t starts below -100 (its exp may be 0 in fp32, as every exp of a
+    fully masked row is); NaN does not."""
+    uint, inf, hundred, sign, _ = _BITS[t.dtype]
+    bits = _firsts(t, dim, uint)
+    if bits is None:
+        return bool((t.select(dim, 0) < -100.0).any())
+    return any(b & sign and hundred < b & (sign - 1) <= inf for b in bits)
+
+
+def _dense_order(t: torch.Tensor) -> list[int] | None:
+    """The permutation of t's dims that makes it contiguous, or None (overlapping or with gaps)."""
+    perm = sorted(range(t.dim()), key=t.stride, reverse=True)
+    return perm if t.permute(perm).is_contiguous() else None
+
+
+def _unpermute(out: torch.Tensor, perm: list[int], like: torch.Tensor) -> torch.Tensor:
+    """out, computed on like.permute(perm), in like's layout (torch.empty_like(like)'s: like's own strides,
+    size-1 dims included)."""
+    out = out.permute([perm.index(d) for d in range(len(perm))])
+    return out if out.stride() == like.stride() else out.as_strided(like.shape, like.stride())
+
+
+def _empty_like_layout(out: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """out (contiguous) in torch.empty_like(like)'s layout, copied once if that is another."""
+    want = torch.empty_like(like, dtype=out.dtype, device="meta").stride()
+    return out if out.stride() == want else torch.empty_like(like, dtype=out.dtype).copy_(out)
+
+
+def _rows_wide(x: torch.Tensor, dim: int, log: bool, out_dtype: torch.dtype, wide: torch.dtype) -> torch.Tensor:
+    """softmax / log_softmax of the contiguous x along dim, whose rows lie in memory, computed in ``wide``
+    and rounded once to out_dtype, a chunk of rows at a time."""
+    kernel = torch._log_softmax if log else torch._softmax
+    if x.numel() <= CHUNK:  # one chunk
+        if x.dtype == wide:
+            return kernel(x, dim, False).to(out_dtype)
+        b = x.to(wide)
+        return kernel(b, dim, False, out=b).to(out_dtype)
+    n = x.shape[dim]
+    y = torch.empty(x.shape, dtype=out_dtype)
+    xs, ys = x.view(-1, n), y.view(-1, n)
+    rows = max(1, CHUNK // n)
+    buf = torch.empty((rows, n), dtype=wide)
+    for i in range(0, xs.shape[0], rows):
+        b = buf[: min(rows, xs.shape[0] - i)]
+        kernel(b.copy_(xs[i : i + rows]), 1, False, out=b)
+        ys[i : i + rows].copy_(b)
+    return y
+
+
+def native_softmax(x: torch.Tensor, dim: int, log: bool, out_dtype: torch.dtype) -> torch.Tensor:
+    """softmax (log_softmax) of x along dim (non-negative) with torch's CPU kernels and the library's
+    conventions, in out_dtype, laid out as torch.empty_like(x). Precondition: x has elements and dims."""
+    if out_dtype is x.dtype and (not log or out_dtype is torch.float32) and x.is_contiguous():  # the usual case
+        y = torch._log_softmax(x, dim, False) if log else torch._softmax(x, dim, False)
+        if _any_nan_first(y, dim):  # a fully masked row, or one holding NaN or +inf (which stays NaN)
+            y.masked_fill_(x.amax(dim, keepdim=True) == float("-inf"), float("-inf") if log else 0.0)
+        return y
+    if not x.is_contiguous():
+        perm = _dense_order(x)
+        if perm is None:  # (torch's kernels would copy it contiguous too)
+            return _empty_like_layout(native_softmax(x.contiguous(), dim, log, out_dtype), x)
+        return _unpermute(native_softmax(x.permute(perm), perm.index(dim), log, out_dtype), perm, x)
+    low_log = log and x.dtype in dtypes.LOW and _last(x, dim)
+    if log and out_dtype == torch.float64:  # the reference's formula (see above)
+        y = softmax_torch(x, dim, True, out_dtype)[0]
+    elif out_dtype == x.dtype and not low_log:
+        y = torch._log_softmax(x, dim, False) if log else torch._softmax(x, dim, False)
+    elif _WIDER[out_dtype] > _WIDER[x.dtype] and not low_log:  # x converted exactly, computed in out_dtype
+        y = torch.log_softmax(x, dim, dtype=out_dtype) if log else torch.softmax(x, dim, dtype=out_dtype)
+    else:  # computed in fp32 (fp64 where either is), rounded once
+        wide = torch.float64 if torch.float64 in (x.dtype, out_dtype) else torch.float32
+        if _last(x, dim) and x.numel() > CHUNK:
+            y = _rows_wide(x, dim, log, out_dtype, wide)
+        else:
+            y = (torch.log_softmax if log else torch.softmax)(x, dim, dtype=wide).to(out_dtype)
+    if _any_nan_first(y, dim):  # a fully masked row, or one holding NaN or +inf (which stays NaN)
+        y.masked_fill_(x.amax(dim, keepdim=True) == float("-inf"), float("-inf") if log else 0.0)
+    return y
+
+
+NATIVE_GRAPH = heuristics.Plan("torch", "native_graph")  # the forward; its backward is a torch node's (no plan)
+
+
+def softmax_graph(x: torch.Tensor, dim: int, log: bool) -> torch.Tensor | None:
+    """native_softmax of a contiguous x that requires grad, in x's dtype, with torch's own autograd nodes,
+    at a fraction of a Python Function's host time, where torch's kernels are the native path's: softmax in
+    x's dtype, fp32 log_softmax (grad_fn SoftmaxBackward0, LogSoftmaxBackward0: their backward is
+    native_softmax_backward's kernel); 16-bit log_softmax computed in fp32 and rounded once, as
+    native_softmax does (the node's backward in fp32, then ToCopyBackward0). None where a row's first output
+    is NaN (a fully masked row, whose gradient torch makes NaN and the library 0, or a row holding NaN or
+    +inf), and for fp64 log_softmax (the reference's formula): the caller then runs its Function."""
+    if not x.is_contiguous() or (log and x.dtype is torch.float64):
+        return None
+    if log and x.dtype in dtypes.LOW:
+        y = torch.log_softmax(x, dim, dtype=torch.float32)
+    else:
+        y = torch._log_softmax(x, dim, False) if log else torch._softmax(x, dim, False)
+    if _any_nan_first(y, dim):
+        return None
+    return y.to(x.dtype) if y.dtype is not x.dtype else y
+
+
+def cross_entropy_graph(x, t, w, ignore_index: int, reduction: str, out_dtype) -> torch.Tensor | None:
+    """native_cross_entropy of (M, V) logits that require grad, without smoothing, softcap or z-loss, with
+    torch's own autograd nodes (log_softmax and nll_loss in fp32, fp64 for fp64; grad_fn NllLossBackward0),
+    within one chunk (CHUNK elements: beyond, torch's backward writes an M x V temporary). None past a chunk,
+    or where a row's log_softmax is NaN (there torch's gradient is not the library's): the caller then runs
+    its Function. The class weights get no gradient, as on every path."""
+    if x.numel() > CHUNK:
+        return None
+    wide = torch.float64 if x.dtype == torch.float64 else torch.float32
+    ls = torch._log_softmax(x if x.dtype is wide else x.to(wide), 1, False)
+    if _any_nan_first(ls, 1):
+        return None
+    w = None if w is None else w.detach().to(wide)
+    loss = torch._C._nn.nll_loss_nd(ls, t, w, _REDUCTION[reduction], ignore_index)
+    return loss if loss.dtype is out_dtype else loss.to(out_dtype)
+
+
+def native_softmax_backward(
+    dy: torch.Tensor, y: torch.Tensor, dim: int, log: bool, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """dx of softmax (log_softmax) from its output y with torch's CPU kernels, in out_dtype, laid out as
+    torch.empty_like(y), computed in fp32 (fp64 where any of them is); 0 on fully masked rows whatever dy
+    holds: for log_softmax the rows whose exps sum to 0, as on every backend; for softmax the rows of zeros
+    (a y of mixed signs that merely sums to 0, never a softmax output, gets the formula's value)."""
+    if out_dtype is y.dtype is dy.dtype and not log and y.is_contiguous():  # the usual case
+        dx = torch._softmax_backward_data(dy, y, dim, out_dtype)
+        if _any_nan_first(dx, dim):
+            dx.masked_fill_(
+                y.sum(dim, keepdim=True, dtype=torch.float64 if out_dtype is torch.float64 else torch.float32) == 0, 0.0
+            )
+        return dx
+    if not y.is_contiguous():
+        perm = _dense_order(y)
+        if perm is None:
+            return _empty_like_layout(native_softmax_backward(dy, y.contiguous(), dim, log, out_dtype), y)
+        dx = native_softmax_backward(dy.permute(perm), y.permute(perm), perm.index(dim), log, out_dtype)
+        return _unpermute(dx, perm, y)
+    kernel = torch._log_softmax_backward_data if log else torch._softmax_backward_data
+    if y.dtype == dy.dtype == out_dtype:
+        dx = kernel(dy, y, dim, y.dtype)
+    else:  # computed in fp32 (fp64 where any is one) from exact conversions, rounded once
+        wide = torch.float64 if torch.float64 in (y.dtype, dy.dtype, out_dtype) else torch.float32
+        dx = kernel(dy.to(wide), y.to(wide), dim, wide).to(out_dtype)
+    if _any_underflow_first(y, dim) if log else _any_nan_first(dx, dim):
+        wide = torch.float64 if torch.float64 in (y.dtype, dy.dtype, out_dtype) else torch.float32
+        f = y.to(wide).exp() if log else y.to(wide)
+        dx.masked_fill_(f.sum(dim, keepdim=True) == 0, 0.0)
+    return dx
+
+
+# ---- native cross-entropy: torch's loss on fp32 rows, and dlogits from a softmax recomputed ----------------
+# torch.nn.functional.cross_entropy is the library's formula (class weights, smoothing, ignore_index, the
+# mean over the kept weight) on fp32 and fp64 logits. 16-bit logits go through it in fp32 chunks, as its
+# 16-bit log_softmax would lose digits (see above). Logits past one chunk run a chunk of rows at a time in
+# every dtype, with reduction 'none', reduced here: torch would write an M x V log_softmax first. The
+# backward writes dlogits = a * softmax(x) - b * onehot(t) - c * w per row, a chunk at a time: one read of
+# the logits, one write, no M x V temporary (torch's writes a dense upstream gradient and reads it back).
+
+NATIVE_CE = heuristics.Plan("torch", "native_cross_entropy")
+_REDUCTION = {"none": 0, "mean": 1, "sum": 2}  # torch's enum
+
+
+def native_cross_entropy(x, t, w, ignore_index: int, reduction: str, smoothing: float, out_dtype) -> torch.Tensor:
+    """The loss of (M, V) logits x (unit stride along V) and int64 targets t (M,), in out_dtype, computed in
+    fp32 (fp64 for fp64 x); w: (V,) class weights in that dtype, or None. Targets out of range and not
+    ignore_index raise torch's IndexError."""
+    wide = torch.float64 if x.dtype == torch.float64 else torch.float32
+    m, v = x.shape
+    loss = torch._C._nn.cross_entropy_loss
+    if x.numel() <= CHUNK:
+        out = loss(x if x.dtype == wide else x.to(wide), t, w, _REDUCTION[reduction], ignore_index, smoothing)
+        return out if out.dtype == out_dtype else out.to(out_dtype)
+    per = torch.empty(m, dtype=wide)
+    rows = max(1, CHUNK // v)
+    buf = None if x.dtype == wide else torch.empty((rows, v), dtype=wide)
+    for i in range(0, m, rows):
+        xc = x[i : i + rows]
+        per[i : i + rows] = loss(
+            xc if buf is None else buf[: xc.shape[0]].copy_(xc), t[i : i + rows], w, 0, ignore_index, smoothing
+        )
+    if reduction == "none":
+        return per.to(out_dtype)
+    total = per.sum()
+    if reduction == "sum":
+        return total.to(out_dtype)
+    _, w_kept = kept_rows(t, ignore_index, w, v, wide)
+    return torch.where(w_kept == 0, float("nan"), total / w_kept).to(out_dtype)  # (as reduce_terms)
+
+
+def native_stats(x, t, w, ignore_index: int) -> torch.Tensor:
+    """The stats the kernels' forward gives (each row's logsumexp, the rows kept, 1.0, their weight), in fp32
+    (fp64 for fp64 x), the logsumexps a chunk of rows at a time: what autograd saves for the backward."""
+    wide = torch.float64 if x.dtype == torch.float64 else torch.float32
+    m, v = x.shape
+    stats = torch.empty(m + 3, dtype=wide)
+    rows = max(1, CHUNK // max(v, 1))
+    for i in range(0, m, rows):
+        xc = x[i : i + rows]
+        torch.logsumexp(xc if xc.dtype == wide else xc.to(wide), 1, out=stats[i : i + xc.shape[0]])
+    kept, w_kept = kept_rows(t, ignore_index, w, v, wide)
+    stats[m], stats[m + 1], stats[m + 2] = kept, 1.0, w_kept
+    return stats
+
+
+def native_cross_entropy_backward(x, t, w, g, ignore_index: int, reduction: str, smoothing: float) -> torch.Tensor:
+    """dlogits (M, V) in x's dtype, computed in fp32 (fp64 for fp64 x), for native_cross_entropy's arguments
+    (targets already checked) and the loss's gradient g; ignored rows 0, NaN or +inf logits NaN on kept rows,
+    and a fully masked row as the reference has it (its softmax taken as 0)."""
+    wide = torch.float64 if x.dtype == torch.float64 else torch.float32
+    m, v = x.shape
+    keep = t != ignore_index
+    kept = int(keep.sum())
+    if reduction == "none":
+        g_row = g.reshape(m).to(wide)
+    elif reduction == "mean":
+        g_row = g.to(wide) / (kept if w is None else kept_rows(t, ignore_index, w, v, wide)[1])
+    else:
+        g_row = g.to(wide)
+    if kept == m:  # (no row ignored: no index to clamp; a scalar factor when every row has the same)
+        tt = t[:, None]
+        b = (g_row.item() if g_row.dim() == 0 else g_row[:, None]) if w is None else (g_row * w[t])[:, None]
+    else:
+        tt = torch.where(keep, t, 0)
+        b = torch.where(keep, g_row if w is None else g_row * w[tt], 0.0)[:, None]  # each row's factor
+        tt = tt[:, None]
+    # dlogits = b * (softmax - (1 - e) * onehot - e / V) without class weights; with them and smoothing,
+    # a * softmax - (1 - e) * b * onehot - c * w, a = (1 - e) * b + c * sum(w), c = (e / V) * g per kept row.
+    if w is not None and smoothing:
+        c = torch.where(keep, g_row * (smoothing / v), 0.0)[:, None]
+        a, hot = (1 - smoothing) * b + c * w.sum(), (smoothing - 1) * b
+
+        def finish(p, r):
+            p.mul_(a[r]).scatter_add_(1, tt[r], hot[r]).addcmul_(c[r], w, value=-1.0)
+    else:
+
+        def finish(p, r):
+            p.scatter_(1, tt[r], smoothing - 1.0, reduce="add")
+            if smoothing:
+                p.sub_(smoothing / v)
+            p.mul_(b if type(b) is float else b[r])
+
+    rows = max(1, CHUNK // v)
+    if m <= rows:  # one chunk
+        p = torch._softmax(x, 1, False) if x.dtype == wide else torch._softmax(xw := x.to(wide), 1, False, out=xw)
+        finish(p, slice(None))
+        dx = p.to(x.dtype)
+    else:
+        dx = torch.empty((m, v), dtype=x.dtype)
+        buf = None if x.dtype == wide else torch.empty((rows, v), dtype=wide)
+        for i in range(0, m, rows):
+            r = slice(i, min(i + rows, m))
+            p = dx[r] if buf is None else buf[: r.stop - i].copy_(x[r])
+            finish(torch._softmax(x[r] if buf is None else p, 1, False, out=p), r)
+            if buf is not None:
+                dx[r].copy_(p)
+    if _any_nan_first(dx, 1):  # a NaN softmax: logits holding NaN or +inf, or a fully masked row
+        r = dx[:, 0].isnan().nonzero()[:, 0]
+        xr = x[r].to(wide)
+        o = Loss(ignore_index, "none", smoothing)
+        zero = torch.zeros((), dtype=wide)
+        dx[r] = dlogits_options(xr, t[r], logsumexp_torch(xr), g_row.expand(m)[r], zero, o, w).to(x.dtype)
+    return dx

@@ -1,0 +1,445 @@
+"""Cross-entropy over rows of logits in Triton: the forward reads each row once and writes one loss and one
+logsumexp per row; the backward reads each row once more and writes dlogits once, from the saved logsumexp.
+
+Per row i with target t, V classes, label smoothing e, class weights w (1 without), softcap c and z-loss
+coefficient k, on z = c * tanh(x / c) (z = x without a softcap):
+  lse  = log sum_j exp(z_j)                          (max subtracted first; an all -inf row gives -inf)
+  ce   = (1 - e) * w_t * (lse - z_t) + (e / V) * sum_j w_j * (lse - z_j)      (torch's weight= semantics)
+  zl   = k * lse^2                                   (0 for rows whose target is ignore_index, as ce)
+  dz_j = g_ce * ((1 - e) * w_t * (p_j - [j == t]) + (e / V) * (W * p_j - w_j)) + g_z * 2 k lse p_j
+  dx_j = dz_j * (1 - (z_j / c)^2)                    (W = sum_j w_j; p = exp(z - lse))
+g_ce, g_z: the row's upstream gradient, divided for the mean by the weight of the rows kept and by their
+number. Rows are (M, V) with unit stride along V; programs take ROWS rows and sweep V in BLOCK_N chunks.
+
+A forward is two launches: ce_fwd (the rows), then ce_finish (one program: the reduction over rows, the
+rows kept and their weight, and whether every target is in range, which on CUDA it asserts on the device);
+a backward is one (ce_bwd reads the upstream gradient and the mean's divisors from
+device memory). A target outside [0, V) never addresses memory (its row's z_t is taken as 0); the caller
+raises from ce_finish's flag. The LM-head loss (lce.py) runs the same kernels on chunks of rows.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ... import heuristics
+from ...heuristics import cross_entropy as rules
+from ...heuristics import poisoning
+from ...heuristics.device import selected
+from .. import launch as fastlaunch
+from .launch import launch
+from .rows import merge_stats, row_exp, safe_max
+
+LN2 = tl.constexpr(0.6931471805599453)
+
+
+@triton.jit
+def softcapped(x, cap):
+    """cap * tanh(x / cap), accurate for small |x / cap| too (1 - e^-2a cancels there: a series instead);
+    -inf maps to -cap, so callers re-mask."""
+    u = x / cap
+    a = tl.abs(u)
+    e = tl.exp(-2.0 * a)
+    u2 = u * u
+    series = a * (1.0 + u2 * (-0.3333333333333333 + u2 * (0.13333333333333333 - u2 * 0.05396825396825397)))
+    th = tl.where(a < 0.125, series, (1.0 - e) / (1.0 + e))
+    return cap * tl.where(u < 0, -th, th)
+
+
+@triton.jit
+def row_lse(
+    base,
+    row_ok,
+    v,
+    w_ptr,
+    cap,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SMOOTH: tl.constexpr,
+    WEIGHT: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+):
+    """One sweep of ROWS rows of v logits (base: each row's first element): each row's logsumexp of z (z the
+    softcapped logits with SOFTCAP) and, with SMOOTH, its sum of w_j * z_j (w = 1 without WEIGHT), fp32."""
+    c = tl.arange(0, BLOCK_N)[None, :]
+    m = tl.full([ROWS], float("-inf"), tl.float32)
+    s = tl.zeros([ROWS], tl.float32)
+    sum_z = tl.zeros([ROWS], tl.float32)
+    for j in range(0, tl.cdiv(v, BLOCK_N)):
+        cols = j * BLOCK_N + c
+        ok = row_ok[:, None] & (cols < v)
+        x = tl.load(base[:, None] + cols, mask=ok, other=float("-inf")).to(tl.float32)
+        if SOFTCAP:
+            x = tl.where(ok, softcapped(x, cap), float("-inf"))
+        m2 = tl.max(x, axis=1)
+        s2 = tl.sum(row_exp(x - safe_max(m2)[:, None]), axis=1)
+        m, s = merge_stats(m, s, m2, s2)
+        if SMOOTH:
+            if WEIGHT:
+                wj = tl.load(w_ptr + cols, mask=cols < v, other=0.0).to(tl.float32)
+                sum_z += tl.sum(tl.where(ok, x * wj, 0.0), axis=1)
+            else:
+                sum_z += tl.sum(tl.where(ok, x, 0.0), axis=1)
+    return safe_max(m) + tl.math.log2(s) * LN2, sum_z
+
+
+@triton.jit
+def ce_fwd(
+    x_ptr,
+    t_ptr,
+    w_ptr,
+    wsum_ptr,
+    loss_ptr,
+    z_ptr,
+    lse_ptr,
+    n_rows,
+    v,
+    sx,
+    ignore_index,
+    smoothing,
+    cap,
+    zl,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SMOOTH: tl.constexpr,
+    WEIGHT: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    ZLOSS: tl.constexpr,
+):
+    """loss_ptr: each row's ce (fp32), z_ptr: its z-loss (ZLOSS), lse_ptr: its logsumexp; w_ptr: the class
+    weights and wsum_ptr their sum (WEIGHT; the sum only read with SMOOTH)."""
+    row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    row_ok = row < n_rows
+    base = x_ptr + row * sx
+    lse, sum_z = row_lse(base, row_ok, v, w_ptr, cap, ROWS, BLOCK_N, SMOOTH, WEIGHT, SOFTCAP)
+    t = tl.load(t_ptr + row, mask=row_ok, other=ignore_index).to(tl.int64)
+    keep = row_ok & (t != ignore_index)
+    inside = keep & (t >= 0) & (t < v)  # an out-of-range target reads nothing (ce_finish flags it)
+    tt = tl.where(inside, t, 0)
+    z_t = tl.load(base + tt, mask=inside, other=0.0).to(tl.float32)
+    if SOFTCAP:
+        z_t = softcapped(z_t, cap)
+    w_t = 1.0
+    if WEIGHT:
+        w_t = tl.load(w_ptr + tt, mask=inside, other=0.0).to(tl.float32)
+    loss = w_t * (lse - z_t)
+    if SMOOTH:
+        wsum = v * 1.0  # (v == 1 arrives as a constexpr)
+        if WEIGHT:
+            wsum = tl.load(wsum_ptr)
+        loss = (1.0 - smoothing) * loss + (smoothing / v) * (lse * wsum - sum_z)
+    tl.store(loss_ptr + row, tl.where(keep, loss, 0.0), mask=row_ok)
+    if ZLOSS:
+        tl.store(z_ptr + row, tl.where(keep, zl * lse * lse, 0.0), mask=row_ok)
+    tl.store(lse_ptr + row, lse, mask=row_ok)
+
+
+@triton.jit
+def ce_finish(
+    loss_ptr,
+    z_ptr,
+    t_ptr,
+    w_ptr,
+    out_ptr,
+    zout_ptr,
+    stats_ptr,
+    n_rows,
+    v,
+    ignore_index,
+    REDUCTION: tl.constexpr,
+    BLOCK: tl.constexpr,
+    WEIGHT: tl.constexpr,
+    ZLOSS: tl.constexpr,
+    REDUCE: tl.constexpr,
+    CHECK: tl.constexpr,
+):
+    """One program over all rows, in a fixed order (deterministic). With REDUCE: REDUCTION 0 writes each
+    row's loss (ce + z-loss) in out's dtype and its z-loss in zout's, 1 their sums, 2 their means (ce over
+    the weight of the rows kept, z-loss over their number; 0 / 0 = NaN when all are ignored, as torch).
+    Always: stats_ptr[0] = the number of rows not ignored, [1] = 1 if every target not ignored is in
+    [0, v) (else 0), [2] = the weight of the rows kept (their number without class weights), as fp32.
+    CHECK (on CUDA, compiled with debug=True): a target out of range stops here, at a device-side assertion
+    (as torch's own device asserts do: the error surfaces at the next synchronising call), so the caller
+    launches no check of its own."""
+    acc = tl.zeros([BLOCK], tl.float32)
+    zacc = tl.zeros([BLOCK], tl.float32)
+    wk = tl.zeros([BLOCK], tl.float32)
+    kept = tl.zeros([BLOCK], tl.int32)
+    bad = tl.zeros([BLOCK], tl.int32)
+    for start in range(0, n_rows, BLOCK):
+        r = start + tl.arange(0, BLOCK)
+        ok = r < n_rows
+        t = tl.load(t_ptr + r, mask=ok, other=ignore_index).to(tl.int64)
+        keep = ok & (t != ignore_index)
+        inside = keep & (t >= 0) & (t < v)
+        kept += keep.to(tl.int32)
+        bad += (keep != inside).to(tl.int32)  # kept but outside [0, v): inside implies keep
+        if WEIGHT:
+            wk += tl.load(w_ptr + tl.where(inside, t, 0), mask=inside, other=0.0).to(tl.float32)
+        if REDUCE:
+            row_loss = tl.load(loss_ptr + r, mask=ok, other=0.0)
+            zr = tl.zeros([BLOCK], tl.float32)
+            if ZLOSS:
+                zr = tl.load(z_ptr + r, mask=ok, other=0.0)
+            if REDUCTION == 0:
+                tl.store(out_ptr + r, (row_loss + zr).to(out_ptr.dtype.element_ty), mask=ok)
+                tl.store(zout_ptr + r, zr.to(zout_ptr.dtype.element_ty), mask=ok)
+            else:
+                acc += row_loss
+                zacc += zr
+    n_kept = tl.sum(kept, axis=0).to(tl.float32)
+    w_kept = n_kept
+    if WEIGHT:
+        w_kept = tl.sum(wk, axis=0)
+    if REDUCE:
+        if REDUCTION != 0:
+            total = tl.sum(acc, axis=0)
+            ztotal = tl.sum(zacc, axis=0)
+            if REDUCTION == 2:  # (kept weights summing to 0: NaN, as torch's 0 / 0 of its nll part)
+                total = tl.where(w_kept == 0.0, float("nan"), total / w_kept)
+                ztotal = ztotal / n_kept
+            tl.store(out_ptr, (total + ztotal).to(out_ptr.dtype.element_ty))
+            tl.store(zout_ptr, ztotal.to(zout_ptr.dtype.element_ty))
+    n_bad = tl.sum(bad, axis=0)
+    if CHECK:
+        tl.device_assert(n_bad == 0, "cross_entropy: a target is outside [0, V) and not ignore_index")
+    tl.store(stats_ptr, n_kept)
+    tl.store(stats_ptr + 1, (n_bad == 0).to(tl.float32))
+    tl.store(stats_ptr + 2, w_kept)
+
+
+@triton.jit
+def ce_bwd(
+    x_ptr,
+    t_ptr,
+    w_ptr,
+    wsum_ptr,
+    lse_ptr,
+    cnt_ptr,
+    g_ptr,
+    dx_ptr,
+    n_rows,
+    v,
+    sx,
+    sdx,
+    g_stride,
+    span,
+    ignore_index,
+    smoothing,
+    cap,
+    zl,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SMOOTH: tl.constexpr,
+    MEAN: tl.constexpr,
+    WEIGHT: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    ZLOSS: tl.constexpr,
+):
+    """g_ptr: the upstream gradient, per row (g_stride 1) or one for all rows (g_stride 0); MEAN divides it by
+    the weight of the rows kept (ce) and their number (z-loss), which ce_finish left at cnt_ptr[2] and
+    cnt_ptr[0]. dx_ptr may be x_ptr (in place: each element is read, then written, by one program). The second
+    grid axis splits each row into segments of ``span`` columns (a multiple of BLOCK_N), one program each:
+    dlogits need no reduction along the row, so few long rows still fill the GPU."""
+    row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    row_ok = row < n_rows
+    t = tl.load(t_ptr + row, mask=row_ok, other=ignore_index).to(tl.int64)
+    keep = row_ok & (t != ignore_index)
+    inside = keep & (t >= 0) & (t < v)
+    lse = tl.load(lse_ptr + row, mask=row_ok, other=0.0)
+    g = tl.where(keep, tl.load(g_ptr + row * g_stride, mask=keep, other=0.0).to(tl.float32), 0.0)
+    g_ce = g
+    g_z = g
+    if MEAN:
+        g_ce = g / tl.load(cnt_ptr + 2)
+        g_z = g / tl.load(cnt_ptr)
+    w_t = 1.0
+    if WEIGHT:
+        w_t = tl.load(w_ptr + tl.where(inside, t, 0), mask=inside, other=0.0).to(tl.float32)
+    # dz_j = a * p_j - b * [j == t] - cc * w_j: three numbers per row
+    b = g_ce * w_t
+    a = b
+    cc = g_ce * 0.0
+    if SMOOTH:
+        wsum = v * 1.0  # (v == 1 arrives as a constexpr)
+        if WEIGHT:
+            wsum = tl.load(wsum_ptr)
+        b = (1.0 - smoothing) * b
+        cc = g_ce * (smoothing / v)
+        a = b + cc * wsum
+    if ZLOSS:
+        a += g_z * 2.0 * zl * lse
+    lse_safe = safe_max(lse)  # an all -inf row: exp(-inf - 0) = 0
+    seg0 = tl.program_id(1).to(tl.int64) * span  # this segment's first column (a scalar: columns stay int32)
+    width = tl.minimum(span, v - seg0).to(tl.int32)
+    t_here = tl.where(inside, t - seg0, -1)
+    t_here = tl.where((t_here >= 0) & (t_here < width), t_here, -1).to(tl.int32)
+    xs = x_ptr + row[:, None] * sx + seg0
+    dxs = dx_ptr + row[:, None] * sdx + seg0
+    c = tl.arange(0, BLOCK_N)[None, :]
+    for j in range(0, tl.cdiv(width, BLOCK_N)):
+        cols = j * BLOCK_N + c
+        ok = row_ok[:, None] & (cols < width)
+        z = tl.load(xs + cols, mask=ok, other=float("-inf")).to(tl.float32)
+        if SOFTCAP:
+            z = tl.where(ok, softcapped(z, cap), float("-inf"))
+        p = row_exp(z - lse_safe[:, None])
+        hot = (cols == t_here[:, None]).to(tl.float32)
+        d = a[:, None] * p - b[:, None] * hot
+        if SMOOTH:
+            if WEIGHT:
+                d -= cc[:, None] * tl.load(w_ptr + seg0 + cols, mask=cols < width, other=0.0).to(tl.float32)
+            else:
+                d -= cc[:, None]
+        if SOFTCAP:
+            r = z / cap
+            d = d * (1.0 - r * r)
+        d = tl.where(keep[:, None], d, 0.0)
+        tl.store(dxs + cols, d.to(dx_ptr.dtype.element_ty), mask=ok)
+
+
+FINISH_BLOCK = 1024
+REDUCTIONS = {"none": 0, "sum": 1, "mean": 2}
+
+
+def _flags(o, w) -> dict:
+    return dict(SMOOTH=o.smoothing != 0.0, WEIGHT=w is not None, SOFTCAP=o.softcap is not None, ZLOSS=o.z_loss != 0.0)
+
+
+def _scalars(o) -> tuple:
+    return float(o.smoothing), float(o.softcap or 1.0), float(o.z_loss)
+
+
+def weight_sum(o, w, like):
+    """The class weights' sum as a device scalar where the kernels read it (smoothing with weights), else a
+    placeholder pointer."""
+    if w is not None and o.smoothing != 0.0:
+        return w.float().sum().reshape(1)
+    return like
+
+
+def rows_forward(x, t, w, wsum, o, rows_loss, rows_z, lse, shape) -> None:
+    """ce_fwd over (M, V) logits x into the (M,) buffers: each row's ce, z-loss and logsumexp."""
+    m, v = x.shape
+    rows, block, warps, _ = shape
+    eps, cap, zl = _scalars(o)
+    launch(
+        ce_fwd,
+        (-(-m // rows),),
+        (x, t, w if w is not None else x, wsum, rows_loss, rows_z, lse, m, v, x.stride(0), o.ignore_index)
+        + (eps, cap, zl),
+        dict(ROWS=rows, BLOCK_N=block, num_warps=warps, **_flags(o, w)),
+    )
+
+
+def finish(rows_loss, rows_z, t, w, out, zout, tail, v: int, o, reduce: bool = True, check: bool | None = None):
+    """ce_finish: the reduction into out / zout (with ``reduce``) and the counts into tail (3,). ``check``
+    (default: on CUDA) compiles in the device-side assertion on the targets; otherwise the caller reads
+    tail[1] (dispatch.cross_entropy)."""
+    flags = _flags(o, w)
+    check = t.is_cuda if check is None else check
+    meta = dict(REDUCTION=REDUCTIONS[o.reduction], BLOCK=FINISH_BLOCK, WEIGHT=flags["WEIGHT"], ZLOSS=flags["ZLOSS"])
+    meta |= dict(REDUCE=reduce, CHECK=check, num_warps=4)
+    if check:  # (Triton compiles device_assert only into debug kernels; no overflow checks wanted)
+        meta |= dict(debug=True, sanitize_overflow=False)
+    launch(
+        ce_finish,
+        (1,),
+        (rows_loss, rows_z, t, w if w is not None else rows_loss, out, zout, tail, t.shape[0], v, o.ignore_index),
+        meta,
+    )
+
+
+def rows_backward(x, t, w, wsum, lse, tail, g, o, dx, shape) -> None:
+    """ce_bwd: dlogits of (M, V) logits x into dx (may be x) from the rows' logsumexp, the counts (tail, as
+    finish writes them) and g: (M,) per row, or a 0-d tensor for every row (divided for the mean)."""
+    m, v = x.shape
+    rows, block, warps, splits = shape
+    chunks = -(-v // block)
+    per = -(-chunks // splits)  # chunks per segment; the last segment may be shorter
+    eps, cap, zl = _scalars(o)
+    args = (x, t, w if w is not None else x, wsum, lse, tail, g, dx, m, v, x.stride(0), dx.stride(0))
+    args += (g.stride(0) if g.dim() else 0, per * block, o.ignore_index, eps, cap, zl)
+    meta = dict(ROWS=rows, BLOCK_N=block, MEAN=o.reduction == "mean", num_warps=warps, **_flags(o, w))
+    launch(ce_bwd, (-(-m // rows), -(-chunks // per)), args, meta)
+
+
+def shape(v: int, elsize: int, backward: bool) -> tuple[int, int, int, int]:
+    """(ROWS, BLOCK_N, num_warps, splits) of the kernels for rows of v classes: the rule
+    (heuristics/cross_entropy.py), or what heuristics.force() sets (rows=, block_n=, num_warps=, splits=:
+    segments per row, backward only); recorded as the call's plan."""
+    rows, block, warps, splits = rules.launch_shape(v, elsize, backward)
+    f = heuristics.forced()
+    if f:
+        rows, block, warps = f.get("rows", rows), f.get("block_n", block), f.get("num_warps", warps)
+        splits = f.get("splits", splits) if backward else 1
+    chunks = -(-v // block)
+    splits = -(-chunks // -(-chunks // splits))  # as many as rows_backward launches: none empty
+    heuristics.record(heuristics.Plan("triton", "cross_entropy", block_n=block, rows=rows, num_warps=warps,
+                                      splits=splits))  # fmt: skip
+    return rows, block, warps, splits
+
+
+def forward(x, t, w, o, out_dtype, path=None, stats=True, check: bool | None = None):
+    """(loss, z-loss, stats) of (M, V) logits x (unit stride along V) and (M,) targets: loss and z-loss as
+    the reduction asks (rows, or scalars) in out_dtype; stats (M + 3,) fp32: each row's logsumexp, then the
+    rows not ignored, 1.0 if every target not ignored is in [0, V) (else 0.0), the weight of the rows kept.
+    ``w``: the class weights or None; ``o``: the loss options; ``path`` and ``stats``: unused (the backend
+    interface; the kernels always write stats); ``check``: finish()'s."""
+    import torch
+
+    m, v = x.shape
+    with selected(x):
+        launch_shape = shape(v, x.element_size(), False)
+        rows_loss = torch.empty(m, dtype=torch.float32, device=x.device)
+        rows_z = torch.empty(m, dtype=torch.float32, device=x.device) if o.z_loss else rows_loss
+        st = torch.empty(m + 3, dtype=torch.float32, device=x.device)
+        out = torch.empty(m if o.reduction == "none" else (), dtype=out_dtype, device=x.device)
+        zout = torch.empty_like(out)
+        if poisoning():  # tests: every output element must be written by the kernels
+            for b in (rows_loss, rows_z, st, out, zout):
+                b.fill_(float("nan"))
+        fastlaunch.scratch(rows_loss)  # (workspaces the kernels write first: a replay allocates its own)
+        fastlaunch.scratch(rows_z)
+        rows_forward(x, t, w, weight_sum(o, w, st), o, rows_loss, rows_z, st, launch_shape)
+        finish(rows_loss, rows_z, t, w, out, zout, st[m:], v, o, check=check)
+    return out, zout, st
+
+
+def backward(x, t, w, stats, g, o, out_dtype, path=None):
+    """dlogits of (M, V) logits x in out_dtype (contiguous) from the forward's stats and the upstream
+    gradient g (a 0-d tensor, or (M,) for reduction='none'); ``path``: unused (the backend interface)."""
+    import torch
+
+    m = x.shape[0]
+    dx = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    if poisoning():
+        dx.fill_(float("nan"))
+    g = g.reshape(m) if o.reduction == "none" else g.reshape(())
+    with selected(x):
+        launch_shape = shape(x.shape[1], x.element_size(), True)
+        rows_backward(x, t, w, weight_sum(o, w, stats), stats, stats[m:], g, o, dx, launch_shape)
+    return dx
+
+
+@triton.jit
+def scale_by(x_ptr, n, g_ptr, BLOCK: tl.constexpr):
+    """x *= g in place, g read from device memory; nothing read or written when g == 1 (the usual upstream
+    gradient of a loss): the LM-head loss's backward costs a launch then, not a pass over dW."""
+    g = tl.load(g_ptr).to(tl.float32)
+    if g != 1.0:
+        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        ok = i < n
+        v = tl.load(x_ptr + i, mask=ok).to(tl.float32)
+        tl.store(x_ptr + i, (v * g).to(x_ptr.dtype.element_ty), mask=ok)
+
+
+SCALE_BLOCK = 4096
+
+
+def scale_(x, g) -> None:
+    """x (contiguous) *= g (a 0-d tensor on x's device)."""
+    n = x.numel()
+    if n:
+        launch(scale_by, (-(-n // SCALE_BLOCK),), (x, n, g), dict(BLOCK=SCALE_BLOCK, num_warps=4))

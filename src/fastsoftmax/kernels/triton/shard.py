@@ -1,0 +1,165 @@
+"""Kernels on one rank's slice of logits split along the classes across ranks (shard_merge.py): the slice is
+(M, V_r) of the full (M, V) rows. The statistics that cross ranks are per row, so each kernel is a row sweep
+over the slice alone, and the merge of the ranks' statistics is O(M) work between them.
+
+Traffic, on the slice:
+  shard_stats   1 read: each row's logsumexp of z (z = c * tanh(x / c) with a softcap, else x), and with
+                SMOOTH the row's sum of w_j * z_j (w = 1 without class weights); or with DOT the row's sum of
+                x_j * d_j (d = dy, x = y: the softmax backward's) or of d_j (LOGDOT: log_softmax's).
+  shard_apply   1 read + 1 write (2 reads for the backwards), from per-row numbers merged across ranks:
+                MODE 0 softmax   y = exp(x - lse)
+                MODE 1 log       y = x - lse
+                MODE 2 dlogits   d = a * p - b * [j == t] - cc * w_j, p = exp(z - lse); times
+                                 (1 - (z / c)^2) with a softcap (the cross-entropy's, see cross_entropy.py)
+                MODE 3 softmax backward      dx = y * (dy - s)
+                MODE 4 log_softmax backward  dx = dy - exp(y) * s
+A row whose logsumexp is -inf (-inf on every rank) gives softmax 0, log_softmax -inf; t holds each row's
+target within the slice, -1 where another rank holds it and -2 where the row is ignored (dlogits 0).
+Rows are (M, V_r) with unit stride along V_r; programs take ROWS rows and sweep V_r in BLOCK_N chunks.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .cross_entropy import row_lse, softcapped
+from .launch import launch
+from .rows import row_exp, safe_max
+
+
+@triton.jit
+def shard_stats(
+    x_ptr,
+    d_ptr,
+    w_ptr,
+    lse_ptr,
+    sum_ptr,
+    n_rows,
+    v,
+    sx,
+    sd,
+    cap,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SMOOTH: tl.constexpr,
+    WEIGHT: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    DOT: tl.constexpr,
+    LOGDOT: tl.constexpr,
+):
+    """lse_ptr: each row's logsumexp (not with DOT or LOGDOT); sum_ptr: its weighted sum of z (SMOOTH), of
+    x * d (DOT) or of d (LOGDOT), fp32."""
+    row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    row_ok = row < n_rows
+    if DOT or LOGDOT:
+        c = tl.arange(0, BLOCK_N)[None, :]
+        acc = tl.zeros([ROWS], tl.float32)
+        for j in range(0, tl.cdiv(v, BLOCK_N)):
+            cols = j * BLOCK_N + c
+            ok = row_ok[:, None] & (cols < v)
+            d = tl.load(d_ptr + row[:, None] * sd + cols, mask=ok, other=0.0).to(tl.float32)
+            if DOT:
+                d = tl.load(x_ptr + row[:, None] * sx + cols, mask=ok, other=0.0).to(tl.float32) * d
+            acc += tl.sum(d, axis=1)
+        tl.store(sum_ptr + row, acc, mask=row_ok)
+    else:
+        lse, acc = row_lse(x_ptr + row * sx, row_ok, v, w_ptr, cap, ROWS, BLOCK_N, SMOOTH, WEIGHT, SOFTCAP)
+        tl.store(lse_ptr + row, lse, mask=row_ok)
+        if SMOOTH:
+            tl.store(sum_ptr + row, acc, mask=row_ok)
+
+
+@triton.jit
+def shard_apply(
+    x_ptr,
+    d_ptr,
+    out_ptr,
+    lse_ptr,
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    t_ptr,
+    w_ptr,
+    n_rows,
+    v,
+    sx,
+    sd,
+    so,
+    cap,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MODE: tl.constexpr,
+    SMOOTH: tl.constexpr,
+    WEIGHT: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+):
+    """out = MODE's function of the slice x (and d: dy in the backwards) and the row's merged numbers: lse
+    (modes 0-2, 4), a, b, cc and t (mode 2), s in a_ptr (modes 3, 4). out may be x (in place)."""
+    row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    row_ok = row < n_rows
+    if MODE <= 2 or MODE == 4:
+        lse = tl.load(lse_ptr + row, mask=row_ok, other=0.0)
+        masked = lse == float("-inf")  # (a row -inf on every rank: exp(-inf) = 0; its log_softmax gradient 0)
+        lse = safe_max(lse)
+    if MODE >= 2:
+        a = tl.load(a_ptr + row, mask=row_ok, other=0.0)
+    if MODE == 2:
+        b = tl.load(b_ptr + row, mask=row_ok, other=0.0)
+        cc = tl.load(c_ptr + row, mask=row_ok, other=0.0)
+        t = tl.load(t_ptr + row, mask=row_ok, other=-2).to(tl.int32)
+        keep = t != -2
+    c = tl.arange(0, BLOCK_N)[None, :]
+    for j in range(0, tl.cdiv(v, BLOCK_N)):
+        cols = j * BLOCK_N + c
+        ok = row_ok[:, None] & (cols < v)
+        x = tl.load(x_ptr + row[:, None] * sx + cols, mask=ok, other=0.0).to(tl.float32)
+        if MODE == 0:
+            y = row_exp(x - lse[:, None])
+        elif MODE == 1:
+            y = x - lse[:, None]
+        elif MODE == 2:
+            if SOFTCAP:
+                x = softcapped(x, cap)
+            y = a[:, None] * row_exp(x - lse[:, None]) - b[:, None] * (cols == t[:, None]).to(tl.float32)
+            if SMOOTH:
+                if WEIGHT:
+                    y -= cc[:, None] * tl.load(w_ptr + cols, mask=cols < v, other=0.0).to(tl.float32)
+                else:
+                    y -= cc[:, None]
+            if SOFTCAP:
+                r = x / cap
+                y = y * (1.0 - r * r)
+            y = tl.where(keep[:, None], y, 0.0)
+        else:
+            dy = tl.load(d_ptr + row[:, None] * sd + cols, mask=ok, other=0.0).to(tl.float32)
+            if MODE == 3:
+                y = x * (dy - a[:, None])
+            else:
+                y = tl.where(masked[:, None], 0.0, dy - row_exp(x) * a[:, None])
+        tl.store(out_ptr + row[:, None] * so + cols, y.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def stats(x, d, w, lse, sums, cap, shape, *, smooth=False, dot=False, logdot=False) -> None:
+    """shard_stats over (M, V_r) x (and d) into the (M,) fp32 buffers lse and sums (either may be a
+    placeholder where its flag does not ask for it)."""
+    m, v = x.shape
+    rows, block, warps, _ = shape
+    d = d if d is not None else x
+    args = (x, d, w if w is not None else x, lse, sums, m, v, x.stride(0), d.stride(0), float(cap or 1.0))
+    meta = dict(ROWS=rows, BLOCK_N=block, num_warps=warps, SMOOTH=smooth, WEIGHT=w is not None)
+    meta |= dict(SOFTCAP=cap is not None, DOT=dot, LOGDOT=logdot)
+    launch(shard_stats, (-(-m // rows),), args, meta)
+
+
+def apply(mode: int, x, d, out, lse, a, b, cc, t, w, cap, shape, *, smooth=False) -> None:
+    """shard_apply: out (M, V_r) from x (and d) and the per-row numbers (placeholders where MODE reads
+    none)."""
+    m, v = x.shape
+    rows, block, warps, _ = shape
+    d = d if d is not None else x
+    args = (x, d, out, lse, a, b, cc, t, w if w is not None else x, m, v, x.stride(0), d.stride(0), out.stride(0))
+    args += (float(cap or 1.0),)
+    meta = dict(ROWS=rows, BLOCK_N=block, num_warps=warps, MODE=mode, SMOOTH=smooth, WEIGHT=w is not None)
+    meta |= dict(SOFTCAP=cap is not None)
+    launch(shard_apply, (-(-m // rows),), args, meta)

@@ -1,0 +1,414 @@
+"""fs.linear_cross_entropy: the language model head's loss, cross_entropy(x @ W^T + b, target), without the
+full (N, V) logits: rows of x go through in chunks, each chunk's logits made by one cuBLAS GEMM into one
+reused buffer, and the cross-entropy kernels (triton/cross_entropy.py) run on it there.
+
+Traffic and work, N tokens, d features, V classes, chunks of R rows (the buffer: R x V logits):
+  lce_chunked    forward with gradients wanted: per chunk x_c @ W^T, ce_fwd (1 read of the logits), ce_bwd
+                 in place (1 read + 1 write: now dlogits, for a unit upstream gradient), dx_c = dl @ W,
+                 dW += dl^T @ x_c (cuBLAS accumulating into dW: beta = 1), db += column sums; 3 GEMMs in all,
+                 as the unfused loss. The backward scales dx, dW, db by the upstream gradient, in place.
+  lce_recompute  forward: per chunk x_c @ W^T and ce_fwd (loss and logsumexp per row, kept); backward: per
+                 chunk the logits again, then as above with the upstream gradient of each row: 4 GEMMs. For
+                 reduction='none' (the upstream gradient differs per row and is known only then).
+Without gradients (no_grad, nothing requires grad) both are the forward alone: 1 GEMM and ce_fwd a chunk.
+Peak memory above the inputs: the chunk buffer (``memory=`` bytes, else heuristics/lm_head.chunk_rows),
+dx and dW themselves (dW in W's dtype: each chunk's sum is rounded into it once), O(N) statistics.
+
+Logits are computed in x's dtype, as F.linear gives them; the loss and its statistics in fp32 (fp64 for
+fp64). torch.func transforms and create_graph=True run torch ops (F.linear, then the loss's torch ops);
+under autocast x, W and b are cast to the autocast dtype, as torch does for F.linear, and the loss is fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import dispatch, heuristics
+from ..core import checks, compose, options
+from ..core.layout import flat_target, storage_problem
+from ..heuristics import lm_head as rules
+from ..heuristics.device import selected
+from ..kernels.torch_loss import chunk_logits, dlogits_options, kept_rows, loss_rows_torch, reduce_terms, row_grads
+from .cross_entropy import composite as ce_composite
+
+
+class _TritonLoss:
+    """The cross-entropy kernels on one chunk of logits at a time (triton/cross_entropy.py)."""
+
+    name = "triton"
+
+    def __init__(self, x, t, w, o, v: int):
+        from ..kernels.triton.backend import kernels  # (the kernels import Triton)
+
+        self.k, self.t, self.w, self.o = kernels("cross_entropy"), t, w, o
+        self.fwd_shape, self.bwd_shape = (
+            self.k.shape(v, x.element_size(), False),
+            self.k.shape(v, x.element_size(), True),
+        )
+        self.wsum = self.k.weight_sum(o, w, t)  # (t: a placeholder pointer where no sum is read)
+
+    def start(self, stats, rows_loss, rows_z, n: int, v: int):
+        """The counts (the mean's divisors) into stats[n:], before any chunk's backward reads them."""
+        self.k.finish(rows_loss, rows_z, self.t, self.w, stats, stats, stats[n:], v, self.o, reduce=False)
+
+    def forward(self, logits, r0, r1, stats, rows_loss, rows_z):
+        t, z = self.t[r0:r1], rows_z[r0:r1]
+        self.k.rows_forward(logits, t, self.w, self.wsum, self.o, rows_loss[r0:r1], z, stats[r0:r1], self.fwd_shape)
+
+    def backward(self, logits, r0, r1, stats, g, n: int):
+        gc = g[r0:r1] if g.dim() else g
+        t = self.t[r0:r1]
+        self.k.rows_backward(logits, t, self.w, self.wsum, stats[r0:r1], stats[n:], gc, self.o, logits, self.bwd_shape)
+
+    def finish(self, rows_loss, rows_z, stats, out, zout, n: int, v: int):
+        self.k.finish(rows_loss, rows_z, self.t, self.w, out, zout, stats[n:], v, self.o)
+
+
+class _TorchLoss:
+    """The same steps in torch ops (the CPU, float64, backend='torch')."""
+
+    name = "torch"
+
+    def __init__(self, x, t, w, o, v: int):
+        self.t, self.w, self.o = t, w, o
+
+    def start(self, stats, rows_loss, rows_z, n: int, v: int):
+        kept, w_kept = kept_rows(self.t, self.o.ignore_index, self.w, v, stats.dtype)
+        stats[n], stats[n + 1], stats[n + 2] = kept, 1.0, w_kept
+
+    def forward(self, logits, r0, r1, stats, rows_loss, rows_z):
+        ce, zr, lse = loss_rows_torch(logits, self.t[r0:r1], self.o, self.w)
+        rows_loss[r0:r1], rows_z[r0:r1], stats[r0:r1] = ce, zr, lse  # (rows_z: its own buffer)
+
+    def backward(self, logits, r0, r1, stats, g, n: int):
+        g = g[r0:r1] if g.dim() else g
+        g_ce, g_z = row_grads(g, stats[n], stats[n + 2], self.o.reduction, r1 - r0)
+        lse = stats[r0:r1]
+        logits.copy_(dlogits_options(logits, self.t[r0:r1], lse, g_ce.to(lse.dtype), g_z.to(lse.dtype), self.o, self.w))
+
+    def finish(self, rows_loss, rows_z, stats, out, zout, n: int, v: int):
+        loss, z = reduce_terms(rows_loss, rows_z, stats[n], stats[n + 2], self.o.reduction, out.dtype)
+        out.copy_(loss)
+        zout.copy_(z)
+
+
+def _loss_impl(x, backend: str):
+    return _TritonLoss if dispatch.select_loss(backend, x)[0].name == "triton" else _TorchLoss
+
+
+def _sweep(x, weight, bias, t, cw, o, backend, memory, design, wants, g=None, stats=None, out_dtype=None):
+    """One pass over the chunks. Forward (``stats`` None): returns (loss, z-loss, stats, dx, dw, db), the
+    gradients for ``wants`` (x, weight, bias) for a unit upstream gradient when the design is lce_chunked,
+    else empty. Backward (``stats`` given, ``g`` the upstream gradient): returns (dx, dw, db)."""
+    n, v = x.shape[0], weight.shape[0]
+    forward = stats is None
+    wide = torch.float64 if x.dtype == torch.float64 else torch.float32
+    loss_impl = _loss_impl(x, backend) if n else _TorchLoss
+    k = loss_impl(x, t, cw, o, v)
+    if forward:
+        stats = torch.empty(n + 3, dtype=wide, device=x.device)
+        rows_loss = torch.empty(n, dtype=wide, device=x.device)
+        rows_z = torch.empty(n, dtype=wide, device=x.device)  # (unread without a z-loss on the Triton path)
+        if heuristics.poisoning():
+            stats.fill_(float("nan"))
+        k.start(stats, rows_loss, rows_z, n, v)
+        grads = design == "lce_chunked" and any(wants)
+        if grads:
+            g = torch.ones((), dtype=wide, device=x.device)
+    else:
+        grads = any(wants)
+    dx = x.new_empty(x.shape) if grads and wants[0] else x.new_empty(0)  # (contiguous: chunks of rows)
+    dw = torch.zeros_like(weight) if grads and wants[1] and n == 0 else None
+    db = torch.zeros(v, dtype=wide, device=x.device) if grads and wants[2] else None
+    rows = rules.rows_per_chunk(x, v, memory)
+    buf = torch.empty((min(rows, n), v), dtype=x.dtype, device=x.device) if n else None
+    chunks = 0
+    for r0 in range(0, n, rows):
+        r1 = min(r0 + rows, n)
+        xc, logits = x[r0:r1], buf[: r1 - r0]
+        chunk_logits(xc, weight, bias, logits)
+        if forward:
+            k.forward(logits, r0, r1, stats, rows_loss, rows_z)
+        if grads:
+            k.backward(logits, r0, r1, stats, g, n)  # logits -> dlogits, in place
+            if wants[0]:
+                torch.mm(logits, weight, out=dx[r0:r1])
+            if wants[1]:
+                if dw is None:
+                    dw = torch.mm(logits.t(), xc)
+                else:
+                    dw.addmm_(logits.t(), xc)
+            if wants[2]:
+                db += logits.sum(0, dtype=wide)
+        chunks += 1
+    dw = dw if dw is not None else weight.new_empty(0)
+    db = db.to(weight.dtype) if db is not None else weight.new_empty(0)
+    heuristics.record(heuristics.Plan(k.name, design, rows=rows, splits=chunks))
+    if not forward:
+        return dx, dw, db
+    out = torch.empty(n if o.reduction == "none" else (), dtype=out_dtype, device=x.device)
+    zout = torch.empty_like(out)
+    k.finish(rows_loss, rows_z, stats, out, zout, n, v)
+    if k.name != "triton" or (not t.is_cuda and not stats[n + 1].item()):  # (on a GPU: ce_finish asserts)
+        checks.targets(t, v, o.ignore_index)  # (the kernels never read out of range)
+    return out, zout, stats, dx, dw, db
+
+
+# ---- the custom op ------------------------------------------------------------------------------------
+
+
+def _lce(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None,
+    class_weight: torch.Tensor | None,
+    ignore_index: int,
+    reduction: str,
+    label_smoothing: float,
+    softcap: float | None,
+    z_loss: float,
+    memory: int,
+    backend: str,
+    design: str,
+    want_x: bool,
+    want_w: bool,
+    want_b: bool,
+    out_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, z-loss, stats, dx, dw, db) of 2-d x and 1-d targets (checked by the public function; memory 0:
+    the rule's choice): the gradients for a unit upstream gradient where lce_chunked computed them, else
+    empty."""
+    o = options.Loss(ignore_index, reduction, label_smoothing, softcap, z_loss)
+    if why := storage_problem(x, weight, target, bias, class_weight):
+        raise RuntimeError(f"linear_cross_entropy: {why}")
+    wants = (want_x, want_w, want_b and bias is not None)
+    cw = class_weight.contiguous() if class_weight is not None else None  # (the kernels index it densely)
+    with selected(x):
+        return _sweep(x, weight, bias, target, cw, o, backend, memory, design, wants, out_dtype=out_dtype)
+
+
+def _lce_fake(x, weight, target, bias, class_weight, ii, reduction, eps, cap, zl, memory, backend, design, *rest):
+    want_x, want_w, want_b, out_dtype = rest
+    n = x.shape[0]
+    grads = design == "lce_chunked"
+    loss = x.new_empty(target.shape if reduction == "none" else (), dtype=out_dtype)
+    stat = torch.float64 if x.dtype == torch.float64 else torch.float32
+    dx = x.new_empty(x.shape if grads and want_x else (0,))
+    dw = weight.new_empty(weight.shape if grads and want_w else (0,))
+    db = weight.new_empty((weight.shape[0],) if grads and want_b and bias is not None else (0,))
+    return loss, torch.empty_like(loss), x.new_empty((n + 3,), dtype=stat), dx, dw, db
+
+
+def _lce_setup(ctx, inputs, output):
+    x, weight, target, bias, class_weight, *opts = inputs
+    ctx.opts = tuple(opts)
+    ctx.mark_non_differentiable(*output[1:])
+    ctx.set_materialize_grads(False)  # (else autograd makes zeros shaped like dx and dW for the backward)
+    ctx.save_for_backward(x, weight, target, bias, class_weight, *output[2:])
+
+
+def _lce_grad(ctx, grad_loss, *_):
+    x, weight, target, bias, class_weight, stats, dx, dw, db = ctx.saved_tensors
+    ii, reduction, eps, cap, zl, memory, backend, design, *_ = ctx.opts
+    need = ctx.needs_input_grad
+    if grad_loss is None:
+        return (None,) * 17
+    if torch.is_grad_enabled() or compose.transformed():  # create_graph=True: torch ops, differentiable again
+        return _composite_grads(ctx, grad_loss, x, weight, target, bias, class_weight)
+    if design == "lce_chunked" and not getattr(ctx, "scaled", False):
+        gx, gw, gb = _scaled(ctx, grad_loss, backend, dx, dw, db)
+        return (gx if need[0] else None), (gw if need[1] else None), None, (gb if need[3] else None), *([None] * 13)
+    wants = (need[0], need[1], need[3] and bias is not None)  # lce_recompute, or lce_chunked's second backward
+    args = (x, weight, target, bias, class_weight, stats, grad_loss, ii, reduction, eps, cap, zl, memory, backend)
+    route = compose.route(x, weight, grad_loss)
+    gx, gw, gb = _lce_backward(*args, *wants) if route == "plain" else LCE_BACKWARD.call(route, *args, *wants)
+    return (gx if need[0] else None), (gw if need[1] else None), None, (gb if wants[2] else None), *([None] * 13)
+
+
+def _scaled(ctx, grad_loss, backend, *grads):
+    """lce_chunked's gradients (for a unit upstream gradient) times grad_loss. Eagerly in place, through
+    .data (no second dW in memory; the saved tensors' versions stay, so autograd does not refuse a second
+    backward through a retained graph, which recomputes: ctx.scaled). Traced (torch.compile), out of place."""
+    if compose.compiling() or any(type(g) is not torch.Tensor for g in grads):
+        return tuple(g * grad_loss.to(g.dtype) if g.numel() else g for g in grads)
+    ctx.scaled = True
+    if grads[0].is_cuda and dispatch.select_loss(backend, grads[0])[0].name == "triton":
+        from ..kernels.triton.backend import kernels  # (the kernels import Triton)
+
+        g = grad_loss.reshape(()).to(torch.float32)
+        with selected(grads[0]):
+            for t in grads:
+                kernels("cross_entropy").scale_(t.data, g)  # no pass over dW when grad_loss == 1
+        return grads
+    return tuple(t.data.mul_(grad_loss) if t.numel() else t for t in grads)
+
+
+def _composite_grads(ctx, grad_loss, x, weight, target, bias, class_weight):
+    """The backward in torch ops through the loss's composite, differentiable (double backward)."""
+    need = ctx.needs_input_grad
+    inputs = [
+        t for t, want in zip((x, weight, bias), (need[0], need[1], need[3]), strict=True) if want and t is not None
+    ]
+    with torch.enable_grad():
+        loss = composite(x, weight, target, bias, class_weight, *ctx.opts)[0]
+        it = iter(torch.autograd.grad(loss, inputs, grad_loss, create_graph=True))
+    gx = next(it) if need[0] else None
+    gw = next(it) if need[1] else None
+    gb = next(it) if need[3] and bias is not None else None
+    return gx, gw, None, gb, *([None] * 13)
+
+
+def composite(x, weight, target, bias, class_weight, ii, reduction, eps, cap, zl, memory, backend, design, *rest):
+    """The loss in torch ops (F.linear, then the loss's torch ops), differentiable to any order: torch.func
+    transforms and create_graph=True. Holds the full logits."""
+    out_dtype = rest[-1]
+    logits = torch.nn.functional.linear(x, weight, bias)
+    loss, z, _ = ce_composite(logits, target, class_weight, ii, reduction, eps, cap, zl, backend, out_dtype)
+    heuristics.record(heuristics.Plan("torch", "composite"))
+    empty = x.new_empty(0)
+    return loss, z, None, empty, empty, empty
+
+
+LINEAR_CROSS_ENTROPY = compose.Op(
+    "linear_cross_entropy", _lce, _lce_fake, None, setup_context=_lce_setup, backward=_lce_grad, func=composite
+)
+
+
+def _lce_backward(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None,
+    class_weight: torch.Tensor | None,
+    stats: torch.Tensor,
+    grad: torch.Tensor,
+    ignore_index: int,
+    reduction: str,
+    label_smoothing: float,
+    softcap: float | None,
+    z_loss: float,
+    memory: int,
+    backend: str,
+    want_x: bool,
+    want_w: bool,
+    want_b: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """lce_recompute's backward: (dx, dw, db) for ``grad``, the loss's upstream gradient (empty where not
+    wanted)."""
+    o = options.Loss(ignore_index, reduction, label_smoothing, softcap, z_loss)
+    wide = stats.dtype
+    g = grad.reshape(-1).to(wide).contiguous() if reduction == "none" else grad.reshape(()).to(wide)
+    cw = class_weight.contiguous() if class_weight is not None else None
+    with selected(x):
+        return _sweep(
+            x, weight, bias, target, cw, o, backend, memory, "lce_recompute", (want_x, want_w, want_b), g, stats
+        )
+
+
+def _lce_backward_fake(x, weight, target, bias, class_weight, stats, grad, *rest):
+    want_x, want_w, want_b = rest[-3:]
+    dx = x.new_empty(x.shape if want_x else (0,))
+    dw = weight.new_empty(weight.shape if want_w else (0,))
+    db = weight.new_empty((weight.shape[0],) if want_b and bias is not None else (0,))
+    return dx, dw, db
+
+
+LCE_BACKWARD = compose.Op("linear_cross_entropy_backward", _lce_backward, _lce_backward_fake, None)
+
+
+# ---- the public function and module -----------------------------------------------------------------------
+
+
+def linear_cross_entropy(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    class_weight: torch.Tensor | None = None,
+    softcap: float | None = None,
+    z_loss: float = 0.0,
+    return_z_loss: bool = False,
+    memory: int | None = None,
+    backend: str = "auto",
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """fs.cross_entropy(F.linear(x, weight, bias), target, ...) without the full logits; see the module.
+    x (..., d), weight (V, d), bias (V,) or None, target x's shape without d; the options as
+    fs.cross_entropy's. memory: bytes of logits a chunk may hold (None: chosen from the problem and the free
+    memory). return_z_loss=True returns (loss, the z-loss term alone)."""
+    if compose.is_dtensor(weight):  # sharded on the classes: fastsoftmax.distributed
+        from ..distributed import dtensor
+
+        opts = dict(ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing)
+        opts |= dict(softcap=softcap, z_loss=z_loss, memory=memory, backend=backend)
+        return dtensor.linear_cross_entropy(x, weight, target, bias, class_weight, return_z_loss, **opts)
+    autocast = isinstance(x, torch.Tensor) and compose.autocasting(x.device.type)  # (mixed dtypes allowed then)
+    checks.linear_cross_entropy(x, weight, target, bias, memory, same_dtype=not autocast)
+    checks.cross_entropy_options("linear_cross_entropy", ignore_index, reduction, label_smoothing, backend)
+    checks.loss_extras(
+        "linear_cross_entropy", (weight.shape[0], weight.device), class_weight, softcap, z_loss, return_z_loss
+    )
+    if autocast:  # as F.linear under autocast: x, W and b in the autocast dtype, then one dtype for them
+        x, weight, bias = compose.autocast_linear(x, weight, bias)
+        checks.linear_dtypes(x, weight, bias)
+    out_dtype = compose.loss_dtype(x)
+    x2, t = x.reshape(target.numel(), x.shape[-1]), flat_target(target)  # (d may be 0)
+    grad_on = torch.is_grad_enabled()
+    wants = (grad_on and x.requires_grad, grad_on and weight.requires_grad)
+    wants += (grad_on and bias is not None and bias.requires_grad,)
+    design = rules.design(reduction, (heuristics.forced() or {}).get("path"))
+    cap = None if softcap is None else float(softcap)
+    args = (x2, weight, t, bias, class_weight, ignore_index, reduction, float(label_smoothing), cap, float(z_loss))
+    args += (int(memory or 0), backend, design, *wants, out_dtype)
+    route = compose.route(x2, weight, t, bias, class_weight)
+    if route == "plain":
+        loss, z, *_ = _lce(*args)
+    elif route == "function":
+        loss, z, *_ = LINEAR_CROSS_ENTROPY.eager.apply(*args)
+    else:
+        loss, z, *_ = LINEAR_CROSS_ENTROPY.call(route, *args)
+    if reduction == "none":
+        loss, z = loss.reshape(target.shape), z.reshape(target.shape)
+    return (loss, z) if return_z_loss else loss
+
+
+class LinearCrossEntropy(torch.nn.Module):
+    """An LM head and its loss in one: ``forward(x, target)`` is fs.linear_cross_entropy(x, self.weight,
+    target, self.bias, **options); weight (out_features, in_features), initialised as nn.Linear's. A
+    class_weight option is a buffer (moves with .to(), saved in the state_dict), as nn.CrossEntropyLoss's."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, *, device=None, dtype=None, **options):
+        super().__init__()
+        bad = set(options) - _OPTIONS
+        if bad:
+            raise TypeError(f"LinearCrossEntropy: unknown options {sorted(bad)}; valid: {sorted(_OPTIONS)}")
+        lin = torch.nn.Linear(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.weight = lin.weight
+        self.bias = lin.bias
+        self.register_buffer("class_weight", options.pop("class_weight", None))
+        self.in_features, self.out_features, self.options = in_features, out_features, options
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor):
+        return linear_cross_entropy(x, self.weight, target, self.bias, class_weight=self.class_weight, **self.options)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+_OPTIONS = frozenset(
+    (
+        "ignore_index",
+        "reduction",
+        "label_smoothing",
+        "class_weight",
+        "softcap",
+        "z_loss",
+        "return_z_loss",
+        "memory",
+        "backend",
+    )
+)
