@@ -14,8 +14,8 @@ import triton.testing
 import fastsoftmax as fs
 from fastsoftmax import heuristics
 from fastsoftmax.bench.suite import SUITE, graphed
-from fastsoftmax.kernels.cuda import build
 from fastsoftmax.core.reference import compare, compare_grad
+from fastsoftmax.kernels.cuda import build
 
 SHAPES = [s for s in SUITE if s != (1, 4096)]  # ../shared/BENCHING.md's suite (1x4096: host-bound)
 VARIANTS = ["warp", "block", "cluster", "online", "staged", "three_pass"]

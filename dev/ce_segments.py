@@ -9,8 +9,8 @@ import sys
 import torch
 import triton.testing
 
-from fastsoftmax.heuristics import cross_entropy as rules
 from fastsoftmax.core.options import Loss
+from fastsoftmax.heuristics import cross_entropy as rules
 from fastsoftmax.kernels.triton import cross_entropy as k
 
 shapes = [tuple(int(s) for s in a.split("x")) for a in sys.argv[2:]] or [

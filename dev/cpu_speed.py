@@ -1,4 +1,4 @@
-"""fastsoftmax on CPU tensors (backend='auto': its row kernels, else torch's, with the library's conventions)
+"""fastsoftmax on CPU tensors (backend='auto': torch's own kernels with the library's conventions)
 beside torch's own ops, single-threaded, in one process: softmax, log_softmax, softmax forward + backward
 (autograd), fs.softmax_backward and fs.log_softmax_backward, cross_entropy forward and forward + backward,
 fp32 and bf16, from 1x4096 to 4096x4096.
@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 import fastsoftmax as fs
-from fastsoftmax.backends import torch as native
+from fastsoftmax.kernels import torch_native as native
 
 SHAPES = ((1, 4096), (8, 4096), (64, 50257), (1024, 32000), (4096, 4096))
 BUDGET_S = float(os.environ.get("BUDGET", "1.5"))  # per case, both sides together

@@ -115,8 +115,8 @@ def test_backward_rejects_a_non_tensor_dy(device):
 def test_forward_returns_the_logsumexp(device):
     """fastsoftmax.softmax.forward: the output and its fp32 logsumexp per row (x's shape without dim), checked
     like the public functions (the README's documented way to get the logsumexp)."""
-    from fastsoftmax.ops.softmax import forward
     from fastsoftmax.core.reference import oracle, oracle_lse
+    from fastsoftmax.ops.softmax import forward
 
     x = torch.randn(3, 7, 5, device=device) * 4
     for dim in (1, -1):

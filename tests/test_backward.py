@@ -8,8 +8,8 @@ from helpers import DTYPES, assert_close, overflowing_grad_inputs, random_logits
 
 import fastsoftmax as fs
 from fastsoftmax import heuristics
-from fastsoftmax.heuristics import softmax_triton
 from fastsoftmax.core.reference import compare_grad
+from fastsoftmax.heuristics import softmax_triton
 
 # online and split with chunks of 256: rows of 513 and 1000 loop over 3-4 chunks (and segments)
 PATHS = [("rowblock", {}), ("online", {"block_n": 256}), ("split", {"block_n": 256})]
@@ -315,3 +315,36 @@ def test_gradient_overflow(device, path, force):
     assert heuristics.last_plan().path == path
     assert dx.isinf().any()
     assert_grad(dx, dy, y, -1, False)
+
+
+def _softmax_backward_data_samples(device, dtype):
+    """The samples of PyTorch's OpInfo for _softmax_backward_data (common_methods_invocations.py's
+    sample_inputs_softmax_backward_data): shapes (5,), (5, 5), (5, 10, 5) along dims 0, 0, -1; dy of
+    ``dtype``, y = softmax of a random x in input_dtype, and for fp32 also input_dtype fp16 (OpInfo adds it on
+    CUDA; the mix runs on every device here). x and dy require grad."""
+    for shape, dim in (((5,), 0), ((5, 5), 0), ((5, 10, 5), -1)):
+        for input_dtype in (dtype, torch.float16) if dtype == torch.float32 else (dtype,):
+            x = (torch.randn(shape, device=device) * 3).to(dtype).requires_grad_()
+            dy = torch.randn(shape, device=device).to(dtype).requires_grad_()
+            yield dy, x, torch.softmax(x, dim, dtype=input_dtype), dim, input_dtype
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_opinfo_samples_and_their_gradients(device, dtype):
+    """Regression: on the H200, the OpInfo samples of _softmax_backward_data with dy float32 and y float16
+    (input_dtype float16) made the gradient of fs.softmax_backward raise "expected scalar type Float but
+    found Half". Each sample's output and its gradients (to dy and, through y, to x) match torch's own op's,
+    computed in float64 from the same inputs."""
+    torch.manual_seed(0)
+    for dy, x, y, dim, input_dtype in _softmax_backward_data_samples(device, dtype):
+        out = fs.softmax_backward(dy, y, dim, dtype=input_dtype)
+        assert out.dtype == input_dtype and out.shape == y.shape
+        g = torch.randn(out.shape, device=device, dtype=out.dtype)
+        got = torch.autograd.grad(out, (dy, x), g, retain_graph=True)
+        ref = torch._softmax_backward_data(dy.double(), y.double(), dim, torch.float64)
+        want = torch.autograd.grad(ref, (dy, x), g.double())
+        tol = {torch.float64: 1e-10, torch.float32: 1e-5}.get(input_dtype, 2e-2)
+        for a, b, what in ((out, ref, "dx"), *zip(got, want, ("d dy", "d x"), strict=True)):
+            assert a.dtype == b.dtype or what == "dx" or a.dtype == dtype, (what, a.dtype)
+            err = ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+            assert err < tol, (what, tuple(y.shape), dim, dtype, input_dtype, err)

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from fastsoftmax import bench, heuristics
-from fastsoftmax.kernels.triton import backend as triton_backend
 from fastsoftmax.bench import tuning as sweep
 from fastsoftmax.heuristics import device as gpu
 from fastsoftmax.heuristics import tables
+from fastsoftmax.kernels.triton import backend as triton_backend
 
 KEYS = {"impl", "backend", "dtype", "M", "N", "pass", "ms", "gbps", "ok", "error", "graph_ms", "graph_gbps"}
 KEYS |= {"err_ratio", "case"}

@@ -119,8 +119,8 @@ def test_out_of_range_target_raises(device, backend):
     if device == "cuda":
         if backend == "torch":
             pytest.skip("torch._assert_async would end this process's CUDA context (test_gpu.py: in a subprocess)")
-        from fastsoftmax.heuristics import cross_entropy as ce_rules
         from fastsoftmax.core.options import Loss
+        from fastsoftmax.heuristics import cross_entropy as ce_rules
         from fastsoftmax.kernels.triton import cross_entropy as k
 
         for bad, flag in ((9, 0.0), (-5, 0.0), (-100, 1.0), (8, 1.0)):

@@ -8,10 +8,10 @@ from helpers import DTYPES, assert_close, forward, overflowing_grad_inputs, rand
 
 import fastsoftmax as fs
 from fastsoftmax import heuristics
-from fastsoftmax.kernels.cuda import backend as cuda_backend
+from fastsoftmax.core.reference import compare_grad, oracle, oracle_lse
 from fastsoftmax.heuristics import device as gpu
 from fastsoftmax.heuristics import softmax_cuda, tables
-from fastsoftmax.core.reference import compare_grad, oracle, oracle_lse
+from fastsoftmax.kernels.cuda import backend as cuda_backend
 
 pytestmark = [
     pytest.mark.gpu,
@@ -351,7 +351,7 @@ def test_a_module_that_cannot_load_turns_the_backend_off(monkeypatch, tmp_path):
     """A cubin the driver rejects (what a driver older than the NVRTC that compiled it does): backend='cuda'
     raises naming the cause; 'auto' takes the Triton kernels for that call and the rest of the process, and
     fs.info() says why."""
-    from fastsoftmax.kernels import replay as fastpath
+    from fastsoftmax.kernels import replay
     from fastsoftmax.kernels.cuda import build, kernels
 
     monkeypatch.setenv("FASTSOFTMAX_CACHE_DIR", str(tmp_path))
@@ -359,7 +359,7 @@ def test_a_module_that_cannot_load_turns_the_backend_off(monkeypatch, tmp_path):
     monkeypatch.setattr(kernels, "_modules", {})
     monkeypatch.setattr(build, "compile_kernel", lambda cfg, arch, *a, **k: build.Compiled(b"\x7fELF junk", "", "k"))
     monkeypatch.setattr(tables, "choose", lambda *a, **k: ("cuda", "warp"))
-    fastpath.clear()
+    replay.clear()
     cuda_backend.reset_failure()
     x = torch.randn(64, 1000, device="cuda")
     try:
@@ -379,14 +379,14 @@ def test_a_module_that_cannot_load_turns_the_backend_off(monkeypatch, tmp_path):
         assert_close(y, x, -1, True)
     finally:
         cuda_backend.reset_failure()
-        fastpath.clear()
+        replay.clear()
 
 
 def test_a_cached_cubin_the_driver_rejects_is_rebuilt(monkeypatch, tmp_path):
     """A verified cache entry whose cubin does not load (not one this driver takes): reported by a warning
     naming it, compiled again, and the call runs on the CUDA backend."""
     from fastsoftmax import cache
-    from fastsoftmax.kernels import replay as fastpath
+    from fastsoftmax.kernels import replay
     from fastsoftmax.kernels.cuda import build, kernels
 
     monkeypatch.setenv("FASTSOFTMAX_CACHE_DIR", str(tmp_path))
@@ -397,7 +397,7 @@ def test_a_cached_cubin_the_driver_rejects_is_rebuilt(monkeypatch, tmp_path):
     fs.softmax(x, backend="cuda")
     (entry,) = tmp_path.glob("*.cubin")
     cache.store(entry.name, b"\x7fELF not a cubin")  # well formed entry, unloadable content
-    fastpath.clear()  # (a replay would reuse the module already loaded)
+    replay.clear()  # (a replay would reuse the module already loaded)
     kernels._functions.clear()
     kernels._modules.clear()
     build._memory.clear()

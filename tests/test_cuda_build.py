@@ -15,11 +15,11 @@ import torch
 import fastsoftmax as fs
 from fastsoftmax import cache as disk_cache
 from fastsoftmax import heuristics
-from fastsoftmax.kernels.cuda import build, kernels
-from fastsoftmax.kernels.cuda.kernels import config_for, function_attributes
 from fastsoftmax.heuristics import device as gpu
 from fastsoftmax.heuristics import softmax_cuda
 from fastsoftmax.heuristics.softmax_cuda import VARIANTS, launch_shape
+from fastsoftmax.kernels.cuda import build, kernels
+from fastsoftmax.kernels.cuda.kernels import config_for, function_attributes
 
 pytest.importorskip("cuda.bindings.nvrtc", reason="the CUDA backend's NVRTC bindings are a default dependency")
 
@@ -189,6 +189,27 @@ def test_compile_error_carries_the_log(tmp_path, monkeypatch):
     with pytest.raises(build.CompileError, match="error") as e:
         build.compile_kernel(build.Config("fwd", "float32", "float32"), "sm_90a")
     assert "softmax.cu" in str(e.value)
+
+
+def test_compiles_leave_python_shared_bytes_alone(tmp_path):
+    """Regression: NVRTC's log, cubin and PTX were read into ``b" " * size``, which for an empty log (size 1)
+    is CPython's shared one-byte object b" " itself: NVRTC wrote its terminating NUL into it, and every space
+    print() wrote afterwards came out as a NUL byte (seen on the H200: "RES\x000.000243"). Every compile path
+    (cubin and PTX of softmax.cu, a program whose log is empty) runs in a fresh process, which then checks
+    b" " and prints spaces."""
+    code = (
+        "from fastsoftmax.kernels.cuda import build\n"
+        "cfg = build.Config('fwd', 'float32', 'float16', group=16, rows=8)\n"
+        "build.compile_kernel(cfg, 'sm_90a'); build.compile_kernel(cfg, 'sm_90a', output='ptx')\n"
+        "empty = build._nvrtc(b'__global__ void k() {}', ['--gpu-architecture=sm_90a'], 'cubin', 'k')\n"
+        "assert empty.log == '' and empty.binary[:4] == b'\\x7fELF', (empty.log, empty.binary[:4])\n"
+        "build._nvrtc(b'__global__ void k() {}', ['--gpu-architecture=sm_90a'], 'ptx', 'k')\n"
+        "print('RES', ' '.encode()[0], 'ok')\n"
+    )
+    env = {**os.environ, "FASTSOFTMAX_CACHE_DIR": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, timeout=300)
+    assert out.returncode == 0, out.stderr.decode(errors="replace")[-2000:]
+    assert out.stdout.strip() == b"RES 32 ok", out.stdout
 
 
 def test_every_variant_is_named():

@@ -273,3 +273,28 @@ def test_torch_func_and_fake_tensors_are_refused_clearly(one_rank):
             torch.vmap(call)(x[None])
         with FakeTensorMode() as mode, pytest.raises(NotImplementedError, match=f"{fn}: torch.func"):
             call(mode.from_tensor(x))
+
+
+@pytest.mark.parametrize("wide", [torch.float32, torch.float64])
+def test_merge_of_the_ranks_logsumexps(wide):
+    """merge_lse, the one merge every distributed forward makes, against the logsumexp of the whole row (in
+    the default run: no process group needed). Rows whose ranks' logsumexps lie 1000 apart, where taking any
+    one rank's own maximum instead of the global one overflows exp; a row -inf on one rank, on every rank;
+    NaN and +inf on one rank."""
+    from fastsoftmax.distributed.merge import merge_lse
+
+    g = torch.Generator().manual_seed(0)
+    slices = [torch.randn(6, w, generator=g, dtype=torch.float64) * 4 for w in (5, 3, 7)]
+    slices[0][1] -= 1000.0  # rank 0's slice far below the others
+    slices[2][2] += 1000.0  # rank 2's far above
+    slices[1][3] = float("-inf")  # one rank fully masked in this row
+    for s in slices:
+        s[4] = float("-inf")  # every rank: the row is fully masked
+    slices[2][5, 1] = float("nan")
+    lses = torch.stack([torch.logsumexp(s, -1) for s in slices]).to(wide)
+    lses[0, 0] = float("inf")  # a row holding +inf on one rank
+    got = merge_lse(lses)
+    want = torch.logsumexp(torch.cat(slices, -1), -1).to(wide)
+    torch.testing.assert_close(got[1:4], want[1:4], rtol=1e-6 if wide == torch.float32 else 1e-12, atol=0.0)
+    assert got[4] == float("-inf") and got[0].isnan() and got[5].isnan()
+    assert got.dtype == wide

@@ -16,11 +16,11 @@ from helpers import assert_close, random_logits
 
 import fastsoftmax as fs
 from fastsoftmax import heuristics
-from fastsoftmax.kernels.cuda import backend as cuda_backend
 from fastsoftmax.bench import tuning as sweep
+from fastsoftmax.core.reference import compare_grad
 from fastsoftmax.heuristics import device as gpu
 from fastsoftmax.heuristics import softmax_cuda, softmax_triton, tables
-from fastsoftmax.core.reference import compare_grad
+from fastsoftmax.kernels.cuda import backend as cuda_backend
 
 H200 = gpu.INTERPRETER
 # Parts we have no access to, from their published device properties (SMs, compute capability, shared

@@ -344,7 +344,12 @@ def main(argv=None) -> int:
     a.add_argument("--log", action="store_true", help="log_softmax instead of softmax")
     a.set_defaults(fn=asm)
     b = sub.add_parser("bench", help="GB/s against torch, torch.compile, Liger and QuACK (GPU)")
-    b.add_argument("--shapes", default="suite", help="suite (../shared/BENCHING.md), quick, or MxN,MxN,...")
+    b.add_argument(
+        "--shapes",
+        default="suite",
+        help="suite (bench/suite.py's SUITE: 2^27-element grids, real vocabularies, few long rows, 1x4096), quick, "
+        "or MxN,MxN,...",
+    )
     b.add_argument("--dtypes", default="bfloat16,float32")
     b.add_argument("--passes", default="fwd,bwd")
     b.add_argument("--impls", default=None, help="comma list; default all (peers that cannot import: unsupported)")
@@ -375,8 +380,7 @@ def main(argv=None) -> int:
     b.add_argument(
         "--masked",
         action="store_true",
-        help="attention scores instead of the shape suite: "
-        "softmax(scale * x + mask) with a padding mask, causal, both (issue: masked softmax)",
+        help="attention scores instead of the shape suite: softmax(scale * x + mask) with a padding mask, causal, both",
     )
     b.add_argument(
         "--ce",

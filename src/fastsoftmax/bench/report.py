@@ -38,12 +38,12 @@ def _num(v: float) -> str:
     return f"{v:.0f}" if v >= 10 else f"{v:.2g}"
 
 
-def _best(r: dict) -> float:
+def best_gbps(r: dict) -> float:
     """GB/s of a record: the CUDA-graph figure where measured (GPU time without the host), else eager."""
     return max(r["gbps"], r["graph_gbps"] or 0)
 
 
-def _geomean(values: Iterable[float]) -> float:
+def geomean(values: Iterable[float]) -> float:
     values = [v for v in values if v]
     return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
 
@@ -93,13 +93,13 @@ def print_tables(doc: dict, out: TextIO = sys.stdout) -> None:
                 for p in peers:
                     pr = row.get(p)
                     if fs_rec and fs_rec["ok"] and pr and pr["ok"]:
-                        s = _best(fs_rec) / _best(pr)
+                        s = best_gbps(fs_rec) / best_gbps(pr)
                         speedups[p].append(s)
                         line += f" {s:10.2f}"
                     else:
                         line += f" {'-':>10}"
                 print(line, file=out)
-        means = "  ".join(f"x{p} {_geomean(v):.2f}" for p, v in speedups.items() if v)
+        means = "  ".join(f"x{p} {geomean(v):.2f}" for p, v in speedups.items() if v)
         print(f"geometric-mean speed-up of fastsoftmax ({pass_}): {means}", file=out)
     failures: dict[tuple, list] = {}
     notes: dict[tuple, list] = {}
@@ -186,7 +186,7 @@ def plot(doc: dict, path: str) -> None:
                 mine = (r["impl"], r["pass"], r["dtype"]) == (impl, pass_, dt)
                 if mine and r["M"] > widest.get(r["N"], {"M": 0})["M"]:
                     widest[r["N"]] = r
-            pts = sorted((n, _best(r)) for n, r in widest.items())
+            pts = sorted((n, best_gbps(r)) for n, r in widest.items())
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=impl)
         ax.axhline(doc["copy_gbps"], color="k", linestyle="--", label="copy (1 GiB)")

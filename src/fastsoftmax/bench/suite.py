@@ -6,10 +6,8 @@ timed: `triton.testing.do_bench` median with L2 flushed between runs, plus CUDA-
 small shapes (where eager timing measures the host). GB/s counts bytes read + written: forward 2 bytes
 moved per element byte (x, y), backward 3 (y, dy, dx). An implementation that refuses or breaks on a shape
 is recorded as unsupported with its error, never skipped silently. Host overhead: wall time per eager call
-on 1x4096 fp32, fastsoftmax and torch.
-
-Besides the shape suite: attention scores with masks (run_masked) and cross-entropy (run_ce). Compile caches
-can be filled first by worker processes (warm), so that the timing process meets only cache hits.
+on 1x4096 fp32. Also attention scores with masks (run_masked) and cross-entropy (run_ce); worker processes
+can fill the compile caches first (warm), so that the timing process meets only cache hits.
 """
 
 from __future__ import annotations
@@ -28,8 +26,7 @@ from .report import header, print_ce, print_masked, print_tables
 
 Shape = tuple[int, int]
 
-# ../shared/BENCHING.md's shape suite: 2^27 elements as MxN, odd and real vocabularies, few long rows,
-# latency.
+# The shape suite: 2^27 elements as MxN, odd and real vocabularies, few long rows, latency.
 SUITE = [((1 << 27) // n, n) for n in (256, 1024, 4096, 16384, 32768, 65536, 131072, 262144)]
 SUITE += [(262144, 513), (4096, 32000), (8192, 50257), (16384, 37984)]
 SUITE += [(8, 131072), (64, 131072), (128, 262144), (1, 4096)]
@@ -120,9 +117,7 @@ def host_us(fn: Thunk, device: str, calls: int = 2000) -> float:
     return (time.perf_counter() - t) / calls * 1e6
 
 
-def check_rows(
-    out: torch.Tensor, x: torch.Tensor, y: torch.Tensor, dy: torch.Tensor, pass_: str
-) -> tuple[float, str | None]:
+def check_rows(out, x, y, dy, pass_: str) -> tuple[float, str | None]:
     """(worst error / tolerance, problem or None): the first and last rows of an implementation's output
     against the float64 oracle."""
     from ..core.reference import compare, compare_grad

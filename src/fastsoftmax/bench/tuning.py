@@ -28,9 +28,9 @@ def tune_shapes(sm_count: int) -> list[Shape]:
 
 def candidates(n: int, n_rows: int, elsize: int, pass_: str, device: str) -> list[tuple[str, str]]:
     """(backend, path) pairs that can run this problem here."""
-    from ..kernels.cuda import backend as cuda_backend
     from ..heuristics import device as gpu
     from ..heuristics import softmax_cuda, softmax_triton
+    from ..kernels.cuda import backend as cuda_backend
 
     inputs = 1 if pass_ == "fwd" else 2
     rowblock_max = softmax_triton.ROWBLOCK_MAX_N

@@ -56,6 +56,11 @@ def clear() -> None:
     _cache.clear()
 
 
+def entries() -> list:
+    """The replays kept, one per key (closures named ``one`` or ``general``): for tests."""
+    return list(_cache.values())
+
+
 def start(key):
     """Record this thread's launches from now when ``key`` (a call's key, or None) may be stored: the
     recording, or None. The caller then calls store(), or stop() where the call failed."""
@@ -96,6 +101,9 @@ def store(key, rec, inputs: tuple, outputs: tuple) -> None:
     bases += [(p, numel * dtype.itemsize) for p, (numel, dtype) in scratch]
     if any(o.data_ptr() & 15 for o in outputs):
         return
+    spans = sorted(bases[: len(inputs)])
+    if any(lo + n > spans[i + 1][0] for i, (lo, n) in enumerate(spans[:-1])):
+        return  # inputs sharing memory (dy is y, two views of one buffer): the key cannot tell, so no replay
 
     def role(v):
         p = v if type(v) is int else 0 if v is None else v.data_ptr()
