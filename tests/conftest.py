@@ -21,6 +21,9 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
+    # one CPU thread per torch process: xdist's workers (one per core) would otherwise each run a thread per
+    # core, and small CPU ops slow down several times over on the cores they share
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     if config.getoption("--device") == "cpu":
         os.environ["TRITON_INTERPRET"] = "1"
     else:

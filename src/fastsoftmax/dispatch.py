@@ -120,11 +120,11 @@ def _like_empty_like(out: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(like, dtype=out.dtype).copy_(out)
 
 
-def _edges(x, dim, log, dtype, impl, mask, scale, causal, want_lse):
+def _edges(x, dim, log, dtype, backend, impl, mask, scale, causal, want_lse):
     """softmax of a 0-d tensor (a row of one element) or of an empty one (no launch)."""
     if x.dim() == 0:
         m = mask.reshape(1) if mask is not None else None
-        out = softmax(x.reshape(1), 0, log, dtype, impl.name, m, scale, causal, want_lse)
+        out = softmax(x.reshape(1), 0, log, dtype, backend, m, scale, causal, want_lse)
         return tuple(t.reshape(()) for t in out) if want_lse else out.reshape(())
     heuristics.record(heuristics.Plan(impl.name, "empty"))
     y = torch.empty_like(x, dtype=dtype)
@@ -148,7 +148,7 @@ def softmax(x, dim, log, dtype, backend, mask=None, scale=None, causal=False, wa
         raise RuntimeError(f"{'log_softmax' if log else 'softmax'}: {why}")
     impl, path = select(backend, x, dtype, dim=dim, masked=masked, lse=want_lse)
     if not x.numel() or not x.dim():
-        return _edges(x, dim, log, dtype, impl, mask, scale, causal, want_lse)
+        return _edges(x, dim, log, dtype, backend, impl, mask, scale, causal, want_lse)
     spec, xk = masking.NONE, x
     if masked:  # softmax(scale * x + mask) along dim, causal over the last two dims
         fn = "log_softmax" if log else "softmax"
@@ -190,7 +190,7 @@ def softmax_backward(dy, y, dim, log, dtype, backend, mask=None, scale=None, cau
     impl, path = select(backend, y, dtype, dy, dim=dim, masked=masked)
     if not y.dim():
         m = mask.reshape(1) if mask is not None else None
-        return softmax_backward(dy.reshape(1), y.reshape(1), 0, log, dtype, impl.name, m, scale, causal).reshape(())
+        return softmax_backward(dy.reshape(1), y.reshape(1), 0, log, dtype, backend, m, scale, causal).reshape(())
     if not y.numel():
         heuristics.record(heuristics.Plan(impl.name, "empty"))
         return torch.empty_like(y, dtype=dtype)

@@ -129,7 +129,8 @@ def _rows_wide(x: torch.Tensor, dim: int, log: bool, out_dtype: torch.dtype, wid
 def native_softmax(x: torch.Tensor, dim: int, log: bool, out_dtype: torch.dtype) -> torch.Tensor:
     """softmax (log_softmax) of x along dim (non-negative) with torch's CPU kernels and the library's
     conventions, in out_dtype, laid out as torch.empty_like(x). Precondition: x has elements and dims."""
-    if out_dtype is x.dtype and (not log or out_dtype is torch.float32) and x.is_contiguous():  # the usual case
+    usual = out_dtype is x.dtype and (not log or out_dtype is torch.float32)
+    if usual and x.is_contiguous() and _last(x, dim):  # the usual case
         y = torch._log_softmax(x, dim, False) if log else torch._softmax(x, dim, False)
         if _any_nan_first(y, dim):  # a fully masked row, or one holding NaN or +inf (which stays NaN)
             y.masked_fill_(x.amax(dim, keepdim=True) == float("-inf"), float("-inf") if log else 0.0)
@@ -139,6 +140,9 @@ def native_softmax(x: torch.Tensor, dim: int, log: bool, out_dtype: torch.dtype)
         if perm is None:  # (torch's kernels would copy it contiguous too)
             return _empty_like_layout(native_softmax(x.contiguous(), dim, log, out_dtype), x)
         return _unpermute(native_softmax(x.permute(perm), perm.index(dim), log, out_dtype), perm, x)
+    if not _last(x, dim):  # rows not in memory: torch's kernels would add each row's exps up one by one
+        y = native_softmax(x.movedim(dim, -1).contiguous(), x.dim() - 1, log, out_dtype)
+        return y.movedim(-1, dim).contiguous()
     low_log = log and x.dtype in dtypes.LOW and _last(x, dim)
     if log and out_dtype == torch.float64:  # the reference's formula (see above)
         y = softmax_torch(x, dim, True, out_dtype)[0]
@@ -167,9 +171,10 @@ def softmax_graph(x: torch.Tensor, dim: int, log: bool) -> torch.Tensor | None:
     native_softmax_backward's kernel); 16-bit log_softmax computed in fp32 and rounded once, as
     native_softmax does (the node's backward in fp32, then ToCopyBackward0). None where a row's first output
     is NaN (a fully masked row, whose gradient torch makes NaN and the library 0, or a row holding NaN or
-    +inf), and for fp64 log_softmax (the reference's formula): the caller then runs its Function."""
-    if not x.is_contiguous() or (log and x.dtype is torch.float64):
-        return None
+    +inf), for fp64 log_softmax (the reference's formula) and for rows not in memory: the caller then runs
+    its Function."""
+    if not x.is_contiguous() or not _last(x, dim) or (log and x.dtype is torch.float64):
+        return None  # (rows not in memory: native_softmax moves them last first, torch's node would not)
     if log and x.dtype in dtypes.LOW:
         y = torch.log_softmax(x, dim, dtype=torch.float32)
     else:
@@ -203,7 +208,9 @@ def native_softmax_backward(
     torch.empty_like(y), computed in fp32 (fp64 where any of them is); 0 on fully masked rows whatever dy
     holds: for log_softmax the rows whose exps sum to 0, as on every backend; for softmax the rows of zeros
     (a y of mixed signs that merely sums to 0, never a softmax output, gets the formula's value)."""
-    if out_dtype is y.dtype is dy.dtype and not log and y.is_contiguous():  # the usual case
+    if y.is_neg() or dy.is_neg():  # (a lazily negated view: its memory is not its value)
+        y, dy = y.resolve_neg(), dy.resolve_neg()
+    if out_dtype is y.dtype is dy.dtype and not log and y.is_contiguous() and _last(y, dim):  # the usual case
         dx = torch._softmax_backward_data(dy, y, dim, out_dtype)
         if _any_nan_first(dx, dim):
             dx.masked_fill_(
@@ -216,6 +223,11 @@ def native_softmax_backward(
             return _empty_like_layout(native_softmax_backward(dy, y.contiguous(), dim, log, out_dtype), y)
         dx = native_softmax_backward(dy.permute(perm), y.permute(perm), perm.index(dim), log, out_dtype)
         return _unpermute(dx, perm, y)
+    if not _last(y, dim):  # rows not in memory: torch's kernel would add each row's terms up one by one
+        last = y.dim() - 1
+        dx = native_softmax_backward(dy.movedim(dim, -1).contiguous(), y.movedim(dim, -1).contiguous(), last, log,
+                                     out_dtype)  # fmt: skip
+        return dx.movedim(-1, dim).contiguous()
     kernel = torch._log_softmax_backward_data if log else torch._softmax_backward_data
     if y.dtype == dy.dtype == out_dtype:
         dx = kernel(dy, y, dim, y.dtype)
