@@ -61,6 +61,8 @@ def _kept_row(item, rows):
 FULL_ONLY = {
     "test_snapshot.py": lambda item: True,  # compiles every kernel variant (~150 s)
     "test_hf.py": lambda item: True,  # transformers' import (~4 s a worker) and tiny models trained (~80 s)
+    "test_hf_attention.py": lambda item: True,
+    "test_hf_training.py": lambda item: True,
     "test_properties.py::test_gradients_match_oracle": lambda item: True,
     "test_properties.py::test_matches_oracle": lambda item: _p(item, "backend") == "triton",
     "test_masked.py::test_every_mask_pattern": lambda item: (
@@ -74,7 +76,7 @@ FULL_ONLY = {
         _p(item, "path") != "rowblock" and (_p(item, "log") or _p(item, "path") == "split" or _p(item, "half"))
     ),
     "test_masked.py::test_gradcheck_float64": lambda item: True,
-    # (test_tp.py's 2-process cases keep gloo, softmax, uneven and empty shards, and disagreeing ranks)
+    # (test_tp*.py's 2-process cases keep gloo, softmax, uneven and empty shards, and disagreeing ranks)
     "test_distributed.py::test_vocabulary_parallel_gloo": lambda item: True,
     "test_distributed.py::test_disagreeing_ranks_all_raise_the_same_error": lambda item: True,
     "test_distributed.py::test_slice_widths_change_between_calls": lambda item: True,
@@ -106,8 +108,8 @@ FULL_ONLY = {
     "test_tp.py::test_cross_entropy_every_option": lambda item: "3-" in item.name,
     "test_tp.py::test_linear_cross_entropy_every_option": lambda item: True,
     # (the kernels in the interpreter: test_distributed.py's one-rank branch test keeps them)
-    "test_tp.py::test_triton_kernels_in_the_interpreter": lambda item: True,
-    "test_tp.py::test_dtensor_inputs": lambda item: _p(item, "world") == 3,
+    "test_tp_triton.py::test_triton_kernels_in_the_interpreter": lambda item: True,
+    "test_tp_dtensor.py::test_dtensor_inputs": lambda item: _p(item, "world") == 3,
     "test_distributed.py::test_slice_work_branch_is_the_one_asked_for": lambda item: _p(item, "backend") == "auto",
     "test_api.py::test_heuristics_table_branches": lambda item: _p(item, "flags", {}).get("splits") == 65,
     "test_bench.py::test_cpu_smoke_run": lambda item: True,  # (test_cpu_ce_smoke_run runs the same entry)

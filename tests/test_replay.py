@@ -209,6 +209,23 @@ def test_one_or_general(launcher, slots, closure):
         assert all(got[i] != ptr(ws) for i, (n, _) in enumerate(s) if n == "ws")
 
 
+@pytest.mark.parametrize("order", [(0, 2, 1), (1, 0, 2), (2, 1, 0)])
+def test_two_inputs_one_output(launcher, order):
+    """The backward's case (y and dy in, dx out made like y, one launch of the three, in any recorded order,
+    y at an offset): ``two``, each new address at its slot and offset; a failed launch gives None."""
+    y, dy, dx = torch.randn(4, 8), torch.randn(4, 8), torch.empty(4, 8)
+    old = [ptr(y, 4), dy, dx]  # (y's slot from 4 bytes in)
+    r = record("k", [(kernel(3), [old[i] for i in order])], (y, dy), (dx,))
+    assert r.__name__ == "two"
+    y2, dy2 = torch.randn(4, 8), torch.randn(4, 8)
+    dx2 = r(y2, dy2)
+    assert (dx2.shape, dx2.stride(), dx2.dtype) == (dx.shape, dx.stride(), dx.dtype)
+    new = [ptr(y2, 4), ptr(dy2), ptr(dx2)]
+    assert launcher.pointers() == tuple(new[i] for i in order)
+    launcher.codes = [700]
+    assert r(y2, dy2) is None
+
+
 def test_a_failed_launch_returns_none(launcher):
     """A replay whose launch returns a code (not 0) returns None (the full path then runs and reports), having
     recorded no plan; ``general`` launches nothing after the failed launch."""

@@ -22,6 +22,8 @@ import torch
 
 from . import heuristics
 from .core import checks, dtypes, masking
+from .core.compose import route as _route
+from .core.compose import softmax_dtype
 from .core.errors import BackendFailed
 from .core.layout import flat, storage_problem
 from .core.options import Loss
@@ -82,6 +84,26 @@ def select_loss(name: str, x, o: Loss | None = None):
 
 
 # ---- softmax ------------------------------------------------------------------------------------------
+
+
+def replayed(x, dy, dim, log, dtype, backend):
+    """A plain CUDA call of the softmax family with no mask, scale or causal whose key was recorded, replayed
+    before any check: its output, or None (the full path then runs, checks first). The key holds everything
+    the checks read (each tensor's shape, strides, dtype and device, dim, the output dtype, the backend's
+    name), so a call recorded under it passed them; it is the key softmax() and softmax_backward() record
+    under (dim made non-negative, the output dtype autocast's). ``dy``: the backward's, else None."""
+    if type(x) is not torch.Tensor or not x.is_cuda or type(dim) is not int or type(backend) is not str:
+        return None
+    if (dtype is not None and type(dtype) is not torch.dtype) or (dy is not None and type(dy) is not torch.Tensor):
+        return None
+    nd = x.dim()
+    if not -nd <= dim < nd or (_route(x) if dy is None else _route(dy, x)) != "plain" or not _replayable(x, dy):
+        return None
+    if dy is None:
+        key = (_tensor_key(x), x.get_device(), dim % nd, dtype or softmax_dtype(x), log, backend)
+        return None if (r := _lookup(key)) is None else r(x)
+    key = (_tensor_key(x), _tensor_key(dy), x.get_device(), dy.get_device(), dim % nd, dtype or x.dtype, log, backend)
+    return None if (r := _lookup(key)) is None else r(x, dy)
 
 
 def _logical_rows(t: torch.Tensor) -> bool:
@@ -181,7 +203,7 @@ def softmax_backward(dy, y, dim, log, dtype, backend, mask=None, scale=None, cau
     masked = mask is not None or scale is not None or causal is not False
     key = None
     if y.is_cuda and not masked and _replayable(y, dy):
-        key = (_tensor_key(y), _tensor_key(dy), y.get_device(), dim, dtype, log, backend)
+        key = (_tensor_key(y), _tensor_key(dy), y.get_device(), dy.get_device(), dim, dtype, log, backend)
         if (r := _lookup(key)) is not None and (dx := r(y, dy)) is not None:
             return dx
     fn = ("log_softmax" if log else "softmax") + "_backward"

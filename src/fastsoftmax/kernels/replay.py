@@ -57,7 +57,7 @@ def clear() -> None:
 
 
 def entries() -> list:
-    """The replays kept, one per key (closures named ``one`` or ``general``): for tests."""
+    """The replays kept, one per key (closures named ``one``, ``two`` or ``general``): for tests."""
     return list(_cache.values())
 
 
@@ -140,12 +140,14 @@ def store(key, rec, inputs: tuple, outputs: tuple) -> None:
 
 def _replay(steps, makers, n_in: int, n_out: int, plan, index: int, dev):
     """The replay's closure: (*inputs) -> the outputs (one tensor, or a tuple of several), or None."""
-    if len(steps) == 1 and n_in == 1 and n_out == 1 and len(makers) == 1 and makers[0][0] == "like":
+    if len(steps) == 1 and n_out == 1 and len(makers) == 1 and makers[0][0] == "like":
         ln, pairs = steps[0]
         call, dtype = ln.call, makers[0][2]
         offset = pairs[0][1] if pairs[0][0] == 0 else 0
-        if pairs == ((0, offset), (1, 0)):  # (one input and one output, in that order)
+        if n_in == 1 and pairs == ((0, offset), (1, 0)):  # (one input and one output, in that order)
             return _one(call, dtype, offset, plan, index)
+        if n_in == 2 and len(pairs) == 3 and sorted(i for i, _ in pairs) == [0, 1, 2]:
+            return _two(call, dtype, makers[0][1], pairs, plan, index)
     return _general(steps, makers, n_out, plan, index, dev)
 
 
@@ -160,6 +162,23 @@ def _one(call, dtype, offset: int, plan, index: int):
         return y
 
     return one
+
+
+def _two(call, dtype, like: int, pairs, plan, index: int):
+    """The backward's common case: y and dy in, dx out (made like input ``like``), one launch of their three
+    addresses in the recorded order."""
+    record, stream, empty_like = heuristics.record, launch.raw_stream(), torch.empty_like
+    (i0, o0), (i1, o1), (i2, o2) = pairs
+
+    def two(y, dy):
+        dx = empty_like(y if like == 0 else dy, dtype=dtype)
+        p = (y.data_ptr(), dy.data_ptr(), dx.data_ptr())
+        if call(stream(index), p[i0] + o0, p[i1] + o1, p[i2] + o2):
+            return None
+        record(plan)
+        return dx
+
+    return two
 
 
 def _general(steps, makers, n_out: int, plan, index: int, dev):

@@ -1,0 +1,97 @@
+"""fastsoftmax.integrations.transformers' attention path (attention_softmax=True) against eager attention on
+tiny models (tests/hf_models.py): outputs, loss and gradients with padding, sliding windows and Gemma 2's
+attention softcap, and which mask reached fs.softmax; sdpa where eager and sdpa differ (query rows that see
+no key); greedy generation with the KV cache; attn_implementation="fastsoftmax" by name; sinks refused."""
+
+import importlib.util
+
+import pytest
+import torch
+from hf_models import (
+    Calls,
+    assert_grads_close,
+    assert_loss_close,
+    batch,
+    fst,
+    make_model,
+    one_thread,  # noqa: F401 (an autouse fixture: one torch thread in this module)
+    step,
+)
+
+if importlib.util.find_spec("transformers") is None:  # (the test extra installs it: this is only a guard)
+    pytest.skip("transformers is not installed; pip install -e '.[test]'", allow_module_level=True)
+
+
+ATTENTION_FULL = ["llama", "qwen2", "qwen3", "gemma", "gemma3", "gpt2"]
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma2", *ATTENTION_FULL])
+def test_attention_matches_eager(family, device, monkeypatch):
+    """Outputs at kept positions, loss and gradients equal eager attention's, with and without padding: no
+    padding and no window reaches fs.softmax as causal=True with no mask, padding or a window as sdpa's
+    boolean mask."""
+    model = make_model(family, device, attn="eager")
+    cases = [batch(device, pad="right"), batch(device, pad="none")]
+    wants = [step(model, inputs, output_attentions=True) for inputs in cases]
+    calls = Calls(monkeypatch)
+    fst().apply(model, loss=False, attention_softmax=True)
+    for inputs, (want, want_g) in zip(cases, wants, strict=True):
+        got, got_g = step(model, inputs, output_attentions=True)
+        keep = inputs["attention_mask"].bool()
+        torch.testing.assert_close(got.logits[keep], want.logits[keep], rtol=1e-4, atol=1e-4)
+        assert got.attentions[0].dtype == want.attentions[0].dtype
+        assert_loss_close(got.loss, want.loss)
+        assert_grads_close(got_g, want_g)
+    assert ("bool", False) in calls.softmax
+    assert (("none", True) in calls.softmax) == (family != "mistral")  # (Mistral: every layer windowed)
+    assert set(calls.softmax) <= {("bool", False), ("none", True)}, calls.softmax
+
+
+def test_attention_query_rows_seeing_no_key_match_sdpa(device):
+    """Left padding: a padded query sees no key. Eager averages the values there (its mask is finite), sdpa
+    and fs.softmax give zeros; every other output matches eager's, and all of them sdpa's."""
+    inputs = batch(device, pad="left")
+    eager, sdpa = make_model("mistral", device, attn="eager"), make_model("mistral", device, attn="sdpa")
+    model = fst().apply(make_model("mistral", device, attn="eager"), loss=False, attention_softmax=True)
+    with torch.no_grad():
+        got, want_eager, want_sdpa = (m.eval()(**inputs).logits for m in (model, eager, sdpa))
+    keep = inputs["attention_mask"].bool()
+    torch.testing.assert_close(got[keep], want_eager[keep], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got, want_sdpa, rtol=1e-4, atol=1e-4)
+    assert (got[~keep] - want_eager[~keep]).abs().max() > 1e-2  # (the rows that see no key do differ)
+
+
+def test_generate_matches_eager(device, monkeypatch):
+    """Greedy generation with the KV cache (prefill, then one query a step: no mask and not causal without
+    padding in a full-attention layer, the boolean mask with padding or a window) gives eager attention's
+    tokens."""
+    eager = make_model("gemma2", device, attn="eager").eval()
+    model = fst().apply(make_model("gemma2", device, attn="eager").eval(), attention_softmax=True)
+    calls = Calls(monkeypatch)
+    options = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    for pad in ("left", "none"):
+        inputs = {k: v for k, v in batch(device, pad=pad).items() if k != "labels"}
+        torch.testing.assert_close(model.generate(**inputs, **options), eager.generate(**inputs, **options))
+    assert {("bool", False), ("none", False)} <= set(calls.softmax)
+
+
+def test_attention_refuses_sinks(device):
+    module = torch.nn.Module()
+    module.sinks = torch.nn.Parameter(torch.zeros(4))
+    q = torch.randn(1, 4, 3, 8, device=device)
+    with pytest.raises(NotImplementedError, match="sinks"):
+        fst().attention_forward(module, q, q, q, None)
+    with pytest.raises(NotImplementedError, match="position_bias"):
+        fst().attention_forward(torch.nn.Module(), q, q, q, None, position_bias=q)
+
+
+def test_attn_implementation_by_name(device):
+    """register() makes attn_implementation="fastsoftmax" a name transformers accepts at construction."""
+    fst().register()
+    model = make_model("qwen2", device, attn="fastsoftmax")
+    eager = make_model("qwen2", device, attn="eager")
+    inputs = batch(device)
+    got, got_g = step(model, inputs)
+    want, want_g = step(eager, inputs)
+    assert_loss_close(got.loss, want.loss)
+    assert_grads_close(got_g, want_g)

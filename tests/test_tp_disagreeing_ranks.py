@@ -1,0 +1,144 @@
+"""fastsoftmax.distributed on 2 gloo processes whose calls disagree (rows, dtypes, options): every rank
+raises the same ValueError and no collective hangs; a target outside [0, V) raises IndexError on every rank;
+ranks passing different memory= agree; double backward is refused (tests/helpers.py's tensor-parallel
+problems)."""
+
+import json
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from helpers import CAP, EPS, ZL, M, N, V, ce_logits, class_weights, lce_problem, spawn_gloo, targets
+
+# ---- ranks that disagree, bad targets, double backward --------------------------------------------------------
+
+
+def _disagreements(rank):
+    """(function, case, call) where the ranks differ: rank 1's rows, dtype or options differ from rank 0's."""
+    import fastsoftmax.distributed as fsd
+
+    x = ce_logits(torch.float32, masked=False)[:, rank * 11 : rank * 11 + 11 + rank]
+    t = targets()
+    kept = torch.where(t < 0, 3, t)  # (no target outside [0, V) whichever ignore_index a rank passes)
+    w = class_weights(torch.float32)[rank * 11 : rank * 11 + 11 + rank]
+    xl, wl, bl, tl = lce_problem(torch.float32)
+    wl, bl = wl[rank * 11 : rank * 11 + 11 + rank], bl[rank * 11 : rank * 11 + 11 + rank]
+    r = rank
+    ce = fsd.cross_entropy
+    lce = fsd.linear_cross_entropy
+    return [
+        ("cross_entropy", "rows", lambda: ce(x[: M - r], t[: M - r])),
+        ("cross_entropy", "dtype", lambda: ce(x.double() if r else x, t)),
+        ("cross_entropy", "reduction", lambda: ce(x, t, reduction="sum" if r else "mean")),
+        ("cross_entropy", "label_smoothing", lambda: ce(x, t, label_smoothing=EPS * r)),
+        ("cross_entropy", "softcap", lambda: ce(x, t, softcap=CAP if r else None)),
+        ("cross_entropy", "z_loss", lambda: ce(x, t, z_loss=ZL * r)),
+        ("cross_entropy", "ignore_index", lambda: ce(x, kept, ignore_index=7 if r else -100)),
+        ("cross_entropy", "class_weight", lambda: ce(x, t, class_weight=w if r else None)),
+        ("linear_cross_entropy", "rows", lambda: lce(xl[: N - r], wl, tl[: N - r], bl)),
+        ("linear_cross_entropy", "dtype", lambda: lce(xl.double(), wl.double(), tl) if r else lce(xl, wl, tl)),
+        ("linear_cross_entropy", "softcap", lambda: lce(xl, wl, tl, bl, softcap=CAP if r else None)),
+        ("linear_cross_entropy", "label_smoothing", lambda: lce(xl, wl, tl, bl, label_smoothing=EPS * r)),
+        ("linear_cross_entropy", "class_weight", lambda: lce(xl, wl, tl, bl, class_weight=w if r else None)),
+        ("linear_cross_entropy", "reduction", lambda: lce(xl, wl, tl, bl, reduction="none" if r else "sum")),
+        ("softmax", "dtype", lambda: fsd.softmax(x.double() if r else x)),
+    ]
+
+
+def _record(out_dir, rank, results):
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(results))
+
+
+def _errors(rank, world, out_dir):
+    import fastsoftmax.distributed as fsd
+
+    results = {}
+    for fn, case, call in _disagreements(rank):
+        try:
+            call()
+            results[f"{fn} {case}"] = "returned"
+        except Exception as e:  # noqa: BLE001 (recorded, compared across ranks by the test)
+            results[f"{fn} {case}"] = f"{type(e).__name__}: {e}"
+        _record(out_dir, rank, results)  # after each case: a hang shows where
+    # a target outside [0, V) that is not ignore_index: IndexError on every rank
+    lo, hi = rank * 11, rank * 11 + 11 + rank
+    x = ce_logits(torch.float32, masked=False)[:, lo:hi]
+    xl, wl, bl, tl = lce_problem(torch.float32)
+    for case, bad in (("V", V), ("-5", -5)):
+        t = targets()
+        t[0] = bad
+        for fn, call in (
+            ("cross_entropy", lambda t=t: fsd.cross_entropy(x, t)),
+            ("linear_cross_entropy", lambda t=t: fsd.linear_cross_entropy(xl[:M], wl[lo:hi], t, bl[lo:hi])),
+        ):
+            try:
+                call()
+                results[f"{fn} target {case}"] = "returned"
+            except Exception as e:  # noqa: BLE001
+                results[f"{fn} target {case}"] = f"{type(e).__name__}: {e}"
+            _record(out_dir, rank, results)
+    # different memory= on the ranks: chunks that differ may not desynchronise the collectives
+    x64, w64, b64, t64 = lce_problem(torch.float64)
+    try:
+        got = fsd.linear_cross_entropy(x64, w64[lo:hi], t64, b64[lo:hi], memory=100 if rank else 10_000)
+        ref = F.cross_entropy(F.linear(x64, w64, b64), t64)
+        results["memory"] = "right" if torch.allclose(got, ref, rtol=1e-10, atol=1e-12) else f"wrong: {got} {ref}"
+    except Exception as e:  # noqa: BLE001
+        results["memory"] = f"{type(e).__name__}: {e}"
+    _record(out_dir, rank, results)
+    _double_backward(fsd, rank, lo, hi)
+    results["double backward"] = "refused"
+    _record(out_dir, rank, results)
+
+
+def _double_backward(fsd, rank, lo, hi):
+    """create_graph=True through each backward: NotImplementedError naming double backward, on every rank
+    (at the first backward, or at the second)."""
+    x = ce_logits(torch.float64, masked=False)[:, lo:hi]
+    t = targets()
+    xl, wl, bl, tl = lce_problem(torch.float64)
+    calls = [
+        ("cross_entropy", lambda a: fsd.cross_entropy(a, t), x),
+        ("cross_entropy options", lambda a: fsd.cross_entropy(a, t, softcap=CAP, label_smoothing=EPS, z_loss=ZL), x),
+        ("softmax", lambda a: (fsd.softmax(a) * torch.arange(hi - lo)).sum(), x),
+        ("log_softmax", lambda a: (fsd.log_softmax(a) * torch.arange(hi - lo)).sum(), x),
+        ("linear_cross_entropy x", lambda a: fsd.linear_cross_entropy(a, wl[lo:hi], tl, bl[lo:hi]), xl),
+        ("linear_cross_entropy W", lambda a: fsd.linear_cross_entropy(xl, a, tl, bl[lo:hi]), wl[lo:hi]),
+    ]
+    for name, f, a in calls:
+        a = a.clone().requires_grad_()
+        try:
+            (g,) = torch.autograd.grad(f(a), a, create_graph=True)
+            torch.autograd.grad((g * g).sum(), a)
+        except NotImplementedError as e:
+            assert "double backward" in str(e), (name, str(e))
+        else:
+            raise AssertionError(f"{name}: create_graph=True gave a second derivative")
+        dist.barrier()  # (every rank past this case before the next one's collectives)
+
+
+def test_disagreeing_ranks_bad_targets_double_backward(tmp_path, monkeypatch):
+    """2 processes whose rows, dtypes or options differ, case by case (cross_entropy, linear_cross_entropy,
+    softmax): every rank raises the same ValueError, and no case hangs; a target outside [0, V) raises
+    IndexError on every rank; ranks passing different memory= agree on the right loss (or raise the same
+    error); create_graph=True through any backward raises NotImplementedError (double backward)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    try:
+        spawn_gloo(tmp_path, monkeypatch, _errors, 2, out)
+    finally:
+        got = [json.loads(p.read_text()) if p.exists() else {} for p in (out / "rank0.json", out / "rank1.json")]
+        print(json.dumps(got, indent=1))  # (shown when the test fails: what each rank saw, up to a hang)
+    r0, r1 = got
+    assert r0.keys() == r1.keys(), (r0, r1)
+    for case in r0:
+        assert r0[case] == r1[case], f"{case}: rank 0 {r0[case]!r}, rank 1 {r1[case]!r}"
+        fn = case.split()[0]
+        if " target " in case:
+            assert r0[case].startswith("IndexError: "), (case, r0[case])
+        elif case == "memory":
+            assert r0[case] == "right" or r0[case].startswith("ValueError: distributed."), r0[case]
+        elif case != "double backward":
+            prefix = f"ValueError: distributed.{fn}: the ranks must pass shards of the same rows and dtype"
+            assert r0[case].startswith(prefix), (case, r0[case])
+    assert r0.get("double backward") == "refused", r0
