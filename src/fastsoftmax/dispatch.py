@@ -86,20 +86,21 @@ def select_loss(name: str, x, o: Loss | None = None):
 # ---- softmax ------------------------------------------------------------------------------------------
 
 
-def replayed(x, dy, dim, log, dtype, backend):
+def replayed(x, dy, dim, log, dtype, backend, backward: bool):
     """A plain CUDA call of the softmax family with no mask, scale or causal whose key was recorded, replayed
     before any check: its output, or None (the full path then runs, checks first). The key holds everything
     the checks read (each tensor's shape, strides, dtype and device, dim, the output dtype, the backend's
     name), so a call recorded under it passed them; it is the key softmax() and softmax_backward() record
-    under (dim made non-negative, the output dtype autocast's). ``dy``: the backward's, else None."""
+    under (dim made non-negative, the output dtype autocast's). ``backward``: x is y, and ``dy`` its
+    gradient (a dy that is not a tensor is the checks' to refuse: never the forward's replay)."""
     if type(x) is not torch.Tensor or not x.is_cuda or type(dim) is not int or type(backend) is not str:
         return None
-    if (dtype is not None and type(dtype) is not torch.dtype) or (dy is not None and type(dy) is not torch.Tensor):
+    if (dtype is not None and type(dtype) is not torch.dtype) or (backward and type(dy) is not torch.Tensor):
         return None
     nd = x.dim()
-    if not -nd <= dim < nd or (_route(x) if dy is None else _route(dy, x)) != "plain" or not _replayable(x, dy):
+    if not -nd <= dim < nd or (_route(dy, x) if backward else _route(x)) != "plain" or not _replayable(x, dy):
         return None
-    if dy is None:
+    if not backward:
         key = (_tensor_key(x), x.get_device(), dim % nd, dtype or softmax_dtype(x), log, backend)
         return None if (r := _lookup(key)) is None else r(x)
     key = (_tensor_key(x), _tensor_key(dy), x.get_device(), dy.get_device(), dim % nd, dtype or x.dtype, log, backend)

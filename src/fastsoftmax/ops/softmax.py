@@ -31,7 +31,7 @@ def _call(x, dim, log, mask, scale, causal, dtype, backend):
         mask is None
         and scale is None
         and causal is False
-        and (y := _replayed(x, None, dim, log, dtype, backend)) is not None
+        and (y := _replayed(x, None, dim, log, dtype, backend, False)) is not None
     ):
         return y
     fn = "log_softmax" if log else "softmax"
@@ -99,7 +99,7 @@ def _call_backward(dy, y, dim, log, mask, scale, causal, dtype, backend):
         mask is None
         and scale is None
         and causal is False
-        and (dx := _replayed(y, dy, dim, log, dtype, backend)) is not None
+        and (dx := _replayed(y, dy, dim, log, dtype, backend, True)) is not None
     ):
         return dx  # (a plain CUDA call seen before)
     fn = ("log_softmax" if log else "softmax") + "_backward"
