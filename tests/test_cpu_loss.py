@@ -374,8 +374,9 @@ def test_errors_before_any_work():
 
 
 def test_cpu_path_runs_without_triton():
-    """CPU tensors need no Triton: with Triton unimportable (sys.modules entry None), cross_entropy, softmax,
-    log_softmax and their backward still answer on the native path and match torch's."""
+    """CPU tensors need no Triton and no C compiler: with Triton unimportable (sys.modules entry None) and no
+    compiler to be found (PATH empty of one, CC unset), cross_entropy, softmax, log_softmax, their backward
+    and autograd still answer on the native path and match torch's."""
     import os
     import subprocess
     import sys
@@ -391,8 +392,14 @@ assert torch.allclose(fs.log_softmax(x.float()), torch.log_softmax(x, -1).float(
 y = torch.softmax(x, -1)
 assert torch.allclose(fs.softmax_backward(x, y), torch._softmax_backward_data(x, y, 1, x.dtype))
 assert torch.allclose(fs.cross_entropy(x, t), torch.nn.functional.cross_entropy(x, t))
+import shutil; assert shutil.which('cc') is None and shutil.which('gcc') is None
+xg = x.clone().requires_grad_()
+(g,) = torch.autograd.grad(fs.cross_entropy(xg, t), xg)
+assert torch.allclose(g, (torch.softmax(x, -1) - torch.nn.functional.one_hot(t, 513)) / 3)
 print('OK')"""
     src = str(Path(__file__).parents[1] / "src")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p))
+    env.pop("CC", None)
+    env["PATH"] = str(Path(sys.executable).parent)  # (the interpreter's own bin: no C compiler there)
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip() == "OK", out.stderr[-3000:]
