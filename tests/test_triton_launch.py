@@ -265,7 +265,7 @@ def test_full_path_launches_a_cached_launch(launcher, monkeypatch):
     launch hook registered, or under the interpreter, kernel[grid](...) instead, the recording marked."""
     fake, contexts = launcher, []
     monkeypatch.setattr(launch, "ensure_context", contexts.append)
-    monkeypatch.setattr(tl, "_streams", [lambda index: 0x5EED + index])
+    monkeypatch.setattr(launch, "raw_stream", lambda: lambda index: 0x5EED + index)
     sig = {"x": "*fp32", "y": "*fp32", "n": "i32", "scale": "fp32", "BLOCK": "constexpr", "tail": "i32"}
     kernel = _Kernel(_fake_ck(sig), list(sig), [None] * 5 + [7])
     x, y = _Tensor(0x1000), _Tensor(0x2000)

@@ -249,7 +249,7 @@ def softmax_graph(x, dim, log, dtype, backend):
     impl, path = select(backend, x, dtype, dim=dim)
     if path != "native":
         return None
-    if (y := torch_native.softmax_graph(x, dim % x.dim(), log)) is not None:
+    if (y := torch_native.softmax_graph(x, dim, log)) is not None:
         heuristics.record(torch_native.NATIVE_GRAPH)
     return y
 
@@ -279,9 +279,6 @@ def cross_entropy(logits, target, class_weight, ignore_index, reduction, label_s
     o = Loss(ignore_index, reduction, label_smoothing, softcap, z_loss)
     m, v = x.shape
     impl, path = select_loss(backend, x, o)
-    if path == "native":
-        w = None if w is None else w.detach().to(torch.float64 if x.dtype == torch.float64 else torch.float32)
-        t = t if t.dtype == torch.int64 else t.long()
     if w is not None and not w.is_contiguous():
         w = w.contiguous()
     if impl.name == "torch" and path is None:
@@ -317,7 +314,6 @@ def cross_entropy_graph(logits, target, class_weight, ignore_index, reduction, l
     impl, path = select_loss(backend, x, o)
     if path != "native":
         return None
-    t = t if t.dtype == torch.int64 else t.long()
     try:
         loss = torch_native.cross_entropy_graph(x, t, class_weight, ignore_index, reduction, out_dtype)
     except IndexError:  # (torch's loss found a target out of range: the library's error)
@@ -347,9 +343,6 @@ def cross_entropy_backward(logits, target, class_weight, stats, grad, ignore_ind
         raise RuntimeError(f"cross_entropy: {why}")
     o = Loss(ignore_index, reduction, label_smoothing, softcap, z_loss)
     impl, path = select_loss(backend, x, o)
-    if path == "native":
-        w = None if w is None else w.detach().to(torch.float64 if x.dtype == torch.float64 else torch.float32)
-        t = t if t.dtype == torch.int64 else t.long()
     if w is not None and not w.is_contiguous():
         w = w.contiguous()
     rec = replay.start(key)

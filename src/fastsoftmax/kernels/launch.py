@@ -215,7 +215,8 @@ def recorded(ln: Launch, values) -> None:
 
 def raw_stream():
     """torch's current stream of a device as its raw handle, a function of the device index: what Triton's own
-    launchers call (torch._C._cuda_getCurrentRawStream, in CUDA builds of torch only)."""
+    launchers call (torch._C._cuda_getCurrentRawStream, in CUDA builds of torch only). Every launch of both
+    backends takes its stream from it (a replay binds it once)."""
     import torch
 
     f = getattr(torch._C, "_cuda_getCurrentRawStream", None)

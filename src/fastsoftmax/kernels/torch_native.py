@@ -192,11 +192,11 @@ def cross_entropy_graph(x, t, w, ignore_index: int, reduction: str, out_dtype) -
     its Function. The class weights get no gradient, as on every path."""
     if x.numel() > CHUNK:
         return None
+    t, w = loss_inputs(x, t, w)
     wide = torch.float64 if x.dtype == torch.float64 else torch.float32
     ls = torch._log_softmax(x if x.dtype is wide else x.to(wide), 1, False)
     if _any_nan_first(ls, 1):
         return None
-    w = None if w is None else w.detach().to(wide)
     loss = torch._C._nn.nll_loss_nd(ls, t, w, _REDUCTION[reduction], ignore_index)
     return loss if loss.dtype is out_dtype else loss.to(out_dtype)
 
@@ -250,6 +250,17 @@ def native_softmax_backward(
 # the logits, one write, no M x V temporary (torch's writes a dense upstream gradient and reads it back).
 
 NATIVE_CE = heuristics.Plan("torch", "native_cross_entropy")
+
+
+def loss_inputs(x, t, w):
+    """(int64 targets, the class weights in the loss's compute dtype (fp32; fp64 for fp64 x) with no gradient,
+    or None): what torch's CPU loss kernels take."""
+    t = t if t.dtype == torch.int64 else t.long()
+    if w is not None:
+        w = w.detach().to(torch.float64 if x.dtype == torch.float64 else torch.float32)
+    return t, w
+
+
 _REDUCTION = {"none": 0, "mean": 1, "sum": 2}  # torch's enum
 
 

@@ -54,6 +54,7 @@ class TorchBackend:
         m = x.shape[0]
         if path == "native":
             heuristics.record(native.NATIVE_CE)
+            t, w = native.loss_inputs(x, t, w)
             loss = native.native_cross_entropy(x, t, w, o.ignore_index, o.reduction, o.smoothing, out_dtype)
             if not stats:  # (a plain call: the loss alone; the z-loss is 0 here, made where asked for)
                 return loss, None, None
@@ -70,6 +71,7 @@ class TorchBackend:
         m = x.shape[0]
         if path == "native":
             heuristics.record(native.NATIVE_CE)
+            t, w = native.loss_inputs(x, t, w)
             dx = native.native_cross_entropy_backward(x, t, w, grad, o.ignore_index, o.reduction, o.smoothing)
             return dx if dx.dtype == out_dtype else dx.to(out_dtype)
         if m:

@@ -319,7 +319,7 @@ def forward(x: torch.Tensor, dim: int, out_dtype, log: bool, want_lse: bool, pat
         _record(shape, xk, lay, lay.copied)
         smem = rules.stage_bytes(shape, lay.N, xk.element_size())
         grid, block = _grid(shape, lay.B * lay.I), shape.group * shape.rows
-        _launch(fn, grid, block, shape.cluster, params, _stream(index), smem, index)
+        _launch(fn, grid, block, shape.cluster, params, launch.raw_stream()(index), smem, index)
     return y, lse
 
 
@@ -345,10 +345,5 @@ def backward(dy: torch.Tensor, y: torch.Tensor, dim: int, out_dtype, log: bool, 
         _record(shape, yk, lay, copied or lay.copied)
         smem = rules.stage_bytes(shape, lay.N, yk.element_size(), 2)
         grid, block = _grid(shape, lay.B * lay.I), shape.group * shape.rows
-        _launch(fn, grid, block, shape.cluster, params, _stream(index), smem, index)
+        _launch(fn, grid, block, shape.cluster, params, launch.raw_stream()(index), smem, index)
     return dx
-
-
-def _stream(index: int) -> int:
-    """torch's current stream on device ``index``, as the raw handle (no Stream object per launch)."""
-    return launch.raw_stream()(index)

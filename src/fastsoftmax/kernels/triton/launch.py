@@ -329,16 +329,7 @@ def launch(kernel, grid: tuple, args: tuple, kwargs: dict):
     ln = fastlaunch.cached(key, lambda: plan.launch(grid, values))
     pointers = [values[k] for k in plan.pointers]
     addresses = [v if type(v) is int else 0 if v is None else v.data_ptr() for v in pointers]
-    stream = _stream(index)
+    stream = fastlaunch.raw_stream()(index)
     if code := ln.call(stream, *addresses):  # (the launch itself, from this frame)
         fastlaunch.retry(ln, code, stream, addresses, index, plan.what)
     fastlaunch.recorded(ln, pointers)
-
-
-_streams: list = []
-
-
-def _stream(index: int) -> int:
-    if not _streams:
-        _streams.append(fastlaunch.raw_stream())
-    return _streams[0](index)
