@@ -249,3 +249,52 @@ def test_heuristics_table_branches(device, shape, dim, path, flags):
     for k, v in flags.items():
         assert getattr(plan, k) == v, (k, plan)
     assert_close(y, x, dim, False)
+
+
+@pytest.mark.parametrize("backend", ["triton", "cuda", "torch", "auto"])
+def test_negated_views_are_their_values(device, backend):
+    """A lazily negated view (torch._neg_view, as autograd's formulas make them) holds -memory: every backend,
+    the replay of a call seen before without the negation included, reads its value, not its memory.
+    Softmax, its backward (y and dy negated in turn) and cross-entropy, forward and backward."""
+    if backend == "cuda" and device != "cuda":
+        pytest.skip("the CUDA backend runs CUDA tensors only")
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(6, 33, generator=g) * 3).to(device)
+    dy = torch.randn(6, 33, generator=g).to(device)
+    y = torch.softmax(x, -1)
+    neg = torch._neg_view
+    for _ in range(2):  # (the second round: every call seen before, as itself and un-negated)
+        for fn in (fs.softmax, fs.log_softmax):
+            fn(-x, backend=backend)
+            torch.testing.assert_close(fn(neg(x), backend=backend), fn(-x, backend="torch"))
+        fs.softmax_backward(dy, y, backend=backend)
+        got = fs.softmax_backward(neg(dy), y, backend=backend)
+        torch.testing.assert_close(got, fs.softmax_backward(-dy, y, backend="torch"))
+        ny = torch._neg_view(-y)  # (its value is y)
+        torch.testing.assert_close(fs.softmax_backward(dy, ny, backend=backend), fs.softmax_backward(dy, y))
+        if backend != "cuda":
+            t = torch.randint(0, 33, (6,), generator=g).to(device)
+            want = torch.nn.functional.cross_entropy(-x.double(), t).float()
+            fs.cross_entropy(-x, t, backend=backend)
+            torch.testing.assert_close(fs.cross_entropy(neg(x), t, backend=backend), want)
+            xg = neg(x).requires_grad_()
+            (dx,) = torch.autograd.grad(fs.cross_entropy(xg, t, backend=backend), xg)
+            torch.testing.assert_close(dx, torch.softmax(-x, -1).sub(torch.nn.functional.one_hot(t, 33)).div(6))
+
+
+def test_negated_views_in_the_lm_head_loss(device):
+    """linear_cross_entropy with a lazily negated upstream gradient and class weights (their memory is -their
+    value): the gradients of the values, on the Triton kernels (the interpreter on the CPU)."""
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(10, 16, generator=g).to(device).requires_grad_()
+    w = torch.randn(40, 16, generator=g).to(device).requires_grad_()
+    t = torch.randint(0, 40, (10,), generator=g).to(device)
+    cw = torch.rand(40, generator=g).to(device) + 0.5
+    up = torch.randn(10, generator=g).to(device)
+    loss = fs.linear_cross_entropy(x, w, t, class_weight=torch._neg_view(-cw), reduction="none", backend="triton")
+    dx, dw = torch.autograd.grad(loss, (x, w), torch._neg_view(-up))
+    ref = torch.nn.functional.cross_entropy((x @ w.t()).double(), t, weight=cw.double(), reduction="none")
+    rx, rw = torch.autograd.grad(ref, (x, w), up.double())
+    torch.testing.assert_close(loss.double(), ref.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dx, rx.float(), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(dw, rw.float(), rtol=1e-4, atol=1e-5)

@@ -203,8 +203,9 @@ def test_compiled_kernel_memo_matches_tritons_choice():
 
 def test_launch_hooks_take_tritons_own_launch():
     """With a launch hook registered with Triton (what a profiler does), the Triton kernels launch through
-    kernel[grid](...) so the hook sees each launch, nothing is replayed or recorded, and results are right;
-    once it is removed, launches go through launch.py and replay again."""
+    kernel[grid](...) so the hook sees each launch, also of a call replayed before the hook came; nothing is
+    replayed or recorded, and results are right; once it is removed, launches go through launch.py and
+    replay again."""
     from triton import knobs
 
     seen = []
@@ -213,17 +214,22 @@ def test_launch_hooks_take_tritons_own_launch():
         seen.append(metadata)
 
     x = torch.randn(64, 1000, device="cuda") * 3
+    x2 = torch.randn(32, 1000, device="cuda")
+    fs.softmax(x2, backend="triton")  # (recorded before the hook)
+    kept = replay.entries()
     with triton_hook(knobs.runtime, "launch_enter_hook", hook):
-        assert not launch.hooks_idle() and not replay.replayable(x)
+        assert not launch.hooks_idle() and replay._held()
         for _ in range(3):
             y = fs.softmax(x, backend="triton")
             torch.testing.assert_close(y, torch.softmax(x, -1))
         torch.testing.assert_close(fs.log_softmax(x, backend="triton"), torch.log_softmax(x, -1))
-        assert len(seen) == 4 and not replay.entries()
+        torch.testing.assert_close(fs.softmax(x2, backend="triton"), torch.softmax(x2, -1))
+        assert len(seen) == 5 and replay.entries() == kept
+    replay.clear()
     assert launch.hooks_idle()
     for _ in range(2):
         torch.testing.assert_close(fs.softmax(x, backend="triton"), torch.softmax(x, -1))
-    assert len(seen) == 4 and replay_names() == ["one"]
+    assert len(seen) == 5 and replay_names() == ["one"]
 
 
 def test_replays_from_four_threads():

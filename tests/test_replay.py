@@ -343,21 +343,23 @@ def test_a_replay_through_fastlaunch(tmp_path, monkeypatch):
 
 
 def test_tensor_key():
-    """Shape, strides, dtype and the address modulo 16; for an address off the 16-byte boundary, the storage's
-    too (the kernels then address the tensor from the boundary below it)."""
+    """Shape, strides, dtype, the negation bit and the address modulo 16; for an address off the 16-byte
+    boundary, the storage's too (the kernels then address the tensor from the boundary below it)."""
     a, b = torch.randn(64), torch.randn(64)
-    assert replay.tensor_key(a[:48].view(6, 8)) == (torch.Size([6, 8]), (8, 1), torch.float32, 0)
+    assert replay.tensor_key(a[:48].view(6, 8)) == (torch.Size([6, 8]), (8, 1), torch.float32, False, 0)
+    negated = torch._neg_view(a[:48].view(6, 8))  # (its memory is -its value)
+    assert replay.tensor_key(negated) == (torch.Size([6, 8]), (8, 1), torch.float32, True, 0)
     assert replay.tensor_key(b[4:52].view(6, 8)) == replay.tensor_key(a[:48].view(6, 8))  # 16 bytes on
     keys = [replay.tensor_key(t) for t in (a[:48].view(6, 8), a[:48].view(8, 6), a[:48].view(6, 8).t())]
     keys += [replay.tensor_key(t) for t in (a[:48].double().view(6, 8), a[1:49].view(6, 8), a[2:50].view(6, 8))]
     assert len(set(keys)) == len(keys)
-    assert replay.tensor_key(a[1:49]) == (torch.Size([48]), (1,), torch.float32, (4, 0))
+    assert replay.tensor_key(a[1:49]) == (torch.Size([48]), (1,), torch.float32, False, (4, 0))
     raw = bytearray(256)
     off = (3 - ctypes.addressof(ctypes.c_char.from_buffer(raw))) % 16  # a storage 3 bytes off the boundary
     unaligned = torch.frombuffer(raw, dtype=torch.uint8, offset=off)[5:37]
     aligned = torch.empty(64, dtype=torch.uint8)[8:40]  # the same address modulo 16, its storage aligned
-    assert replay.tensor_key(unaligned) == (torch.Size([32]), (1,), torch.uint8, (8, 3))
-    assert replay.tensor_key(aligned) == (torch.Size([32]), (1,), torch.uint8, (8, 0))
+    assert replay.tensor_key(unaligned) == (torch.Size([32]), (1,), torch.uint8, False, (8, 3))
+    assert replay.tensor_key(aligned) == (torch.Size([32]), (1,), torch.uint8, False, (8, 0))
 
 
 class _LooksCuda(torch.Tensor):
@@ -369,27 +371,31 @@ class _LooksCuda(torch.Tensor):
 
 
 def test_replayable_takes_plain_calls_only(monkeypatch):
-    """Not for CPU tensors, tensor subclasses (even one that says it is on a GPU), under heuristics.force
-    (overrides or poison), while a launch hook is registered with Triton, or with FASTSOFTMAX_REPLAY=0;
-    None entries are skipped."""
+    """Tensors of type torch.Tensor, all on the CPU or all on a GPU (not a subclass, even one that says it is
+    on a GPU, nor a meta tensor), with FASTSOFTMAX_REPLAY not 0; None entries are skipped. A kept replay
+    leaves the call to the full path (_held) under heuristics.force (overrides or poison) and while a launch
+    hook is registered with Triton."""
     from triton import knobs
 
     monkeypatch.setattr(replay, "ENABLED", True)
     assert replay.replayable() and replay.replayable(None, None)
+    assert replay.replayable(torch.empty(2)) and replay.replayable(None, torch.empty(2), torch.empty(3))
     sub = torch.empty(2).as_subclass(_LooksCuda)
     assert sub.is_cuda and type(sub) is not torch.Tensor
-    for args in ((torch.empty(2),), (None, torch.empty(2)), (sub,), (torch.nn.Parameter(torch.empty(2)),)):
+    meta = torch.empty(2, device="meta")
+    for args in ((sub,), (torch.nn.Parameter(torch.empty(2)),), (meta,), (torch.empty(2), meta)):
         assert not replay.replayable(*args), args
+    assert not replay._held()
     with heuristics.force(path="online"):
-        assert not replay.replayable()
+        assert replay._held()
     with heuristics.force(poison=True):
-        assert not replay.replayable()
+        assert replay._held()
     for name in ("launch_enter_hook", "launch_exit_hook"):
         with triton_hook(knobs.runtime, name, lambda *a: None):
-            assert not replay.replayable()
-    assert replay.replayable()
+            assert replay._held()
+    assert not replay._held()
     monkeypatch.setattr(replay, "ENABLED", False)
-    assert not replay.replayable()
+    assert not replay.replayable(torch.empty(2)) and not replay.replayable()
 
 
 def test_replayable_takes_a_plain_cuda_tensor(device, monkeypatch):
@@ -398,3 +404,77 @@ def test_replayable_takes_a_plain_cuda_tensor(device, monkeypatch):
     monkeypatch.setattr(replay, "ENABLED", True)
     x = torch.empty(2, device="cuda")
     assert replay.replayable(x, None, x) and not replay.replayable(x, torch.empty(2))
+
+
+# ---- CPU tensors: the torch backend's call made again ------------------------------------------------------
+
+
+def _cpu_cases():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 513, generator=g) * 4
+    x[1] = float("-inf")  # a fully masked row: the conventions the native call applies after torch's kernel
+    x[2, 7] = 80.0
+    dy = torch.randn(5, 513, generator=g)
+    y, ly = torch.softmax(x, -1).nan_to_num(0.0), torch.log_softmax(x, -1)
+    ly[1] = float("-inf")  # (the library's log_softmax of a fully masked row; torch's is NaN)
+    t = torch.randint(0, 513, (5,), generator=g)
+    cw = torch.rand(513, generator=g) + 0.5
+    t[3] = -100
+    import fastsoftmax as fs
+
+    return {
+        "softmax": lambda: fs.softmax(x),
+        "log_softmax": lambda: fs.log_softmax(x.t(), 0),
+        "softmax_backward": lambda: fs.softmax_backward(dy, y),
+        "log_softmax_backward": lambda: fs.log_softmax_backward(dy, ly, dtype=torch.float64),
+        "cross_entropy": lambda: fs.cross_entropy(x[[0, 2, 3, 4]], t[[0, 2, 3, 4]]),
+        "cross_entropy none, z": lambda: torch.stack(
+            fs.cross_entropy(x[[0, 2]].view(2, 1, 513), t[[0, 2]].view(2, 1), reduction="none", return_z_loss=True)
+        ),
+        "cross_entropy weighted": lambda: fs.cross_entropy(x[[0, 2]], t[[0, 2]], class_weight=cw),
+    }
+
+
+@pytest.mark.parametrize("case", list(_cpu_cases()))
+def test_cpu_calls_replay_the_torch_call(monkeypatch, case):
+    """A plain call on CPU tensors seen before makes the torch backend's call again (a ``torch_call`` replay),
+    bit-identical to its full path, with no check or choice before it (dispatch.select is not called) and
+    the native path's plan recorded; under heuristics.force the full path runs again."""
+    from fastsoftmax import dispatch
+
+    monkeypatch.setattr(replay, "ENABLED", True)
+    replay.clear()
+    run = _cpu_cases()[case]
+    calls = count_calls(monkeypatch, dispatch, "select_loss" if "cross" in case else "select")
+    first = run()
+    assert [r.__name__ for r in replay.entries()] == ["torch_call"]
+    n = len(calls)
+    heuristics.record(None)
+    again = run()
+    assert len(calls) == n and torch.equal(again, first) and again.dtype == first.dtype
+    assert heuristics.last_plan().backend == "torch" and heuristics.last_plan().path.startswith("native")
+    with heuristics.force(path="online"):
+        assert torch.equal(run(), first)
+    assert len(calls) == n + 1
+    replay.clear()
+
+
+def test_a_cpu_replay_leaves_a_bad_target_to_the_full_path(monkeypatch):
+    """A recorded cross-entropy call whose target is then out of range: torch's IndexError inside the replay
+    sends the call to the full path, which raises the library's error."""
+    import fastsoftmax as fs
+
+    monkeypatch.setattr(replay, "ENABLED", True)
+    replay.clear()
+    x, t = torch.randn(4, 10), torch.tensor([1, 2, 3, 4])
+    fs.cross_entropy(x, t)
+    assert [r.__name__ for r in replay.entries()] == ["torch_call"]
+    with pytest.raises(IndexError, match="target 10 at row 2 is outside"):
+        fs.cross_entropy(x, torch.tensor([1, 2, 10, 4]))
+    replay.clear()
+
+
+def count_calls(monkeypatch, module, name):
+    calls, real = [], getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a, **k: calls.append(a) or real(*a, **k))
+    return calls

@@ -12,8 +12,9 @@ Where the CUDA backend fails to load or launch under 'auto', the call runs on th
 the CUDA backend stays off for the process: kernels/cuda/backend.py).
 
 Also here, shared by every backend: 0-d and empty inputs, masks moved to the last dim, cross-entropy's
-flattening, and the eager replay of plain CUDA calls (kernels/replay.py): a call whose key was seen before
-runs its recorded launches; the first one is recorded.
+flattening, and the eager replay of plain calls (kernels/replay.py): a call whose key was seen before runs
+what the first one ran (its recorded launches on a GPU, the torch backend's call on the CPU), also before
+any check (replayed, replayed_loss).
 """
 
 from __future__ import annotations
@@ -22,10 +23,10 @@ import torch
 
 from . import heuristics
 from .core import checks, dtypes, masking
+from .core.compose import loss_dtype, softmax_dtype
 from .core.compose import route as _route
-from .core.compose import softmax_dtype
 from .core.errors import BackendFailed
-from .core.layout import flat, storage_problem
+from .core.layout import flat, storage_problem, values
 from .core.options import Loss
 from .heuristics import device, tables
 from .kernels import replay, torch_native
@@ -35,7 +36,8 @@ from .kernels.triton.backend import TritonBackend
 
 BACKENDS = {b.name: b for b in (TritonBackend(), CudaBackend(), TorchBackend())}
 assert ("auto", *BACKENDS) == checks.BACKENDS  # (the names the checks accept are the backends here)
-_tensor_key, _replayable, _lookup = replay.tensor_key, replay.replayable, replay.lookup
+_Tensor = torch.Tensor
+_softmax_key, _loss_key, _replayable, _lookup = replay.softmax_key, replay.loss_key, replay.replayable, replay.lookup
 
 
 def fallback(x, out_dtype, dy=None):
@@ -87,24 +89,32 @@ def select_loss(name: str, x, o: Loss | None = None):
 
 
 def replayed(x, dy, dim, log, dtype, backend, backward: bool):
-    """A plain CUDA call of the softmax family with no mask, scale or causal whose key was recorded, replayed
+    """A plain call of the softmax family with no mask, scale or causal whose key was recorded, replayed
     before any check: its output, or None (the full path then runs, checks first). The key holds everything
     the checks read (each tensor's shape, strides, dtype and device, dim, the output dtype, the backend's
     name), so a call recorded under it passed them; it is the key softmax() and softmax_backward() record
     under (dim made non-negative, the output dtype autocast's). ``backward``: x is y, and ``dy`` its
     gradient (a dy that is not a tensor is the checks' to refuse: never the forward's replay)."""
-    if type(x) is not torch.Tensor or not x.is_cuda or type(dim) is not int or type(backend) is not str:
-        return None
-    if (dtype is not None and type(dtype) is not torch.dtype) or (backward and type(dy) is not torch.Tensor):
+    if type(x) is not _Tensor or type(dim) is not int:
         return None
     nd = x.dim()
-    if not -nd <= dim < nd or (_route(dy, x) if backward else _route(x)) != "plain" or not _replayable(x, dy):
+    if not -nd <= dim < nd:
         return None
-    if not backward:
-        key = (_tensor_key(x), x.get_device(), dim % nd, dtype or softmax_dtype(x), log, backend)
-        return None if (r := _lookup(key)) is None else r(x)
-    key = (_tensor_key(x), _tensor_key(dy), x.get_device(), dy.get_device(), dim % nd, dtype or x.dtype, log, backend)
-    return None if (r := _lookup(key)) is None else r(x, dy)
+    if backward:
+        if type(dy) is not _Tensor or _route(dy, x) != "plain":
+            return None
+        key = _softmax_key(x, dy, dim % nd, dtype or x.dtype, log, backend)
+    else:
+        if _route(x) != "plain":
+            return None
+        key = _softmax_key(x, None, dim % nd, dtype or softmax_dtype(x), log, backend)
+    try:
+        r = _lookup(key)
+    except TypeError:  # (an argument that cannot be hashed: the checks' to refuse)
+        return None
+    if r is None:
+        return None
+    return r(x, dy) if backward else r(x)
 
 
 def _logical_rows(t: torch.Tensor) -> bool:
@@ -163,8 +173,8 @@ def softmax(x, dim, log, dtype, backend, mask=None, scale=None, causal=False, wa
     dtype, dim = dtype or x.dtype, dim % (x.dim() or 1)
     masked = mask is not None or scale is not None or causal is not False
     key = None
-    if x.is_cuda and not (masked or want_lse) and _replayable(x):  # a call seen before: its launches again
-        key = (_tensor_key(x), x.get_device(), dim, dtype, log, backend)
+    if not (masked or want_lse) and _replayable(x):  # a call seen before: what it ran, again
+        key = _softmax_key(x, None, dim, dtype, log, backend)
         if (r := _lookup(key)) is not None and (y := r(x)) is not None:
             return y
     if (not x.data_ptr() or mask is not None) and (why := storage_problem(x, mask)):
@@ -172,10 +182,10 @@ def softmax(x, dim, log, dtype, backend, mask=None, scale=None, causal=False, wa
     impl, path = select(backend, x, dtype, dim=dim, masked=masked, lse=want_lse)
     if not x.numel() or not x.dim():
         return _edges(x, dim, log, dtype, backend, impl, mask, scale, causal, want_lse)
-    spec, xk = masking.NONE, x
+    spec, xk = masking.NONE, values(x)
     if masked:  # softmax(scale * x + mask) along dim, causal over the last two dims
         fn = "log_softmax" if log else "softmax"
-        impl, (xk,), spec = _masked(impl, (x,), dim, mask, scale, causal, backend, fn)
+        impl, (xk,), spec = _masked(impl, (xk,), dim, values(mask), scale, causal, backend, fn)
     args = (xk, xk.dim() - 1 if masked else dim, dtype, log, want_lse)
     rec = replay.start(key)
     try:
@@ -203,8 +213,8 @@ def softmax_backward(dy, y, dim, log, dtype, backend, mask=None, scale=None, cau
     dtype, dim = dtype or y.dtype, dim % (y.dim() or 1)
     masked = mask is not None or scale is not None or causal is not False
     key = None
-    if y.is_cuda and not masked and _replayable(y, dy):
-        key = (_tensor_key(y), _tensor_key(dy), y.get_device(), dy.get_device(), dim, dtype, log, backend)
+    if not masked and _replayable(y, dy):
+        key = _softmax_key(y, dy, dim, dtype, log, backend)
         if (r := _lookup(key)) is not None and (dx := r(y, dy)) is not None:
             return dx
     fn = ("log_softmax" if log else "softmax") + "_backward"
@@ -217,9 +227,9 @@ def softmax_backward(dy, y, dim, log, dtype, backend, mask=None, scale=None, cau
     if not y.numel():
         heuristics.record(heuristics.Plan(impl.name, "empty"))
         return torch.empty_like(y, dtype=dtype)
-    spec, yk, dyk = masking.NONE, y, dy
+    spec, yk, dyk = masking.NONE, values(y), values(dy)
     if masked:
-        impl, (yk, dyk), spec = _masked(impl, (y, dy), dim, mask, scale, causal, backend, fn)
+        impl, (yk, dyk), spec = _masked(impl, (yk, dyk), dim, values(mask), scale, causal, backend, fn)
     args = (dyk, yk, yk.dim() - 1 if masked else dim, dtype, log)
     rec = replay.start(key)
     try:
@@ -257,23 +267,48 @@ def softmax_graph(x, dim, log, dtype, backend):
 # ---- cross-entropy ------------------------------------------------------------------------------------
 
 
+def replayed_loss(logits, target, class_weight, ignore_index, reduction, label_smoothing, softcap, z_loss, backend):
+    """A plain cross-entropy call whose key was recorded, replayed before any check, as replayed() does for
+    the softmax family: (loss, z-loss, stats), or None (the full path then runs, checks first). The caller
+    passes the options as the kernels take them (floats; the key holds their values, not their types)."""
+    if type(target) is not torch.Tensor or _route(logits, target, class_weight) != "plain":
+        return None
+    if class_weight is not None and type(class_weight) is not torch.Tensor:
+        return None
+    key = _loss_key((logits, target, class_weight), ignore_index, reduction, label_smoothing, softcap, z_loss, backend,
+                    loss_dtype(logits), False)  # fmt: skip
+    try:
+        r = _lookup(key)
+    except TypeError:  # (an argument that cannot be hashed: the checks' to refuse)
+        return None
+    if r is None or (out := r(logits, target) if class_weight is None else r(logits, target, class_weight)) is None:
+        return None
+    return _shaped(out, target, reduction)
+
+
+def _shaped(out, target, reduction):
+    """(loss, z-loss, stats) with a loss per row (and its z-loss, where made) in the targets' shape."""
+    if reduction != "none":
+        return out
+    loss, z, st = out
+    return loss.reshape(target.shape), (None if z is None else z.reshape(target.shape)), st
+
+
 def cross_entropy(logits, target, class_weight, ignore_index, reduction, label_smoothing, softcap, z_loss, backend,
                   out_dtype, stats=True):  # fmt: skip
     """(loss in out_dtype, z-loss in out_dtype, stats) for checked arguments: stats (M + 3,) holds each row's
     logsumexp, then the number of rows not ignored, 1.0 if every target was in range, and the weight of the
     rows kept (the mean's divisors, for the backward); None without ``stats`` where the path need not make
     them (the CPU's native path, for a call without autograd). The custom op's implementation (its schema
-    leaves ``stats`` out)."""
+    leaves ``stats`` out). A plain call is recorded for replayed_loss, under the key it looks up."""
+    key, w = None, class_weight
+    if _replayable(logits, target, w):
+        key = _loss_key((logits, target, w), ignore_index, reduction, label_smoothing, softcap, z_loss, backend,
+                        out_dtype, stats)  # fmt: skip
+        if (r := _lookup(key)) is not None and (out := r(logits, target) if w is None else r(logits, target, w)):
+            return _shaped(out, target, reduction)
     x, t = flat(logits, target)
-    w = class_weight
-    key = None
-    if _replayable(x, t, w):
-        wk = None if w is None else _tensor_key(w)
-        key = (_tensor_key(x), _tensor_key(t), wk, x.get_device(), ignore_index, reduction, label_smoothing, softcap,
-               z_loss, backend, out_dtype)  # fmt: skip
-        if (r := _lookup(key)) is not None and (out := r(x, t) if w is None else r(x, t, w)) is not None:
-            loss, z, st = out
-            return (loss.reshape(target.shape), z.reshape(target.shape), st) if reduction == "none" else out
+    w = values(w)
     if why := storage_problem(logits, target, class_weight):
         raise RuntimeError(f"cross_entropy: {why}")
     o = Loss(ignore_index, reduction, label_smoothing, softcap, z_loss)
@@ -295,10 +330,8 @@ def cross_entropy(logits, target, class_weight, ignore_index, reduction, label_s
     if impl.name == "triton" and not x.is_cuda and not st[m + 1].item():
         checks.targets(t, v, ignore_index)  # (the interpreter: the flag ce_finish asserts on a GPU)
     if rec is not None:
-        replay.store(key, rec, (x, t) if w is None else (x, t, w), (loss, z, st))
-    if reduction == "none":
-        loss, z = loss.reshape(target.shape), (None if z is None else z.reshape(target.shape))
-    return loss, z, st
+        replay.store(key, rec, (logits, target) if w is None else (logits, target, class_weight), (loss, z, st))
+    return _shaped((loss, z, st), target, reduction)
 
 
 def cross_entropy_graph(logits, target, class_weight, ignore_index, reduction, label_smoothing, softcap, z_loss,
@@ -331,14 +364,14 @@ def cross_entropy_backward(logits, target, class_weight, stats, grad, ignore_ind
                            softcap, z_loss, backend):  # fmt: skip
     """dlogits (logits' shape and dtype, contiguous) from the forward's stats and the loss's gradient. The
     custom op's implementation."""
-    x, t = flat(logits, target)
-    w = class_weight
     key = None
-    if w is None and _replayable(x, t, stats, grad):
-        key = (_tensor_key(x), _tensor_key(t), _tensor_key(stats), _tensor_key(grad), x.get_device(), ignore_index,
-               reduction, label_smoothing, softcap, z_loss, backend)  # fmt: skip
-        if (r := _lookup(key)) is not None and (dx := r(x, t, stats, grad)) is not None:
-            return dx.reshape(logits.shape)
+    if class_weight is None and _replayable(logits, target, stats, grad):
+        key = _loss_key((logits, target, stats, grad), ignore_index, reduction, label_smoothing, softcap, z_loss,
+                        backend)  # fmt: skip
+        if (r := _lookup(key)) is not None and (dx := r(logits, target, stats, grad)) is not None:
+            return dx if logits.dim() == 2 else dx.reshape(logits.shape)
+    x, t = flat(logits, target)
+    w, st, g = values(class_weight), values(stats), values(grad)
     if why := storage_problem(logits, target, stats, grad, class_weight):
         raise RuntimeError(f"cross_entropy: {why}")
     o = Loss(ignore_index, reduction, label_smoothing, softcap, z_loss)
@@ -347,10 +380,10 @@ def cross_entropy_backward(logits, target, class_weight, stats, grad, ignore_ind
         w = w.contiguous()
     rec = replay.start(key)
     try:
-        dx = impl.cross_entropy_backward(x, t, w, stats, grad, o, logits.dtype, path)
+        dx = impl.cross_entropy_backward(x, t, w, st, g, o, logits.dtype, path)
     finally:
         if rec is not None:
             replay.stop()
     if rec is not None:
-        replay.store(key, rec, (x, t, stats, grad), (dx,))
+        replay.store(key, rec, (logits, target, stats, grad), (dx,))
     return dx.reshape(logits.shape)

@@ -22,7 +22,8 @@ from . import dtypes
 transforms_active = torch._C._are_functorch_transforms_active
 dispatch_modes = torch._C._len_torch_dispatch_stack
 tracing = torch._C._get_tracing_state
-compiling = torch.compiler.is_compiling
+# (torch.compile's Dynamo folds this to True as it traces; export and AOT tracing run under a dispatch mode)
+compiling = getattr(torch.compiler, "is_dynamo_compiling", torch.compiler.is_compiling)
 grad_enabled = torch.is_grad_enabled
 PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 

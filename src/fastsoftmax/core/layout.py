@@ -100,9 +100,16 @@ def storage_problem(*tensors) -> str | None:
     return None
 
 
+def values(t):
+    """t with its values in memory, as the kernels read it: a lazily negated view (torch._neg_view, which
+    autograd's formulas make), whose memory holds -t, resolved into a copy; t itself otherwise (None too)."""
+    return t.resolve_neg() if t is not None and t.is_neg() else t
+
+
 def flat(logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(M, V) logits with unit stride along V (copied if they have not), and the (M,) targets in memory order
-    (flat_target): what the loss kernels index."""
+    (flat_target), their values in memory (values()): what the loss kernels index."""
+    logits, target = values(logits), values(target)
     if logits.dim() == 2 and target.dim() == 1 and logits.stride(1) == 1 and target.stride(0) == 1:
         return logits, target  # (already so: the common case, without a reshape)
     v = logits.shape[-1]

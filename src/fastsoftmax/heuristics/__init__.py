@@ -111,8 +111,6 @@ def recording():
 
 
 def record(plan: Plan) -> Plan:
-    # (fastlaunch.c's record_plan does this without the Python frame: sets _state.last, or calls this while
-    # _plans collects; a change here changes it there)
     _state.last = plan
     if _plans is not None:
         _plans.append(plan)

@@ -15,7 +15,8 @@ serves only the driver calls that are not launches (the current context, error n
 
 The replay's recording lives here too, at the lowest layer: while replay.py records a call (`start`), every
 launch of the full path appends (`recorded`) the Launch it launched and, per address slot, the tensor (or
-address) that filled it; `scratch` marks a workspace the call's kernels write before they read.
+address) that filled it; `scratch` marks a workspace the call's kernels write before they read; on CPU
+tensors, `recorded_call` keeps the torch call the torch backend made.
 """
 
 from __future__ import annotations
@@ -253,6 +254,7 @@ class Recording:
         self.launches = []  # (Launch, the value that filled each address slot)
         self.scratch = {}  # data_ptr -> (numel, dtype): workspaces (scratch())
         self.ok = True  # False: the call launched something that was not recorded (not replayable)
+        self.call = None  # (fn, args, swap): the torch call a CPU tensor's call made (recorded_call())
 
 
 def recording() -> Recording | None:
@@ -275,6 +277,14 @@ def unrecorded() -> None:
     rec = getattr(_state, "rec", None)
     if rec is not None:
         rec.ok = False
+
+
+def recorded_call(fn, args: tuple, swap: bool = False) -> None:
+    """The torch call a call on CPU tensors made (the torch backend's native path: no launch), which the
+    replay can make again: fn(*inputs, *args), the replay's two inputs swapped where ``swap``."""
+    rec = getattr(_state, "rec", None)
+    if rec is not None:
+        rec.call = (fn, args, swap)
 
 
 def scratch(t):

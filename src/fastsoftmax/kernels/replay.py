@@ -9,11 +9,17 @@ argument. So the first call with a key takes the full path while launch.py recor
 and keeps the replay. A later call with that key allocates the outputs and workspaces and calls the
 recorded launches with the new addresses: on the host, a dict lookup, the allocations and the launches.
 
-Only plain calls are keyed (dispatch.py asks): CUDA tensors of type torch.Tensor, outside heuristics.force,
-with no launch hooks registered with Triton (a profiler must see every launch), FASTSOFTMAX_REPLAY not 0.
-A call is kept only when every launch was a prepared one (launch.py) and every address has a role (an input
-copied into another layout has none). A replay whose launch fails returns None: the full path then runs,
-and reports. At most MAX_ENTRIES keys are kept.
+Only plain calls are keyed (dispatch.py asks, replayable()): tensors of type torch.Tensor, all CUDA or all
+CPU, FASTSOFTMAX_REPLAY not 0. A replay runs only outside heuristics.force and, on a GPU, with no launch hooks
+registered with Triton (a profiler must see every launch): it returns None otherwise, as it does where its
+launch fails, and the full path then runs. A call is kept only when every launch was a prepared one
+(launch.py) and every address has a role (an input copied into another layout has none). CPU tensors launch
+nothing: there the torch backend's native path records the torch call it made (launch.recorded_call), and
+the replay makes that call again, without the checks and the choice before it. At most MAX_ENTRIES keys
+are kept.
+
+Keys (softmax_key, loss_key) are made here only: the public functions look a call up before any check, and
+dispatch.py records the full path under the same key.
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ import torch
 from .. import heuristics
 from . import launch
 
+_overridden, _hooks_idle = heuristics.overridden, launch.hooks_idle
+
 ENABLED = os.environ.get("FASTSOFTMAX_REPLAY", "1") != "0"
 MAX_ENTRIES = 4096
 
@@ -33,23 +41,47 @@ lookup = _cache.get  # (a C call: no Python frame on the hot path)
 
 
 def tensor_key(t: torch.Tensor):
-    """What a replay keys a tensor by: shape, strides, dtype and address modulo 16 (with its storage's
-    where the address is not on a 16-byte boundary: the kernels then address it from the boundary below)."""
+    """What a replay keys a tensor by: shape, strides, dtype, whether it is a lazily negated view (its memory
+    is not its value) and address modulo 16 (with its storage's where the address is not on a 16-byte
+    boundary: the kernels then address it from the boundary below)."""
     p = t.data_ptr() & 15
     if p:
         p = (p, t.untyped_storage().data_ptr() & 15)
-    return t.shape, t.stride(), t.dtype, p
+    return t.shape, t.stride(), t.dtype, t.is_neg(), p
+
+
+def softmax_key(x, dy, dim: int, out_dtype, log: bool, backend):
+    """The key of a softmax-family call on x (``dy`` None: the forward) or on y and dy (the backward): the
+    tensors' keys and devices, dim (non-negative), the output dtype, log and the backend's name."""
+    if dy is None:
+        return tensor_key(x), x.get_device(), dim, out_dtype, log, backend
+    return tensor_key(x), tensor_key(dy), x.get_device(), dy.get_device(), dim, out_dtype, log, backend
+
+
+def loss_key(tensors: tuple, *options):
+    """The key of a cross-entropy call on ``tensors`` (None entries kept as None): their keys, the first
+    one's device, and the loss's options (each as the kernels take it)."""
+    return tuple(None if t is None else tensor_key(t) for t in tensors), tensors[0].get_device(), options
 
 
 def replayable(*tensors) -> bool:
-    """Whether a call on ``tensors`` (None entries skipped) may be keyed: plain CUDA tensors, no force block,
-    no Triton launch hooks."""
-    if not ENABLED or heuristics.overridden():
+    """Whether a call on ``tensors`` (None entries skipped) may be keyed: tensors of type torch.Tensor, all
+    CUDA or all CPU, and replays on."""
+    if not ENABLED:
         return False
+    cuda = None
     for t in tensors:
-        if t is not None and (type(t) is not torch.Tensor or not t.is_cuda):
-            return False
-    return launch.hooks_idle()
+        if t is not None:
+            if type(t) is not torch.Tensor or not (t.is_cuda or t.is_cpu) or cuda not in (None, t.is_cuda):
+                return False
+            cuda = t.is_cuda
+    return True
+
+
+def _held() -> bool:
+    """Whether a replay must leave the call to the full path: inside heuristics.force, or while Triton has
+    launch hooks (a profiler must see every launch)."""
+    return _overridden() or not _hooks_idle()
 
 
 def clear() -> None:
@@ -94,7 +126,13 @@ def store(key, rec, inputs: tuple, outputs: tuple) -> None:
     new ones alike)."""
     launch.abort()
     plan = heuristics.last_plan()
-    if rec is None or not rec.ok or not rec.launches or plan is None or plan.copied:
+    if rec is None or not rec.ok or plan is None or plan.copied:
+        return
+    if rec.call is not None:  # (CPU tensors: the torch backend's call, made again)
+        if not rec.launches:
+            _cache[key] = _torch_call(*rec.call, plan)
+        return
+    if not rec.launches:
         return
     scratch = list(rec.scratch.items())  # (address, (numel, dtype)) of each workspace
     bases = [(t.data_ptr(), _span(t)) for t in (*inputs, *outputs)]
@@ -151,10 +189,30 @@ def _replay(steps, makers, n_in: int, n_out: int, plan, index: int, dev):
     return _general(steps, makers, n_out, plan, index, dev)
 
 
+def _torch_call(fn, args: tuple, swap: bool, plan):
+    """The replay of a torch call the torch backend made on CPU tensors: fn(*inputs, *args), the two inputs
+    swapped where ``swap`` (a backward: the replay takes y, dy and fn dy, y)."""
+    record = heuristics.record
+
+    def torch_call(*inputs):
+        if _overridden():
+            return None
+        try:
+            out = fn(*(inputs[::-1] if swap else inputs), *args)
+        except (IndexError, RuntimeError):  # (a bad target, say: the full path runs and reports it)
+            return None
+        record(plan)
+        return out
+
+    return torch_call
+
+
 def _one(call, dtype, offset: int, plan, index: int):
-    record, stream, empty_like = heuristics.record, launch.raw_stream(), torch.empty_like
+    record, stream, empty_like, held = heuristics.record, launch.raw_stream(), torch.empty_like, _held
 
     def one(x):  # the common case: x in, y out, one launch
+        if held():
+            return None
         y = empty_like(x, dtype=dtype)
         if call(stream(index), x.data_ptr() + offset, y.data_ptr()):
             return None
@@ -167,10 +225,12 @@ def _one(call, dtype, offset: int, plan, index: int):
 def _two(call, dtype, like: int, pairs, plan, index: int):
     """The backward's common case: y and dy in, dx out (made like input ``like``), one launch of their three
     addresses in the recorded order."""
-    record, stream, empty_like = heuristics.record, launch.raw_stream(), torch.empty_like
+    record, stream, empty_like, held = heuristics.record, launch.raw_stream(), torch.empty_like, _held
     (i0, o0), (i1, o1), (i2, o2) = pairs
 
     def two(y, dy):
+        if held():
+            return None
         dx = empty_like(y if like == 0 else dy, dtype=dtype)
         p = (y.data_ptr(), dy.data_ptr(), dx.data_ptr())
         if call(stream(index), p[i0] + o0, p[i1] + o1, p[i2] + o2):
@@ -192,6 +252,8 @@ def _general(steps, makers, n_out: int, plan, index: int, dev):
         return empty_strided(m[1], m[2], dtype=m[3], device=dev)
 
     def general(*inputs):
+        if _held():
+            return None
         made = [make(m, inputs) for m in makers]
         ptrs = [t.data_ptr() for t in inputs] + [t.data_ptr() for t in made]
         s = stream(index)

@@ -9,6 +9,7 @@ import torch
 
 from .. import heuristics
 from ..core import dtypes
+from ..core.layout import flat
 from ..core.options import Loss
 from ..core.reference import logsumexp_torch, softmax_torch
 from .torch_loss import dlogits_options, kept_rows
@@ -289,6 +290,14 @@ def native_cross_entropy(x, t, w, ignore_index: int, reduction: str, smoothing: 
         return total.to(out_dtype)
     _, w_kept = kept_rows(t, ignore_index, w, v, wide)
     return torch.where(w_kept == 0, float("nan"), total / w_kept).to(out_dtype)  # (as reduce_terms)
+
+
+def plain_loss(logits, target, w, ignore_index: int, reduction: str, smoothing: float, out_dtype):
+    """(loss, None, None): native_cross_entropy of a plain call's logits and targets as the caller has them
+    (flattened here): the call the replay makes again (kernels/replay.py)."""
+    x, t = flat(logits, target)
+    t, w = loss_inputs(x, t, w)
+    return native_cross_entropy(x, t, w, ignore_index, reduction, smoothing, out_dtype), None, None
 
 
 def native_stats(x, t, w, ignore_index: int) -> torch.Tensor:

@@ -12,12 +12,14 @@ from .. import heuristics
 from ..core import masking
 from ..core.layout import alloc
 from ..core.reference import grad_torch, softmax_torch
+from . import launch
 from . import torch_native as native
 from .torch_loss import dlogits_options, kept_rows, loss_rows_torch, reduce_terms, row_grads
 
 REFERENCE = heuristics.Plan("torch", "reference")
 _record, _NATIVE = heuristics.record, native.NATIVE
 _native_softmax, _native_softmax_backward = native.native_softmax, native.native_softmax_backward
+_recorded_call = launch.recorded_call
 CROSS_ENTROPY = heuristics.Plan("torch", "cross_entropy")
 
 
@@ -32,6 +34,7 @@ class TorchBackend:
     def forward(self, x, dim, out_dtype, log, want_lse, path=None, spec=masking.NONE):
         if path == "native":
             _record(_NATIVE)
+            _recorded_call(_native_softmax, (dim, log, out_dtype))  # (for the replay)
             return _native_softmax(x, dim, log, out_dtype), None
         heuristics.record(REFERENCE)
         if spec.active:
@@ -44,6 +47,7 @@ class TorchBackend:
     def backward(self, dy, y, dim, out_dtype, log, path=None, spec=masking.NONE):
         if path == "native":
             _record(_NATIVE)
+            _recorded_call(_native_softmax_backward, (dim, log, out_dtype), swap=True)
             return _native_softmax_backward(dy, y, dim, log, out_dtype)
         heuristics.record(REFERENCE)
         return alloc(y, out_dtype).copy_(grad_torch(dy, y, dim, log, out_dtype, spec.mask, spec.scale, spec.causal))
@@ -57,6 +61,8 @@ class TorchBackend:
             t, w = native.loss_inputs(x, t, w)
             loss = native.native_cross_entropy(x, t, w, o.ignore_index, o.reduction, o.smoothing, out_dtype)
             if not stats:  # (a plain call: the loss alone; the z-loss is 0 here, made where asked for)
+                opts = (o.ignore_index, o.reduction, o.smoothing, out_dtype)
+                _recorded_call(native.plain_loss, opts if w is not None else (None, *opts))  # (for the replay)
                 return loss, None, None
             return loss, torch.zeros_like(loss), native.native_stats(x, t, w, o.ignore_index)
         if m:

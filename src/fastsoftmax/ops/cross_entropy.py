@@ -27,6 +27,7 @@ from ..core.reference import logsumexp_torch
 from ..kernels.torch_loss import capped, dlogits_options, kept_rows, loss_rows_torch, reduce_terms, row_grads
 
 _PLAIN = compose.PLAIN_TYPES
+_replayed = dispatch.replayed_loss
 
 
 def cross_entropy(
@@ -47,6 +48,19 @@ def cross_entropy(
     class_weight: torch's ``weight=``; softcap: logits become softcap * tanh(logits / softcap) first;
     z_loss: adds z_loss * logsumexp^2 per kept row. return_z_loss=True returns (loss, the z-loss term alone,
     reduced the same way; it carries no gradient)."""
+    if (  # a plain call seen before: what it ran, again (options of the types the key was recorded with)
+        type(logits) is torch.Tensor
+        and type(ignore_index) is int
+        and type(label_smoothing) is float
+        and type(z_loss) is float
+        and (softcap is None or type(softcap) is float)
+        and type(return_z_loss) is bool
+        and (out := _replayed(logits, target, class_weight, ignore_index, reduction, label_smoothing, softcap,
+                              z_loss, backend)) is not None
+    ):  # fmt: skip
+        if not return_z_loss:
+            return out[0]
+        return out[0], (out[1] if out[1] is not None else torch.zeros_like(out[0]))  # (a CPU call makes none)
     if type(logits) not in _PLAIN and compose.is_dtensor(logits):  # sharded on the classes: distributed
         from ..distributed import dtensor
 

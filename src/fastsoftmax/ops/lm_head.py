@@ -25,7 +25,7 @@ import torch
 
 from .. import dispatch, heuristics
 from ..core import checks, compose, options
-from ..core.layout import flat_target, storage_problem
+from ..core.layout import flat_target, storage_problem, values
 from ..heuristics import lm_head as rules
 from ..heuristics.device import selected
 from ..kernels.torch_loss import chunk_logits, dlogits_options, kept_rows, loss_rows_torch, reduce_terms, row_grads
@@ -183,9 +183,9 @@ def _lce(
     if why := storage_problem(x, weight, target, bias, class_weight):
         raise RuntimeError(f"linear_cross_entropy: {why}")
     wants = (want_x, want_w, want_b and bias is not None)
-    cw = class_weight.contiguous() if class_weight is not None else None  # (the kernels index it densely)
+    cw = values(class_weight).contiguous() if class_weight is not None else None  # (the kernels index it densely)
     with selected(x):
-        return _sweep(x, weight, bias, target, cw, o, backend, memory, design, wants, out_dtype=out_dtype)
+        return _sweep(x, weight, bias, values(target), cw, o, backend, memory, design, wants, out_dtype=out_dtype)
 
 
 def _lce_fake(x, weight, target, bias, class_weight, ii, reduction, eps, cap, zl, memory, backend, design, *rest):
@@ -298,12 +298,12 @@ def _lce_backward(
     wanted)."""
     o = options.Loss(ignore_index, reduction, label_smoothing, softcap, z_loss)
     wide = stats.dtype
+    grad = values(grad)
     g = grad.reshape(-1).to(wide).contiguous() if reduction == "none" else grad.reshape(()).to(wide)
-    cw = class_weight.contiguous() if class_weight is not None else None
+    cw = values(class_weight).contiguous() if class_weight is not None else None
     with selected(x):
-        return _sweep(
-            x, weight, bias, target, cw, o, backend, memory, "lce_recompute", (want_x, want_w, want_b), g, stats
-        )
+        return _sweep(x, weight, bias, values(target), cw, o, backend, memory, "lce_recompute",
+                      (want_x, want_w, want_b), g, values(stats))  # fmt: skip
 
 
 def _lce_backward_fake(x, weight, target, bias, class_weight, stats, grad, *rest):

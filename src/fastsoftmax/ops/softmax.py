@@ -25,7 +25,7 @@ _replayed = dispatch.replayed
 
 
 def _call(x, dim, log, mask, scale, causal, dtype, backend):
-    """The public forward functions' one body: a plain CUDA call seen before replayed, else checks, autocast,
+    """The public forward functions' one body: a plain call seen before replayed, else checks, autocast,
     route, then dispatch or the ops."""
     if (
         mask is None
@@ -101,7 +101,7 @@ def _call_backward(dy, y, dim, log, mask, scale, causal, dtype, backend):
         and causal is False
         and (dx := _replayed(y, dy, dim, log, dtype, backend, True)) is not None
     ):
-        return dx  # (a plain CUDA call seen before)
+        return dx  # (a plain call seen before)
     fn = ("log_softmax" if log else "softmax") + "_backward"
     d, dtype = checks.softmax_backward(fn, dy, y, dim, dtype, backend)
     masked = (mask is not None or scale is not None or causal is not False) and checks.masked(
