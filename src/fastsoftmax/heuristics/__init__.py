@@ -52,6 +52,7 @@ class Plan:
 _state = threading.local()
 _force: dict | None = None
 _poison = False
+_open: list = []  # one entry per open force() block
 
 
 @contextmanager
@@ -76,9 +77,11 @@ def force(*, poison: bool = False, **overrides):
     global _force, _poison
     old = _force, _poison
     _force, _poison = overrides, poison
+    _open.append(overrides)
     try:
         yield
     finally:
+        _open.pop()
         _force, _poison = old
 
 
@@ -90,9 +93,9 @@ def poisoning() -> bool:
     return _poison
 
 
-def overridden() -> bool:
-    """Whether a force() block is active (overrides or poisoning): one read for the hot path."""
-    return _force is not None
+# overridden(): the number of force() blocks open (overrides or poisoning), 0 outside: a C call, no Python
+# frame, for the replay's path
+overridden = _open.__len__
 
 
 _plans: list | None = None

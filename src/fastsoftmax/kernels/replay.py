@@ -112,11 +112,11 @@ def _span(t: torch.Tensor) -> int:
 
 
 def _maker(out: torch.Tensor, inputs):
-    """How a replay makes an output like ``out``: empty_like(an input) where that gives out's layout, else
-    empty_strided."""
+    """How a replay makes an output like ``out``: empty_like(an input) where that gives out's layout (the
+    dtype None where it is the input's: torch then parses no keyword), else empty_strided."""
     for i, t in enumerate(inputs):
         if t.shape == out.shape and torch.empty_like(t, dtype=out.dtype, device="meta").stride() == out.stride():
-            return ("like", i, out.dtype)
+            return ("like", i, None if out.dtype == t.dtype else out.dtype)
     return ("strided", tuple(out.shape), out.stride(), out.dtype)
 
 
@@ -213,7 +213,7 @@ def _one(call, dtype, offset: int, plan, index: int):
     def one(x):  # the common case: x in, y out, one launch
         if held():
             return None
-        y = empty_like(x, dtype=dtype)
+        y = empty_like(x) if dtype is None else empty_like(x, dtype=dtype)
         if call(stream(index), x.data_ptr() + offset, y.data_ptr()):
             return None
         record(plan)
@@ -231,7 +231,8 @@ def _two(call, dtype, like: int, pairs, plan, index: int):
     def two(y, dy):
         if held():
             return None
-        dx = empty_like(y if like == 0 else dy, dtype=dtype)
+        t = y if like == 0 else dy
+        dx = empty_like(t) if dtype is None else empty_like(t, dtype=dtype)
         p = (y.data_ptr(), dy.data_ptr(), dx.data_ptr())
         if call(stream(index), p[i0] + o0, p[i1] + o1, p[i2] + o2):
             return None
@@ -248,7 +249,7 @@ def _general(steps, makers, n_out: int, plan, index: int, dev):
 
     def make(m, inputs):
         if m[0] == "like":
-            return empty_like(inputs[m[1]], dtype=m[2])
+            return empty_like(inputs[m[1]]) if m[2] is None else empty_like(inputs[m[1]], dtype=m[2])
         return empty_strided(m[1], m[2], dtype=m[3], device=dev)
 
     def general(*inputs):
