@@ -372,3 +372,16 @@ def test_cross_entropy_replay(monkeypatch, shape, dtype, opts):
         (d64,) = torch.autograd.grad(fs.cross_entropy(x64, t, **opts).sum(), x64, create_graph=True)
         (dd64,) = torch.autograd.grad((d64 * d64).sum(), x64)
         torch.testing.assert_close(ddx.double(), dd64, rtol=1e-4, atol=1e-6)
+
+
+def test_a_replayed_loss_keys_every_tensors_device():
+    """A cross-entropy call recorded with its class weights on the GPU, then made with them on the CPU: the
+    checks' error, not a replay that hands the kernels a host address (the key once held the logits' device
+    only, and an illegal memory access followed)."""
+    x = torch.randn(4, 9, device="cuda")
+    t = torch.zeros(4, dtype=torch.long, device="cuda")
+    for _ in range(2):
+        fs.cross_entropy(x, t, class_weight=torch.ones(9, device="cuda"))
+    with pytest.raises(ValueError, match="class_weight is on cpu"):
+        fs.cross_entropy(x, t, class_weight=torch.ones(9))
+    torch.cuda.synchronize()

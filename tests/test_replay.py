@@ -370,6 +370,17 @@ class _LooksCuda(torch.Tensor):
         return True
 
 
+def test_keys_hold_every_tensors_device():
+    """softmax_key and loss_key hold each tensor's device (the public functions look a call up before the
+    checks that refuse tensors on two devices)."""
+    x, t, w = torch.randn(4, 9), torch.zeros(4, dtype=torch.long), torch.ones(9)
+    (kx, dx), (kt, dt), (kw, dw) = replay.loss_key((x, t, w), -100, "mean")[0]
+    assert (dx, dt, dw) == (-1, -1, -1) and kw == replay.tensor_key(w)
+    assert replay.loss_key((x, t, None), -100)[0][2] is None
+    key = replay.softmax_key(x, x, 1, torch.float32, False, "auto")
+    assert key[2:4] == (-1, -1)
+
+
 def test_replayable_takes_plain_calls_only(monkeypatch):
     """Tensors of type torch.Tensor, all on the CPU or all on a GPU (not a subclass, even one that says it is
     on a GPU, nor a meta tensor), with FASTSOFTMAX_REPLAY not 0; None entries are skipped. A kept replay

@@ -59,9 +59,10 @@ def softmax_key(x, dy, dim: int, out_dtype, log: bool, backend):
 
 
 def loss_key(tensors: tuple, *options):
-    """The key of a cross-entropy call on ``tensors`` (None entries kept as None): their keys, the first
-    one's device, and the loss's options (each as the kernels take it)."""
-    return tuple(None if t is None else tensor_key(t) for t in tensors), tensors[0].get_device(), options
+    """The key of a cross-entropy call on ``tensors`` (None entries kept as None): their keys and devices
+    (each one's: the call is looked up before the checks that refuse tensors on two devices), and the loss's
+    options (each as the kernels take it)."""
+    return tuple(None if t is None else (tensor_key(t), t.get_device()) for t in tensors), options
 
 
 def replayable(*tensors) -> bool:
