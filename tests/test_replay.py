@@ -383,9 +383,9 @@ def test_keys_hold_every_tensors_device():
 
 def test_replayable_takes_plain_calls_only(monkeypatch):
     """Tensors of type torch.Tensor, all on the CPU or all on a GPU (not a subclass, even one that says it is
-    on a GPU, nor a meta tensor), with FASTSOFTMAX_REPLAY not 0; None entries are skipped. A kept replay
-    leaves the call to the full path (_held) under heuristics.force (overrides or poison) and while a launch
-    hook is registered with Triton."""
+    on a GPU, nor a meta tensor), with FASTSOFTMAX_REPLAY not 0, outside heuristics.force; None entries are
+    skipped. A kept replay leaves the call to the full path (_held) under heuristics.force (overrides or
+    poison) and while a launch hook is registered with Triton."""
     from triton import knobs
 
     monkeypatch.setattr(replay, "ENABLED", True)
@@ -398,9 +398,9 @@ def test_replayable_takes_plain_calls_only(monkeypatch):
         assert not replay.replayable(*args), args
     assert not replay._held()
     with heuristics.force(path="online"):
-        assert replay._held()
+        assert replay._held() and not replay.replayable(torch.empty(2))  # (nothing recorded under force)
     with heuristics.force(poison=True):
-        assert replay._held()
+        assert replay._held() and not replay.replayable()
     for name in ("launch_enter_hook", "launch_exit_hook"):
         with triton_hook(knobs.runtime, name, lambda *a: None):
             assert replay._held()

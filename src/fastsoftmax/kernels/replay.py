@@ -66,9 +66,9 @@ def loss_key(tensors: tuple, *options):
 
 
 def replayable(*tensors) -> bool:
-    """Whether a call on ``tensors`` (None entries skipped) may be keyed: tensors of type torch.Tensor, all
-    CUDA or all CPU, and replays on."""
-    if not ENABLED:
+    """Whether a call on ``tensors`` (None entries skipped) may be keyed and recorded: tensors of type
+    torch.Tensor, all CUDA or all CPU, replays on, outside heuristics.force."""
+    if not ENABLED or _overridden():  # (under force nothing is recorded: a forced path is not the call's)
         return False
     cuda = None
     for t in tensors:
