@@ -403,3 +403,33 @@ print('OK')"""
     env["PATH"] = str(Path(sys.executable).parent)  # (the interpreter's own bin: no C compiler there)
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip() == "OK", out.stderr[-3000:]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [3, 40])  # (one chunk; several, at CHUNK = 2 rows' worth below)
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_loss_and_stats_in_one_pass(monkeypatch, dtype, rows, smoothing):
+    """native_loss_stats (what autograd's forward runs past torch's own nodes): the loss as torch's, each
+    row's logsumexp (-inf for a fully masked row) within fp32 rounding of float64's, the counts, and the
+    logits left as they were, on one chunk and on several, with and without smoothing (its own branch)."""
+    v = 513
+    monkeypatch.setattr(torch_native, "CHUNK", 2 * v)
+    g = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, v, generator=g) * 5).to(dtype)
+    x[1] = float("-inf")
+    x[2, 9] = 90.0
+    t = torch.randint(0, v, (rows,), generator=g)
+    t[1] = -100  # (the fully masked row is ignored: its logsumexp is the point)
+    w = torch.rand(v, generator=g) + 0.5
+    before = x.clone()
+    for weights in (None, w):
+        loss, st = torch_native.native_loss_stats(x, t, weights, -100, "sum", smoothing, torch.float32)
+        assert torch.equal(x, before)  # (the logits are no buffer of ours)
+        keep = t != -100
+        w64 = None if weights is None else weights.double()
+        want = F.cross_entropy(x.double()[keep], t[keep], weight=w64, label_smoothing=smoothing, reduction="sum")
+        torch.testing.assert_close(loss.double(), want, rtol=2e-6, atol=1e-5)
+        lse = torch.logsumexp(x.double(), 1)
+        assert st[1] == float("-inf")
+        torch.testing.assert_close(st[:rows].double(), lse, rtol=1e-6, atol=1e-6)
+        assert st[rows] == keep.sum() and st[rows + 1] == 1.0

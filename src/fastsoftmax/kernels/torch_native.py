@@ -265,24 +265,26 @@ def loss_inputs(x, t, w):
 _REDUCTION = {"none": 0, "mean": 1, "sum": 2}  # torch's enum
 
 
-def native_cross_entropy(x, t, w, ignore_index: int, reduction: str, smoothing: float, out_dtype) -> torch.Tensor:
+def native_cross_entropy(x, t, w, ignore_index: int, reduction: str, smoothing: float, out_dtype, lse=None):
     """The loss of (M, V) logits x (unit stride along V) and int64 targets t (M,), in out_dtype, computed in
-    fp32 (fp64 for fp64 x); w: (V,) class weights in that dtype, or None. Targets out of range and not
-    ignore_index raise torch's IndexError."""
+    fp32 (fp64 for fp64 x); w: (V,) class weights in that dtype, or None. ``lse``: an (M,) tensor of that
+    dtype, or None: each row's logsumexp written there from the same chunk (one read of the logits, one
+    conversion, for the loss and the statistics autograd keeps). Targets out of range and not ignore_index
+    raise torch's IndexError."""
     wide = torch.float64 if x.dtype == torch.float64 else torch.float32
     m, v = x.shape
-    loss = torch._C._nn.cross_entropy_loss
     if x.numel() <= CHUNK:
-        out = loss(x if x.dtype == wide else x.to(wide), t, w, _REDUCTION[reduction], ignore_index, smoothing)
+        xw = x if x.dtype == wide else x.to(wide)
+        out = _loss_rows(xw, t, w, _REDUCTION[reduction], ignore_index, smoothing, lse, xw is not x)
         return out if out.dtype == out_dtype else out.to(out_dtype)
     per = torch.empty(m, dtype=wide)
     rows = max(1, CHUNK // v)
-    buf = None if x.dtype == wide else torch.empty((rows, v), dtype=wide)
+    buf = torch.empty((rows, v), dtype=wide) if x.dtype != wide or lse is not None else None
     for i in range(0, m, rows):
         xc = x[i : i + rows]
-        per[i : i + rows] = loss(
-            xc if buf is None else buf[: xc.shape[0]].copy_(xc), t[i : i + rows], w, 0, ignore_index, smoothing
-        )
+        b = xc if buf is None else buf[: xc.shape[0]].copy_(xc)
+        r = slice(i, i + xc.shape[0])
+        per[r] = _loss_rows(b, t[r], w, 0, ignore_index, smoothing, None if lse is None else lse[r], b is not xc)
     if reduction == "none":
         return per.to(out_dtype)
     total = per.sum()
@@ -290,6 +292,22 @@ def native_cross_entropy(x, t, w, ignore_index: int, reduction: str, smoothing: 
         return total.to(out_dtype)
     _, w_kept = kept_rows(t, ignore_index, w, v, wide)
     return torch.where(w_kept == 0, float("nan"), total / w_kept).to(out_dtype)  # (as reduce_terms)
+
+
+def _loss_rows(b, t, w, reduction: int, ignore_index: int, smoothing: float, lse, scratch: bool):
+    """torch's loss of the fp32 (fp64) logits b; with ``lse``, each row's logsumexp written there too:
+    without smoothing from b's log_softmax (in place where b is ``scratch``, a buffer of the caller's), one
+    pass where torch.logsumexp and the loss would make three: lse = max - max(log_softmax), exact where the
+    max is, and -inf for a fully masked row, as logsumexp."""
+    if lse is None:
+        return torch._C._nn.cross_entropy_loss(b, t, w, reduction, ignore_index, smoothing)
+    if smoothing:
+        torch.logsumexp(b, 1, out=lse)
+        return torch._C._nn.cross_entropy_loss(b, t, w, reduction, ignore_index, smoothing)
+    top = b.amax(1)
+    ls = torch._log_softmax(b, 1, False, out=b) if scratch else torch._log_softmax(b, 1, False)
+    torch.where(top == float("-inf"), top, top - ls.amax(1), out=lse)
+    return torch._C._nn.nll_loss_nd(ls, t, w, reduction, ignore_index)
 
 
 def plain_loss(logits, target, w, ignore_index: int, reduction: str, smoothing: float, out_dtype):
@@ -300,19 +318,17 @@ def plain_loss(logits, target, w, ignore_index: int, reduction: str, smoothing: 
     return native_cross_entropy(x, t, w, ignore_index, reduction, smoothing, out_dtype), None, None
 
 
-def native_stats(x, t, w, ignore_index: int) -> torch.Tensor:
-    """The stats the kernels' forward gives (each row's logsumexp, the rows kept, 1.0, their weight), in fp32
-    (fp64 for fp64 x), the logsumexps a chunk of rows at a time: what autograd saves for the backward."""
+def native_loss_stats(x, t, w, ignore_index: int, reduction: str, smoothing: float, out_dtype):
+    """(loss, stats): native_cross_entropy's loss, and the stats the kernels' forward gives (each row's
+    logsumexp, the rows kept, 1.0, their weight) in fp32 (fp64 for fp64 x), from one pass over the logits:
+    what autograd saves for the backward."""
     wide = torch.float64 if x.dtype == torch.float64 else torch.float32
     m, v = x.shape
     stats = torch.empty(m + 3, dtype=wide)
-    rows = max(1, CHUNK // max(v, 1))
-    for i in range(0, m, rows):
-        xc = x[i : i + rows]
-        torch.logsumexp(xc if xc.dtype == wide else xc.to(wide), 1, out=stats[i : i + xc.shape[0]])
+    loss = native_cross_entropy(x, t, w, ignore_index, reduction, smoothing, out_dtype, lse=stats[:m])
     kept, w_kept = kept_rows(t, ignore_index, w, v, wide)
     stats[m], stats[m + 1], stats[m + 2] = kept, 1.0, w_kept
-    return stats
+    return loss, stats
 
 
 def native_cross_entropy_backward(x, t, w, g, ignore_index: int, reduction: str, smoothing: float) -> torch.Tensor:

@@ -59,12 +59,12 @@ class TorchBackend:
         if path == "native":
             heuristics.record(native.NATIVE_CE)
             t, w = native.loss_inputs(x, t, w)
-            loss = native.native_cross_entropy(x, t, w, o.ignore_index, o.reduction, o.smoothing, out_dtype)
             if not stats:  # (a plain call: the loss alone; the z-loss is 0 here, made where asked for)
                 opts = (o.ignore_index, o.reduction, o.smoothing, out_dtype)
                 _recorded_call(native.plain_loss, opts if w is not None else (None, *opts))  # (for the replay)
-                return loss, None, None
-            return loss, torch.zeros_like(loss), native.native_stats(x, t, w, o.ignore_index)
+                return native.native_cross_entropy(x, t, w, *opts), None, None
+            loss, st = native.native_loss_stats(x, t, w, o.ignore_index, o.reduction, o.smoothing, out_dtype)
+            return loss, torch.zeros_like(loss), st
         if m:
             heuristics.record(CROSS_ENTROPY)
         ce, zr, lse = loss_rows_torch(x, t, o, w)
