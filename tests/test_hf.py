@@ -219,3 +219,45 @@ def test_refused_with_a_clear_error(device):
     with pytest.raises(ValueError, match="already replaced on this instance"):
         module.apply(model)
     assert "_fastsoftmax_patch" not in vars(model)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_softcap_only_where_the_family_applies_it(family, device, monkeypatch):
+    """A config that carries final_logit_softcapping (transformers keeps any extra key of a config.json) gets
+    the cap from the patch only where the family's own forward applies it (Gemma 2 and 3): a Llama config
+    with cap 2 gives the unpatched Llama's loss and gradients, uncapped. SOFTCAPPED names the families, and
+    each supported class's forward is read to check it."""
+    import inspect as _inspect
+
+    model = make_model(family, device, final_logit_softcapping=2.0)
+    assert model.config.final_logit_softcapping == 2.0
+    inputs = batch(device)
+    want, want_g = step(model, inputs)
+    calls = Calls(monkeypatch)
+    fst().apply(model)
+    got, got_g = step(model, inputs)
+    assert calls.lce[0]["softcap"] == (2.0 if family == "gemma2" else None)
+    assert_loss_close(got.loss, want.loss)
+    assert_grads_close(got_g, want_g)
+    fst().revert(model)
+    T = hf()
+    for name in fst().SUPPORTED:
+        reads = "final_logit_softcapping" in _inspect.getsource(getattr(T, name).forward)
+        assert reads == (name in fst().SOFTCAPPED), name
+
+
+def test_return_dict_false_keeps_the_tuples_positions(device):
+    """return_dict=False: (loss, logits, ...) in transformers' positions, logits None where the patch makes
+    none, so that ``loss, logits = out[:2]`` unpacks as it does unpatched and the cache stays third."""
+    model = make_model("llama", device)
+    inputs = batch(device)
+    model.train()
+    torch.manual_seed(0)
+    want = model(**inputs, return_dict=False, use_cache=True)
+    fst().apply(model)
+    torch.manual_seed(0)
+    got = model(**inputs, return_dict=False, use_cache=True)
+    assert len(got) == len(want) and got[1] is None and want[1] is not None
+    assert_loss_close(got[0], want[0])
+    assert type(got[2]) is type(want[2])
+    fst().revert(model)

@@ -25,6 +25,26 @@ if importlib.util.find_spec("transformers") is None:  # (the test extra installs
 ATTENTION_FULL = ["llama", "qwen2", "qwen3", "gemma", "gemma3", "gpt2"]
 
 
+def test_left_padding_training_loss_is_sdpas(device):
+    """Left padding in training with attention_softmax=True: the loss and gradients are sdpa's (the last pad
+    position, whose query sees no key, predicts the first real token: zeros there, where eager averages the
+    values); with that one label masked they are eager's too. What apply()'s docstring and the README say."""
+    inputs = batch(device, pad="left")
+    model = fst().apply(make_model("llama", device, attn="eager"), attention_softmax=True)
+    eager, sdpa = make_model("llama", device, attn="eager"), make_model("llama", device, attn="sdpa")
+    got, got_g = step(model, inputs)
+    want, want_g = step(sdpa, inputs)
+    assert_loss_close(got.loss, want.loss)
+    assert_grads_close(got_g, want_g)
+    assert abs(step(eager, inputs)[0].loss.item() - got.loss.item()) > 1e-5  # (eager's differs here)
+    masked = dict(inputs, labels=inputs["labels"].clone())
+    masked["labels"][1, 5] = -100  # (the first real token of the left-padded row: n_pad = 5)
+    got, got_g = step(model, masked)
+    want, want_g = step(eager, masked)
+    assert_loss_close(got.loss, want.loss)
+    assert_grads_close(got_g, want_g)
+
+
 @pytest.mark.parametrize("family", ["mistral", "gemma2", *ATTENTION_FULL])
 def test_attention_matches_eager(family, device, monkeypatch):
     """Outputs at kept positions, loss and gradients equal eager attention's, with and without padding: no

@@ -20,13 +20,16 @@ transformers' ForCausalLMLoss semantics:
   keyword is used as given; ``ignore_index`` is -100 or an ``ignore_index=`` keyword;
 - the mean over the kept tokens, or, given ``num_items_in_batch`` (the Trainer's gradient accumulation), the
   sum divided by it;
-- ``config.final_logit_softcapping`` (Gemma 2 and 3) is ``softcap=``; the head's weight is used whatever it
-  is tied to, and its bias if it has one; ``logits_to_keep`` slices the hidden states as it slices the logits;
+- ``config.final_logit_softcapping`` is ``softcap=`` for the families whose forward applies it (SOFTCAPPED:
+  Gemma 2 and 3; another family's config may carry the key, and is not capped); the head's weight is used
+  whatever it is tied to, and its bias if it has one; ``logits_to_keep`` slices the hidden states as it
+  slices the logits;
 - the loss is fp32, as transformers upcasts the logits: a 16-bit model's loss is computed under autocast to
   its own dtype (no cast of any input), for which the library returns an fp32 loss.
 The output is the model's own class (CausalLMOutputWithPast, GPT-2's CausalLMOutputWithCrossAttentions) with
-past_key_values, hidden_states and attentions from the decoder; ``return_dict=False`` gives its tuple (None
-entries dropped, as transformers does). Gradient checkpointing, torch.compile and the Trainer work as before.
+past_key_values, hidden_states and attentions from the decoder; ``return_dict=False`` gives its tuple in
+transformers' positions: (loss, None for the logits, then the other entries that are not None). Gradient
+checkpointing, torch.compile and the Trainer work as before.
 
 Attention (``attention_softmax=True``, or ``attn_implementation="fastsoftmax"`` after ``register()``): eager
 attention whose softmax is ``fs.softmax(scores, mask=, scale=, causal=)``, registered with transformers'
@@ -74,6 +77,9 @@ SUPPORTED = (
     "Gemma3ForCausalLM",
     "GPT2LMHeadModel",
 )
+# The families whose own forward softcaps the logits by config.final_logit_softcapping: only there does the
+# patch pass it on (a config of another family may carry the key, which its forward ignores).
+SOFTCAPPED = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 MIN_TRANSFORMERS = "5.0"
 _STATE = "_fastsoftmax_patch"  # the instance attribute apply() sets and revert() removes
 _LOW = (torch.float16, torch.bfloat16)
@@ -175,8 +181,8 @@ def _positional(names: tuple[str, ...], args: tuple, kwargs: dict) -> dict:
     return kwargs
 
 
-def _fused(self, kwargs: dict):
-    """The class's forward with the logits and loss replaced by causal_lm_loss (labels given)."""
+def _fused(self, kwargs: dict, cls: type):
+    """cls's forward with the logits and loss replaced by causal_lm_loss (labels given)."""
     return_dict = self.config.return_dict  # (can_return_tuple's rule)
     passed = kwargs.pop("return_dict", None)
     return_dict = return_dict if passed is None else passed
@@ -189,7 +195,7 @@ def _fused(self, kwargs: dict):
         hidden,
         self.lm_head,
         labels,
-        softcap=getattr(self.config, "final_logit_softcapping", None),
+        softcap=getattr(self.config, "final_logit_softcapping", None) if cls.__name__ in SOFTCAPPED else None,
         num_items_in_batch=kwargs.get("num_items_in_batch"),
         ignore_index=kwargs.get("ignore_index", -100),
         shift_labels=kwargs.get("shift_labels"),
@@ -197,7 +203,11 @@ def _fused(self, kwargs: dict):
     out_cls = getattr(self, _STATE).output
     rest = {f: getattr(outputs, f, None) for f in out_cls.__dataclass_fields__ if f not in ("loss", "logits")}
     out = out_cls(loss=loss, logits=None, **rest)
-    return out if return_dict else out.to_tuple()
+    if return_dict:
+        return out
+    # (transformers' tuple drops None entries; logits keeps its place, as None, so that out[1] is still
+    # the logits' position and the cache third)
+    return (loss, None, *(v for k, v in rest.items() if v is not None))
 
 
 @functools.cache
@@ -216,7 +226,7 @@ def _forward_for(cls: type):
         fused = kwargs.get("labels") is not None and (
             return_logits is False or (return_logits is None and self.training)
         )
-        return _fused(self, kwargs) if fused else cls.forward(self, **kwargs)
+        return _fused(self, kwargs, cls) if fused else cls.forward(self, **kwargs)
 
     return forward
 
@@ -297,7 +307,13 @@ def register() -> None:
 def apply(model, *, loss: bool = True, attention_softmax: bool = False):
     """Patches ``model`` (this instance only) and returns it: ``loss=True``, the fused LM-head loss in
     training; ``attention_softmax=True``, fs.softmax in its eager attention. See the module's docstring for
-    what changes and what is refused. revert(model) undoes it."""
+    what changes and what is refused. revert(model) undoes it.
+
+    With ``attention_softmax=True`` and left padding, a pad position's query sees no key: its attention
+    output is zeros, as sdpa's (transformers' default attention) is, where eager averages the values. The
+    last pad position predicts the first real token, so a loss that keeps that label is sdpa's, not eager's;
+    mask it (-100), or pad on the right, and the loss is both. (Eager's average comes from its finite mask,
+    not from the data; matching it would cost a pass over the probabilities or a float mask per head.)"""
     if not isinstance(loss, bool) or not isinstance(attention_softmax, bool):
         raise TypeError("fastsoftmax.apply: loss and attention_softmax must be bools")
     if not (loss or attention_softmax):
@@ -388,5 +404,14 @@ def patched(model, *, loss: bool = True, attention_softmax: bool = False):
         revert(model)
 
 
-__all__ = ["MIN_TRANSFORMERS", "NAME", "SUPPORTED", "apply", "attention_forward", "causal_lm_loss", "patched"]
+__all__ = [
+    "MIN_TRANSFORMERS",
+    "NAME",
+    "SOFTCAPPED",
+    "SUPPORTED",
+    "apply",
+    "attention_forward",
+    "causal_lm_loss",
+    "patched",
+]
 __all__ += ["register", "revert"]
