@@ -63,6 +63,19 @@ def registers(cfg) -> int:
     return regs
 
 
+# CTA barriers (bar.sync) per entry point, by variant: the one before the per-warp partials are read in
+# reduce() (block, cluster, online), the staged slice's two more (its mbarriers initialised before the copies
+# are issued; every wait past before they are invalidated); none in a warp's row. A barrier dropped from the
+# source (each was tried) changes these counts: no CPU test saw it before.
+BARRIERS = {"warp": 0, "block": 1, "cluster": 1, "online": 1, "staged": 3}
+
+
+def barriers(ptx: str) -> dict:
+    """bar.sync (barrier.sync) instructions per entry point of ``ptx``."""
+    entries = ptx.split(".entry ")[1:]
+    return {e.split("(")[0]: len(re.findall(r"\bbar(?:rier)?\.sync", e)) for e in entries}
+
+
 def compiled(variant, dtype, n, rows, backward, arch="sm_90a"):
     facts = gpu.with_cc(int(arch[3:5]))
     shape, cfg = config_for(variant, dtype, n, backward=backward, n_rows=rows, facts=facts)
@@ -97,6 +110,7 @@ def test_variant_compiles_with_its_facts(cache, variant, dtype, n, rows, backwar
         # the seed kernel: scalar accesses, shared-memory trees with barriers between the passes
         assert "ld.global.v4" not in ptx and ptx.count("bar.sync") >= 2
     else:
+        assert set(barriers(ptx).values()) == {BARRIERS[variant]}, barriers(ptx)
         # 16-byte accesses for the row body (scalar code stays for edges and strided rows)
         assert re.search(r"ld\.global(\.nc)?\.v4\.[ubf]32", ptx) and re.search(r"st\.global\.v4\.[ubf]32", ptx)
     if shape.cluster > 1:  # the cluster variant, and the online one spreading few rows
@@ -252,6 +266,7 @@ def test_staged_compiles_with_its_facts(cache, dtype, n, rows, clusters, backwar
     shape, cfg, ptx, facts = compiled("staged", dtype, n, rows, backward)
     want = clusters[backward]
     assert (shape.variant, shape.cluster) == ("staged", want) and cfg.staged and cfg.defines()["STAGED"] == 1
+    assert set(barriers(ptx).values()) == {BARRIERS["staged"]}, barriers(ptx)
     assert "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes" in ptx
     assert "mbarrier.try_wait.parity" in ptx and "fence.mbarrier_init" in ptx and "mbarrier.inval" in ptx
     assert re.search(r"ld\.shared\.v4\.[ubf]32", ptx) and re.search(r"st\.global\.v4\.[ubf]32", ptx)
