@@ -5,7 +5,9 @@ and softmax_fwd_bwd (autograd), on 1x4096 and 8x4096, fp32 and bf16.
 
 Records go to OUT.json as {"call": "softmax 1x4096 fp32", "triton": ..., "fastsoftmax_us", "torch_us",
 "ratio"}, merged with the file's records of other Triton versions (run it once per Triton:
-bench/results/h200_host.json holds the image's and the newest). Usage: python dev/host_calls.py OUT.json"""
+bench/results/h200_host.json holds the image's and the newest). COMMIT, where given, is recorded as the
+tree measured (a copy of the working tree may carry a stale .git); else the file's is dropped.
+Usage: python dev/host_calls.py OUT.json [COMMIT]"""
 
 import json
 import os
@@ -92,6 +94,9 @@ def main() -> None:
     doc |= dict(what="host us per eager call, best of 9 batches of 200 calls, ours and torch's interleaved")
     doc |= dict(device=torch.cuda.get_device_name(), torch=torch.__version__, date=time.strftime("%Y-%m-%d"))
     doc["records"] = kept + records
+    doc.pop("commit_measured", None)
+    if len(sys.argv) > 2:
+        doc["commit_measured"] = sys.argv[2]
     with open(out, "w") as f:
         json.dump(doc, f, indent=1)
 
