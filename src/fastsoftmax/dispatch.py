@@ -271,9 +271,9 @@ def replayed_loss(logits, target, class_weight, ignore_index, reduction, label_s
     """A plain cross-entropy call whose key was recorded, replayed before any check, as replayed() does for
     the softmax family: (loss, z-loss, stats), or None (the full path then runs, checks first). The caller
     passes the options as the kernels take them (floats; the key holds their values, not their types)."""
-    if type(target) is not torch.Tensor or _route(logits, target, class_weight) != "plain":
+    if type(target) is not _Tensor or _route(logits, target, class_weight) != "plain":
         return None
-    if class_weight is not None and type(class_weight) is not torch.Tensor:
+    if class_weight is not None and type(class_weight) is not _Tensor:
         return None
     key = _loss_key((logits, target, class_weight), ignore_index, reduction, label_smoothing, softcap, z_loss, backend,
                     loss_dtype(logits), False)  # fmt: skip

@@ -50,9 +50,7 @@ class Plan:
 # Test hooks: force a path or launch shape and poison outputs (process-wide: on CUDA autograd runs the
 # backward on its own thread, which must obey the block too), and read back what ran (per thread).
 _state = threading.local()
-_force: dict | None = None
-_poison = False
-_open: list = []  # one entry per open force() block
+_open: list = []  # (overrides, poison) of each open force() block, the innermost last
 
 
 @contextmanager
@@ -74,23 +72,19 @@ def force(*, poison: bool = False, **overrides):
     if "path" in overrides and overrides["path"] not in PATHS + CUDA_PATHS + LCE_DESIGNS:
         valid = ", ".join(dict.fromkeys(PATHS + CUDA_PATHS + LCE_DESIGNS))
         raise ValueError(f"unknown path {overrides['path']!r}; valid: {valid} (Triton: {', '.join(PATHS)})")
-    global _force, _poison
-    old = _force, _poison
-    _force, _poison = overrides, poison
-    _open.append(overrides)
+    _open.append((overrides, poison))
     try:
         yield
     finally:
         _open.pop()
-        _force, _poison = old
 
 
 def forced() -> dict | None:
-    return _force
+    return _open[-1][0] if _open else None
 
 
 def poisoning() -> bool:
-    return _poison
+    return _open[-1][1] if _open else False
 
 
 # overridden(): the number of force() blocks open (overrides or poisoning), 0 outside: a C call, no Python
