@@ -140,7 +140,7 @@ def ce_facts():
                 # fs.cross_entropy with smoothing, no class weights, softcap or z-loss
                 consts = {"ROWS": rows, "BLOCK_N": block, "SMOOTH": True, "MEAN": True}
                 consts |= {"WEIGHT": False, "SOFTCAP": False, "ZLOSS": False}
-                ints = {"v": v, "sx": v, "sdx": v, "span": block * ce_rules.BWD_SEGMENT_CHUNKS}
+                ints = {"v": v, "nc": v, "sx": v, "sdx": v, "span": block * ce_rules.BWD_SEGMENT_CHUNKS}
                 names = kernel.arg_names
                 sig = {
                     k: "constexpr"

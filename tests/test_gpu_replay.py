@@ -178,8 +178,8 @@ def test_compiled_kernel_memo_matches_tritons_choice():
     arguments Triton specialises differently (a pointer 16-byte aligned or not, an int equal to 1, divisible
     by 16 or neither) it must hand back the very CompiledKernel Triton's own lookup picks, and the launch
     through it must compute the right thing."""
-    from fastsoftmax.kernels.triton import cross_entropy as ce
     from fastsoftmax.kernels.triton import launch as tl_launch
+    from fastsoftmax.kernels.triton import lm_head as ce
 
     base = torch.randn(4099, device="cuda")
     g = torch.full((1,), 3.0, device="cuda")

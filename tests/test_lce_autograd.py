@@ -24,7 +24,7 @@ import fastsoftmax as fs
 from fastsoftmax import heuristics
 
 
-@pytest.mark.parametrize("design", [None, *DESIGNS])
+@pytest.mark.parametrize("design", [None, *DESIGNS, "lce_sliced"])
 def test_requires_grad_subsets(device, design):
     """Only x, only weight, only bias, none of them, and everything under torch.no_grad(): grads exactly for
     what asks for them (the others' .grad stays None), each right; the loss right in every case."""

@@ -43,7 +43,7 @@ KERNEL_FAMILIES = {
         "fast_exp": True,
     },
     "triton.cross_entropy": {
-        "kernels": ["ce_fwd", "ce_finish", "ce_bwd", "scale_by"],
+        "kernels": ["ce_fwd", "ce_finish", "ce_bwd"],
         "exp": "exp2((z - max) * log2(e)): ex2.approx.f32; softcap tanh from exp(-2|u|) (a series below 0.125)",
         "log": "log2(s) * ln(2): lg2.approx.f32, once per row",
         "accumulation": "fp32; the reduction over rows in one program, in a fixed order (deterministic)",
@@ -57,9 +57,12 @@ KERNEL_FAMILIES = {
         "build_flags": "Triton defaults (no fast-math flag)",
     },
     "lm_head": {
-        "designs": ["lce_chunked", "lce_recompute"],
-        "gemms": "cuBLAS (torch.mm / addmm into a reused chunk of logits), logits in x's dtype",
-        "accumulation": "dW in the weight's dtype, cuBLAS beta = 1 (one rounding per chunk); db in fp32",
+        "designs": ["lce_chunked", "lce_recompute", "lce_sliced"],
+        "kernels": ["ce_fwd_slice", "scale_by"],
+        "gemms": "cuBLAS (torch.mm / addmm into a reused buffer of logits), logits in x's dtype",
+        "accumulation": "dW in the weight's dtype, cuBLAS beta = 1 (one rounding per row chunk, or per row group "
+        "in lce_sliced); lce_sliced's dx summed over the vocabulary slices in fp32 by cuBLAS (out_dtype), "
+        "rounded once; db in fp32",
     },
     "torch": {
         "exp": "torch.exp in fp32 (fp64 for fp64)",

@@ -13,9 +13,11 @@ import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from .lm_head import DESIGNS as LCE_DESIGNS
+from .lm_head import DESIGNS, SLICED
 from .softmax_cuda import VARIANTS as CUDA_PATHS
 from .softmax_triton import PATHS
+
+LCE_DESIGNS = DESIGNS + (SLICED,)
 
 __all__ = [
     "CUDA_PATHS",

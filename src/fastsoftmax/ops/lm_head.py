@@ -40,7 +40,7 @@ class _TritonLoss:
     def __init__(self, x, t, w, o, v: int):
         from ..kernels.triton.backend import kernels  # (the kernels import Triton)
 
-        self.k, self.t, self.w, self.o = kernels("cross_entropy"), t, w, o
+        self.k, self.lm, self.t, self.w, self.o = kernels("cross_entropy"), kernels("lm_head"), t, w, o
         self.fwd_shape, self.bwd_shape = (
             self.k.shape(v, x.element_size(), False),
             self.k.shape(v, x.element_size(), True),
@@ -55,10 +55,17 @@ class _TritonLoss:
         t, z = self.t[r0:r1], rows_z[r0:r1]
         self.k.rows_forward(logits, t, self.w, self.wsum, self.o, rows_loss[r0:r1], z, stats[r0:r1], self.fwd_shape)
 
-    def backward(self, logits, r0, r1, stats, g, n: int):
+    def forward_slice(self, logits, r0, r1, v0, v, run, stats, rows_loss, rows_z):
+        """The rows' classes [v0, v0 + logits.shape[1]) of v, slices taken in order (lce_sliced)."""
+        t, z = self.t[r0:r1], rows_z[r0:r1]
+        run = run[: 3 * (r1 - r0)]
+        args = (logits, t, self.w, self.wsum, self.o, run, rows_loss[r0:r1], z, stats[r0:r1], v0, v, self.fwd_shape)
+        self.lm.slice_forward(*args)
+
+    def backward(self, logits, r0, r1, stats, g, n: int, v0: int = 0, v: int | None = None):
         gc = g[r0:r1] if g.dim() else g
-        t = self.t[r0:r1]
-        self.k.rows_backward(logits, t, self.w, self.wsum, stats[r0:r1], stats[n:], gc, self.o, logits, self.bwd_shape)
+        t, lse, o = self.t[r0:r1], stats[r0:r1], self.o
+        self.k.rows_backward(logits, t, self.w, self.wsum, lse, stats[n:], gc, o, logits, self.bwd_shape, v0, v)
 
     def finish(self, rows_loss, rows_z, stats, out, zout, n: int, v: int):
         self.k.finish(rows_loss, rows_z, self.t, self.w, out, zout, stats[n:], v, self.o)
@@ -105,6 +112,8 @@ def _sweep(x, weight, bias, t, cw, o, backend, memory, design, wants, g=None, st
     wide = torch.float64 if x.dtype == torch.float64 else torch.float32
     loss_impl = _loss_impl(x, backend) if n else _TorchLoss
     k = loss_impl(x, t, cw, o, v)
+    forced = heuristics.forced()
+    sliced = k.name == "triton" and rules.sliced(n, v, x.element_size(), memory, (forced or {}).get("path"))
     if forward:
         stats = torch.empty(n + 3, dtype=wide, device=x.device)
         rows_loss = torch.empty(n, dtype=wide, device=x.device)
@@ -116,10 +125,28 @@ def _sweep(x, weight, bias, t, cw, o, backend, memory, design, wants, g=None, st
         if grads:
             g = torch.ones((), dtype=wide, device=x.device)
     else:
-        grads = any(wants)
+        grads, rows_loss, rows_z = any(wants), None, None
     dx = x.new_empty(x.shape) if grads and wants[0] else x.new_empty(0)  # (contiguous: chunks of rows)
     dw = torch.zeros_like(weight) if grads and wants[1] and n == 0 else None
     db = torch.zeros(v, dtype=wide, device=x.device) if grads and wants[2] else None
+    sweep = (x, weight, bias, k, stats, rows_loss, rows_z, g, forward, grads, wants, dx, dw, db, memory)
+    dw = _slices(*sweep, forced) if sliced else _row_chunks(*sweep, design)
+    dw = dw if dw is not None else weight.new_empty(0)
+    db = db.to(weight.dtype) if db is not None else weight.new_empty(0)
+    if not forward:
+        return dx, dw, db
+    out = torch.empty(n if o.reduction == "none" else (), dtype=out_dtype, device=x.device)
+    zout = torch.empty_like(out)
+    k.finish(rows_loss, rows_z, stats, out, zout, n, v)
+    if k.name != "triton" or (not t.is_cuda and not stats[n + 1].item()):  # (on a GPU: ce_finish asserts)
+        checks.targets(t, v, o.ignore_index)  # (the kernels never read out of range)
+    return out, zout, stats, dx, dw, db
+
+
+def _row_chunks(x, weight, bias, k, stats, rows_loss, rows_z, g, forward, grads, wants, dx, dw, db, memory, design):
+    """lce_chunked / lce_recompute: chunks of rows, each with all V classes. Returns dW (None: not wanted)."""
+    n, v = x.shape[0], weight.shape[0]
+    wide = stats.dtype
     rows = rules.rows_per_chunk(x, v, memory)
     buf = torch.empty((min(rows, n), v), dtype=x.dtype, device=x.device) if n else None
     chunks = 0
@@ -141,17 +168,58 @@ def _sweep(x, weight, bias, t, cw, o, backend, memory, design, wants, g=None, st
             if wants[2]:
                 db += logits.sum(0, dtype=wide)
         chunks += 1
-    dw = dw if dw is not None else weight.new_empty(0)
-    db = db.to(weight.dtype) if db is not None else weight.new_empty(0)
     heuristics.record(heuristics.Plan(k.name, design, rows=rows, splits=chunks))
-    if not forward:
-        return dx, dw, db
-    out = torch.empty(n if o.reduction == "none" else (), dtype=out_dtype, device=x.device)
-    zout = torch.empty_like(out)
-    k.finish(rows_loss, rows_z, stats, out, zout, n, v)
-    if k.name != "triton" or (not t.is_cuda and not stats[n + 1].item()):  # (on a GPU: ce_finish asserts)
-        checks.targets(t, v, o.ignore_index)  # (the kernels never read out of range)
-    return out, zout, stats, dx, dw, db
+    return dw
+
+
+def _slices(x, weight, bias, k, stats, rows_loss, rows_z, g, forward, grads, wants, dx, dw, db, memory, forced):
+    """lce_sliced: groups of rows, each swept over slices of the classes (rules.slice_plan), once for the
+    loss (forward) and once for the gradients (where wanted). A slice's dW rows are written by the first
+    group's GEMM and added to by the others' (one rounding a group, not a chunk); a group's dx is summed over
+    the slices in fp32, then rounded once. Returns dW (None: not wanted)."""
+    n, d = x.shape
+    v = weight.shape[0]
+    rows, cols = rules.slice_plan(n, d, v, x.element_size(), memory, forced)
+    buf = torch.empty(rows * cols, dtype=x.dtype, device=x.device)
+    run = torch.empty(3 * rows, dtype=stats.dtype, device=x.device) if forward else None
+    acc = torch.empty((rows, d), dtype=stats.dtype, device=x.device) if grads and wants[0] else None
+    dw = torch.empty(weight.shape, dtype=weight.dtype, device=x.device) if grads and wants[1] else None  # (n > 0)
+    tiles = 0
+    for r0 in range(0, n, rows):
+        r1 = min(r0 + rows, n)
+        xg = x[r0:r1]
+        for sweep in ("loss", "grads") if forward and grads else ("loss",) if forward else ("grads",):
+            for v0 in range(0, v, cols):
+                v1 = min(v0 + cols, v)
+                logits = buf[: (r1 - r0) * (v1 - v0)].view(r1 - r0, v1 - v0)
+                chunk_logits(xg, weight[v0:v1], bias[v0:v1] if bias is not None else None, logits)
+                tiles += sweep == "loss" or not forward
+                if sweep == "loss":
+                    k.forward_slice(logits, r0, r1, v0, v, run, stats, rows_loss, rows_z)
+                    continue
+                k.backward(logits, r0, r1, stats, g, n, v0, v)  # logits -> dlogits, in place
+                if dw is not None:
+                    _into(dw[v0:v1], logits.t(), xg, add=r0 > 0)
+                if acc is not None:
+                    _into(acc[: r1 - r0], logits, weight[v0:v1], add=v0 > 0)
+                if db is not None:
+                    db[v0:v1] += logits.sum(0, dtype=db.dtype)
+        if acc is not None:
+            dx[r0:r1].copy_(acc[: r1 - r0])
+    heuristics.record(heuristics.Plan(k.name, rules.SLICED, block_n=cols, rows=rows, splits=tiles))
+    return dw
+
+
+def _into(out, a, b, add: bool) -> None:
+    """out = a @ b, or out += a @ b, one cuBLAS GEMM: low-precision a and b summed into an fp32 out by the GEMM
+    itself on CUDA (torch's out_dtype)."""
+    beta = 1 if add else 0
+    if a.dtype == out.dtype:
+        torch.addmm(out, a, b, beta=beta, out=out)
+    elif a.is_cuda:
+        torch.addmm(out, a, b, out_dtype=out.dtype, beta=beta, out=out)
+    else:  # (the CPU under Triton's interpreter: the tests)
+        torch.addmm(out, a.to(out.dtype), b.to(out.dtype), beta=beta, out=out)
 
 
 # ---- the custom op ------------------------------------------------------------------------------------
@@ -239,7 +307,7 @@ def _scaled(ctx, grad_loss, backend, *grads):
         g = grad_loss.reshape(()).to(torch.float32)
         with selected(grads[0]):
             for t in grads:
-                kernels("cross_entropy").scale_(t.data, g)  # no pass over dW when grad_loss == 1
+                kernels("lm_head").scale_(t.data, g)  # no pass over dW when grad_loss == 1
         return grads
     return tuple(t.data.mul_(grad_loss) if t.numel() else t for t in grads)
 

@@ -120,6 +120,34 @@ def ce_fwd(
     z_t = tl.load(base + tt, mask=inside, other=0.0).to(tl.float32)
     if SOFTCAP:
         z_t = softcapped(z_t, cap)
+    store_rows(row, row_ok, keep, inside, tt, lse, z_t, sum_z, w_ptr, wsum_ptr, loss_ptr, z_ptr, lse_ptr, v,
+               smoothing, zl, SMOOTH, WEIGHT, ZLOSS)  # fmt: skip
+
+
+@triton.jit
+def store_rows(
+    row,
+    row_ok,
+    keep,
+    inside,
+    tt,
+    lse,
+    z_t,
+    sum_z,
+    w_ptr,
+    wsum_ptr,
+    loss_ptr,
+    z_ptr,
+    lse_ptr,
+    v,
+    smoothing,
+    zl,
+    SMOOTH: tl.constexpr,
+    WEIGHT: tl.constexpr,
+    ZLOSS: tl.constexpr,
+):
+    """Each row's ce (0 where ignored), z-loss (ZLOSS) and logsumexp stored, from its logsumexp, target logit
+    z_t and (SMOOTH) sum of w_j * z_j over all v classes: the module's formulas."""
     w_t = 1.0
     if WEIGHT:
         w_t = tl.load(w_ptr + tt, mask=inside, other=0.0).to(tl.float32)
@@ -221,6 +249,8 @@ def ce_bwd(
     dx_ptr,
     n_rows,
     v,
+    nc,
+    col0,
     sx,
     sdx,
     g_stride,
@@ -239,7 +269,9 @@ def ce_bwd(
 ):
     """g_ptr: the upstream gradient, per row (g_stride 1) or one for all rows (g_stride 0); MEAN divides it by
     the weight of the rows kept (ce) and their number (z-loss), which ce_finish left at cnt_ptr[2] and
-    cnt_ptr[0]. dx_ptr may be x_ptr (in place: each element is read, then written, by one program). The second
+    cnt_ptr[0]. The rows' logits at x_ptr are the classes [col0, col0 + nc) of v (all: col0 = 0, nc = v; the
+    LM-head loss's vocabulary slices). dx_ptr may be x_ptr (in place: each element is read, then written, by
+    one program). The second
     grid axis splits each row into segments of ``span`` columns (a multiple of BLOCK_N), one program each:
     dlogits need no reduction along the row, so few long rows still fill the GPU."""
     row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
@@ -272,8 +304,8 @@ def ce_bwd(
         a += g_z * 2.0 * zl * lse
     lse_safe = safe_max(lse)  # an all -inf row: exp(-inf - 0) = 0
     seg0 = tl.program_id(1).to(tl.int64) * span  # this segment's first column (a scalar: columns stay int32)
-    width = tl.minimum(span, v - seg0).to(tl.int32)
-    t_here = tl.where(inside, t - seg0, -1)
+    width = tl.minimum(span, nc - seg0).to(tl.int32)
+    t_here = tl.where(inside, t - col0 - seg0, -1)
     t_here = tl.where((t_here >= 0) & (t_here < width), t_here, -1).to(tl.int32)
     xs = x_ptr + row[:, None] * sx + seg0
     dxs = dx_ptr + row[:, None] * sdx + seg0
@@ -289,7 +321,8 @@ def ce_bwd(
         d = a[:, None] * p - b[:, None] * hot
         if SMOOTH:
             if WEIGHT:
-                d -= cc[:, None] * tl.load(w_ptr + seg0 + cols, mask=cols < width, other=0.0).to(tl.float32)
+                wj = tl.load(w_ptr + col0 + seg0 + cols, mask=cols < width, other=0.0).to(tl.float32)
+                d -= cc[:, None] * wj
             else:
                 d -= cc[:, None]
         if SOFTCAP:
@@ -351,15 +384,17 @@ def finish(rows_loss, rows_z, t, w, out, zout, tail, v: int, o, reduce: bool = T
     )
 
 
-def rows_backward(x, t, w, wsum, lse, tail, g, o, dx, shape) -> None:
-    """ce_bwd: dlogits of (M, V) logits x into dx (may be x) from the rows' logsumexp, the counts (tail, as
-    finish writes them) and g: (M,) per row, or a 0-d tensor for every row (divided for the mean)."""
-    m, v = x.shape
+def rows_backward(x, t, w, wsum, lse, tail, g, o, dx, shape, col0: int = 0, v: int | None = None) -> None:
+    """ce_bwd: dlogits of (M, nc) logits x into dx (may be x) from the rows' logsumexp, the counts (tail, as
+    finish writes them) and g: (M,) per row, or a 0-d tensor for every row (divided for the mean). x holds
+    the classes [col0, col0 + nc) of v (default: all, nc = v)."""
+    m, nc = x.shape
+    v = nc if v is None else v
     rows, block, warps, splits = shape
-    chunks = -(-v // block)
+    chunks = -(-nc // block)
     per = -(-chunks // splits)  # chunks per segment; the last segment may be shorter
     eps, cap, zl = _scalars(o)
-    args = (x, t, w if w is not None else x, wsum, lse, tail, g, dx, m, v, x.stride(0), dx.stride(0))
+    args = (x, t, w if w is not None else x, wsum, lse, tail, g, dx, m, v, nc, col0, x.stride(0), dx.stride(0))
     args += (g.stride(0) if g.dim() else 0, per * block, o.ignore_index, eps, cap, zl)
     meta = dict(ROWS=rows, BLOCK_N=block, MEAN=o.reduction == "mean", num_warps=warps, **_flags(o, w))
     launch(ce_bwd, (-(-m // rows), -(-chunks // per)), args, meta)
@@ -421,25 +456,3 @@ def backward(x, t, w, stats, g, o, out_dtype, path=None):
         launch_shape = shape(x.shape[1], x.element_size(), True)
         rows_backward(x, t, w, weight_sum(o, w, stats), stats, stats[m:], g, o, dx, launch_shape)
     return dx
-
-
-@triton.jit
-def scale_by(x_ptr, n, g_ptr, BLOCK: tl.constexpr):
-    """x *= g in place, g read from device memory; nothing read or written when g == 1 (the usual upstream
-    gradient of a loss): the LM-head loss's backward costs a launch then, not a pass over dW."""
-    g = tl.load(g_ptr).to(tl.float32)
-    if g != 1.0:
-        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        ok = i < n
-        v = tl.load(x_ptr + i, mask=ok).to(tl.float32)
-        tl.store(x_ptr + i, (v * g).to(x_ptr.dtype.element_ty), mask=ok)
-
-
-SCALE_BLOCK = 4096
-
-
-def scale_(x, g) -> None:
-    """x (contiguous) *= g (a 0-d tensor on x's device)."""
-    n = x.numel()
-    if n:
-        launch(scale_by, (-(-n // SCALE_BLOCK),), (x, n, g), dict(BLOCK=SCALE_BLOCK, num_warps=4))

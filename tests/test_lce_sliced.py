@@ -1,0 +1,146 @@
+"""fs.linear_cross_entropy's lce_sliced layout (ops/lm_head.py: row groups x vocabulary slices, for small
+memory budgets) against the float64 torch reference (tests/lce_reference.py): every option, reduction and
+dtype with ragged groups and slices and poisoned outputs, the plan recorded; the rule that picks it
+(heuristics/lm_head.sliced) and its budget (slice_plan); one group, one slice; autograd around it."""
+
+import math
+
+import pytest
+import torch
+from lce_reference import check, class_weights, problem, upstream
+
+import fastsoftmax as fs
+from fastsoftmax import heuristics
+from fastsoftmax.heuristics import lm_head as rules
+
+OPTIONS = [
+    {},
+    {"label_smoothing": 0.1},
+    {"label_smoothing": 0.2, "class_weight": "cw"},
+    {"softcap": 3.0, "z_loss": 1e-2},
+    {"class_weight": "cw", "ignore_index": 5},
+    {"label_smoothing": 0.1, "class_weight": "cw", "softcap": 8.0, "z_loss": 1e-3},
+]
+
+
+def _opts(i, v, device):
+    opts = dict(OPTIONS[i])
+    if "class_weight" in opts:
+        opts["class_weight"] = class_weights(v, device)
+    return opts
+
+
+def _plan(rows, cols, groups, slices):
+    plan = heuristics.last_plan()
+    assert (plan.backend, plan.path, plan.rows, plan.block_n) == ("triton", "lce_sliced", rows, cols), plan
+    assert plan.splits == groups * slices, plan  # the tiles one sweep took
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("opt", range(len(OPTIONS)))
+def test_sliced_matches_reference(device, dtype, reduction, opt):
+    """18 rows in groups of 4 (the last of 2), 513 classes in slices of 128 (the last of 1): loss, dx, dW and
+    db against float64, outputs poisoned; the plan after the forward and (for 'none') after the backward."""
+    v = 513
+    x, w, t, b = problem(device, dtype, (18,), 16, v, seed=21 + opt)
+    opts = _opts(opt, v, device)
+    if "ignore_index" in opts:
+        t = torch.where(t == -100, opts["ignore_index"], t)
+    # fp32: dW is the sum of 5 groups' GEMMs, each sum rounded once: partial sums reach ~100 (x's outliers,
+    # 20x), so their rounding (fp32's ulp at 100: 7.6e-6) exceeds the 1e-6 atol
+    scale = 10.0 if dtype == torch.float32 else 1.0
+    with heuristics.force(path="lce_sliced", rows=4, block_n=128, poison=True):
+        check(x, w, t, b, reduction=reduction, fs_opts={"backend": "triton"}, grad_atol_scale=scale, **opts)
+        xg = x.clone().requires_grad_()
+        loss = fs.linear_cross_entropy(xg, w, t, b, reduction=reduction, backend="triton", **opts)
+        _plan(4, 128, 5, 5)
+        torch.autograd.grad(loss, xg, upstream(loss))
+        _plan(4, 128, 5, 5)
+
+
+def test_one_group_and_one_slice(device):
+    """Budgets that hold every row (dW written once, no add) or every class (one slice: first and last at
+    once), and both; 3-D x, bias, int32 targets."""
+    x, w, t, b = problem(device, torch.float32, (2, 9), 16, 513, seed=30)
+    t = t.to(torch.int32)
+    for rows, cols, groups, slices in ((32, 128, 1, 5), (4, 1024, 5, 1), (32, 1024, 1, 1)):
+        for reduction in ("mean", "none"):
+            with heuristics.force(path="lce_sliced", rows=rows, block_n=cols, poison=True):
+                check(x, w, t, b, reduction=reduction, fs_opts={"backend": "triton"}, label_smoothing=0.1)
+                fs.linear_cross_entropy(x, w, t, b, reduction=reduction, backend="triton")
+            _plan(min(rows, 18), min(cols, 513), groups, slices)
+
+
+def test_all_ignored_sliced(device):
+    """Every row ignored: 'mean' NaN with zero grads, 'sum' 0 (as torch)."""
+    x, w, t, b = problem(device, torch.float32, (6,), 8, 300, seed=31)
+    t[:] = -100
+    for reduction in ("mean", "sum", "none"):
+        with heuristics.force(path="lce_sliced", rows=4, block_n=128):
+            loss, _, grads = check(x, w, t, b, reduction=reduction, fs_opts={"backend": "triton"}, z_loss=1e-3)
+        assert loss.isnan().all() if reduction == "mean" else (loss == 0).all()
+        assert all((g == 0).all() for g in grads.values())
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_the_rule_picks_slices_for_small_budgets(device, backend):
+    """No force: a memory= budget of fewer than MIN_ROWS rows of logits (and fewer than N) runs lce_sliced
+    on the Triton loss; row chunks on the torch loss (it has no sliced layout), for budgets of N rows or
+    more, and without a budget."""
+    v, n = 513, 40
+    x, w, t, b = problem(device, torch.float32, (n,), 16, v, seed=32)
+    row = v * x.element_size()
+    for memory, sliced in ((5 * row, backend == "triton"), (n * row, False), (None, False)):
+        for reduction in ("mean", "none"):
+            fs_opts = {"backend": backend, "memory": memory}
+            check(x, w, t, b, reduction=reduction, fs_opts=fs_opts)
+            xg = x.clone().requires_grad_()
+            loss = fs.linear_cross_entropy(xg, w, t, b, reduction=reduction, **fs_opts)
+            torch.autograd.grad(loss, xg, upstream(loss))
+            want = "lce_sliced" if sliced else "lce_recompute" if reduction == "none" else "lce_chunked"
+            plan = heuristics.last_plan()
+            assert plan.path == want, (memory, reduction, plan)
+            if sliced:  # the budget: the slice of logits and the dx sums
+                assert plan.rows * (plan.block_n * x.element_size() + 4 * 16) <= memory, plan
+    assert rules.sliced(n, v, 4, 5 * row, "lce_chunked") is False  # a forced design wins
+    assert rules.sliced(n, v, 4, None, "lce_sliced") is True
+
+
+@pytest.mark.parametrize(
+    "n,d,v,elsize,memory",
+    [
+        (8192, 4096, 128256, 2, 51876431),
+        (16384, 2304, 256000, 2, 60722833),
+        (4096, 8192, 128256, 2, 99174105),
+        (8192, 2048, 32000, 2, 7777379),
+        (3000, 512, 50257, 2, 700 * 50257 * 2),
+        (18, 16, 513, 4, 5 * 513 * 4),
+        (7, 3, 100, 4, 1),
+    ],
+)
+def test_slice_plan_fits_the_budget(n, d, v, elsize, memory):
+    """rows x (cols of logits + d fp32 sums) within memory wherever one row and one aligned slice fit;
+    columns a multiple of SLICE_ALIGN or all of V; groups evened out (none shorter by more than one row)."""
+    rows, cols = rules.slice_plan(n, d, v, elsize, memory, None)
+    assert 1 <= rows <= n and 1 <= cols <= v
+    if memory >= rules.SLICE_ALIGN * elsize + 4 * d:
+        assert rows * (cols * elsize + 4 * d) <= memory, (rows, cols)
+    assert cols == v or cols % rules.SLICE_ALIGN == 0
+    groups = math.ceil(n / rows)
+    assert rows * groups - n < groups
+    assert rules.slice_plan(n, d, v, elsize, memory, {"rows": 2, "block_n": 4}) == (min(2, n), 4)
+
+
+def test_gradient_accumulation_sliced(device):
+    """A retained graph's second backward adds the same grads again (the forward's grads are scaled in place
+    once, then recomputed)."""
+    x, w, t, b = problem(device, torch.float32, (12,), 16, 513, seed=33)
+    wg, bg = w.clone().requires_grad_(), b.clone().requires_grad_()
+    with heuristics.force(path="lce_sliced", rows=4, block_n=128):
+        loss = fs.linear_cross_entropy(x, wg, t, bg, backend="triton")
+        loss.backward(torch.tensor(0.5), retain_graph=True)
+        first = wg.grad.clone(), bg.grad.clone()
+        loss.backward(torch.tensor(0.5))
+    torch.testing.assert_close(wg.grad, 2 * first[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(bg.grad, 2 * first[1], rtol=1e-5, atol=1e-6)
