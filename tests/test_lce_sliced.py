@@ -12,6 +12,7 @@ from lce_reference import check, class_weights, problem, upstream
 import fastsoftmax as fs
 from fastsoftmax import heuristics
 from fastsoftmax.heuristics import lm_head as rules
+from fastsoftmax.heuristics.lm_head import ROW_ALIGN
 
 OPTIONS = [
     {},
@@ -30,17 +31,23 @@ def _opts(i, v, device):
     return opts
 
 
-def _plan(rows, cols, groups, slices):
+def _plan(n, d, v, dtype, memory):
+    """The plan lce_sliced recorded: rules.slice_plan's for this budget; returns (rows, cols)."""
+    rows, cols = rules.slice_plan(n, d, v, torch.empty((), dtype=dtype).element_size(), memory)
     plan = heuristics.last_plan()
     assert (plan.backend, plan.path, plan.rows, plan.block_n) == ("triton", "lce_sliced", rows, cols), plan
-    assert plan.splits == groups * slices, plan  # the tiles one sweep took
+    assert plan.splits == math.ceil(n / rows) * math.ceil(v / cols), plan  # the tiles one sweep took
+    return rows, cols
+
+
+MEMORY = 2304  # 18 x 16 x 513: groups of 4 rows (fp32; 7 in 16-bit), slices of 128 classes, both ragged
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("opt", range(len(OPTIONS)))
 def test_sliced_matches_reference(device, dtype, reduction, opt):
-    """18 rows in groups of 4 (the last of 2), 513 classes in slices of 128 (the last of 1): loss, dx, dW and
+    """18 rows in groups (the last shorter), 513 classes in slices of 128 (the last of 1): loss, dx, dW and
     db against float64, outputs poisoned; the plan after the forward and (for 'none') after the backward."""
     v = 513
     x, w, t, b = problem(device, dtype, (18,), 16, v, seed=21 + opt)
@@ -50,26 +57,30 @@ def test_sliced_matches_reference(device, dtype, reduction, opt):
     # fp32: dW is the sum of 5 groups' GEMMs, each sum rounded once: partial sums reach ~100 (x's outliers,
     # 20x), so their rounding (fp32's ulp at 100: 7.6e-6) exceeds the 1e-6 atol
     scale = 10.0 if dtype == torch.float32 else 1.0
-    with heuristics.force(path="lce_sliced", rows=4, block_n=128, poison=True):
-        check(x, w, t, b, reduction=reduction, fs_opts={"backend": "triton"}, grad_atol_scale=scale, **opts)
+    fs_opts = {"backend": "triton", "memory": MEMORY}
+    with heuristics.force(path="lce_sliced", poison=True):
+        check(x, w, t, b, reduction=reduction, fs_opts=fs_opts, grad_atol_scale=scale, **opts)
         xg = x.clone().requires_grad_()
-        loss = fs.linear_cross_entropy(xg, w, t, b, reduction=reduction, backend="triton", **opts)
-        _plan(4, 128, 5, 5)
+        loss = fs.linear_cross_entropy(xg, w, t, b, reduction=reduction, **fs_opts, **opts)
+        rows, cols = _plan(18, 16, v, dtype, MEMORY)
+        assert 18 % rows and v % cols == 1 and rows < 18
         torch.autograd.grad(loss, xg, upstream(loss))
-        _plan(4, 128, 5, 5)
+        _plan(18, 16, v, dtype, MEMORY)
 
 
 def test_one_group_and_one_slice(device):
-    """Budgets that hold every row (dW written once, no add) or every class (one slice: first and last at
-    once), and both; 3-D x, bias, int32 targets."""
+    """Budgets that hold every row (dW written once, no add), every class too (one slice: first and last at
+    once); 3-D x, bias, int32 targets."""
     x, w, t, b = problem(device, torch.float32, (2, 9), 16, 513, seed=30)
     t = t.to(torch.int32)
-    for rows, cols, groups, slices in ((32, 128, 1, 5), (4, 1024, 5, 1), (32, 1024, 1, 1)):
+    for memory, groups, slices in ((18 * (4096 * 4 + 64), 1, 1), (18 * (128 * 4 + 64), 1, 5)):
         for reduction in ("mean", "none"):
-            with heuristics.force(path="lce_sliced", rows=rows, block_n=cols, poison=True):
-                check(x, w, t, b, reduction=reduction, fs_opts={"backend": "triton"}, label_smoothing=0.1)
-                fs.linear_cross_entropy(x, w, t, b, reduction=reduction, backend="triton")
-            _plan(min(rows, 18), min(cols, 513), groups, slices)
+            with heuristics.force(path="lce_sliced", poison=True):
+                fs_opts = {"backend": "triton", "memory": memory}
+                check(x, w, t, b, reduction=reduction, fs_opts=fs_opts, label_smoothing=0.1)
+                fs.linear_cross_entropy(x, w, t, b, reduction=reduction, **fs_opts)
+            rows, cols = _plan(18, 16, 513, torch.float32, memory)
+            assert (math.ceil(18 / rows), math.ceil(513 / cols)) == (groups, slices)
 
 
 def test_all_ignored_sliced(device):
@@ -77,21 +88,46 @@ def test_all_ignored_sliced(device):
     x, w, t, b = problem(device, torch.float32, (6,), 8, 300, seed=31)
     t[:] = -100
     for reduction in ("mean", "sum", "none"):
-        with heuristics.force(path="lce_sliced", rows=4, block_n=128):
-            loss, _, grads = check(x, w, t, b, reduction=reduction, fs_opts={"backend": "triton"}, z_loss=1e-3)
+        with heuristics.force(path="lce_sliced"):
+            fs_opts = {"backend": "triton", "memory": 1000}
+            loss, _, grads = check(x, w, t, b, reduction=reduction, fs_opts=fs_opts, z_loss=1e-3)
         assert loss.isnan().all() if reduction == "mean" else (loss == 0).all()
         assert all((g == 0).all() for g in grads.values())
 
 
+@pytest.mark.parametrize(
+    "shape,sliced",
+    [
+        ((8192, 4096, 128256, 2, 51876431), True),  # h200_lce.json's shapes at CCE's peak
+        ((16384, 2304, 256000, 2, 60722833), True),
+        ((8192, 4096, 151936, 2, 65000000), True),
+        ((4096, 8192, 128256, 2, 99174105), False),  # dW passes few: the fourth GEMM costs more
+        ((8192, 2048, 32000, 2, 7777379), False),  # tiles too small for the host to keep up
+        ((8192, 4096, 128256, 2, 2048 * 128256 * 2), False),  # 2048 rows a chunk: MIN_ROWS's
+        ((8192, 4096, 128256, 2, None), False),  # no budget: the default chunks
+        ((8192, 4096, 128256, 4, 51876431), False),  # fp32's GEMMs are slower: the fourth costs more
+    ],
+)
+def test_the_rule(shape, sliced):
+    """rules.sliced against its time model's answers on the bench shapes; a forced design wins."""
+    n, d, v, elsize, memory = shape
+    assert rules.sliced(n, d, v, elsize, memory, None) is sliced
+    assert rules.sliced(n, d, v, elsize, memory, "lce_chunked") is False
+    assert rules.sliced(n, d, v, elsize, memory, "lce_sliced") is True
+
+
 @pytest.mark.parametrize("backend", ["triton", "torch"])
-def test_the_rule_picks_slices_for_small_budgets(device, backend):
-    """No force: a memory= budget of fewer than MIN_ROWS rows of logits (and fewer than N) runs lce_sliced
-    on the Triton loss; row chunks on the torch loss (it has no sliced layout), for budgets of N rows or
-    more, and without a budget."""
+def test_the_rule_picks_slices_unforced(device, backend, monkeypatch):
+    """No force, the rule's constants set so that passes over dW dominate (no host cost): a budget of a few
+    rows runs lce_sliced on the Triton loss, row chunks on the torch loss (it has no sliced layout) and for
+    a budget of every row."""
+    monkeypatch.setattr(rules, "HOST_CHUNK_S", 0.0)
+    monkeypatch.setattr(rules, "HOST_TILE_S", 0.0)
+    monkeypatch.setattr(rules, "DW_BYTES_S", 1.0)
     v, n = 513, 40
     x, w, t, b = problem(device, torch.float32, (n,), 16, v, seed=32)
     row = v * x.element_size()
-    for memory, sliced in ((5 * row, backend == "triton"), (n * row, False), (None, False)):
+    for memory, sliced in ((5 * row, backend == "triton"), (n * row, False)):
         for reduction in ("mean", "none"):
             fs_opts = {"backend": backend, "memory": memory}
             check(x, w, t, b, reduction=reduction, fs_opts=fs_opts)
@@ -99,12 +135,7 @@ def test_the_rule_picks_slices_for_small_budgets(device, backend):
             loss = fs.linear_cross_entropy(xg, w, t, b, reduction=reduction, **fs_opts)
             torch.autograd.grad(loss, xg, upstream(loss))
             want = "lce_sliced" if sliced else "lce_recompute" if reduction == "none" else "lce_chunked"
-            plan = heuristics.last_plan()
-            assert plan.path == want, (memory, reduction, plan)
-            if sliced:  # the budget: the slice of logits and the dx sums
-                assert plan.rows * (plan.block_n * x.element_size() + 4 * 16) <= memory, plan
-    assert rules.sliced(n, v, 4, 5 * row, "lce_chunked") is False  # a forced design wins
-    assert rules.sliced(n, v, 4, None, "lce_sliced") is True
+            assert heuristics.last_plan().path == want, (memory, reduction, heuristics.last_plan())
 
 
 @pytest.mark.parametrize(
@@ -115,21 +146,22 @@ def test_the_rule_picks_slices_for_small_budgets(device, backend):
         (4096, 8192, 128256, 2, 99174105),
         (8192, 2048, 32000, 2, 7777379),
         (3000, 512, 50257, 2, 700 * 50257 * 2),
-        (18, 16, 513, 4, 5 * 513 * 4),
+        (18, 16, 513, 4, 2304),
+        (18, 16, 513, 2, 2304),
         (7, 3, 100, 4, 1),
     ],
 )
 def test_slice_plan_fits_the_budget(n, d, v, elsize, memory):
-    """rows x (cols of logits + d fp32 sums) within memory wherever one row and one aligned slice fit;
-    columns a multiple of SLICE_ALIGN or all of V; groups evened out (none shorter by more than one row)."""
-    rows, cols = rules.slice_plan(n, d, v, elsize, memory, None)
+    """rows x (classes of logits + d fp32 sums) within memory wherever one row and 128 classes fit; rows a
+    multiple of ROW_ALIGN when a group is at least that, the groups evened out."""
+    rows, cols = rules.slice_plan(n, d, v, elsize, memory)
     assert 1 <= rows <= n and 1 <= cols <= v
-    if memory >= rules.SLICE_ALIGN * elsize + 4 * d:
+    if memory >= 128 * elsize + 4 * d:
         assert rows * (cols * elsize + 4 * d) <= memory, (rows, cols)
-    assert cols == v or cols % rules.SLICE_ALIGN == 0
+    if ROW_ALIGN <= rows < n:
+        assert rows % ROW_ALIGN == 0
     groups = math.ceil(n / rows)
-    assert rows * groups - n < groups
-    assert rules.slice_plan(n, d, v, elsize, memory, {"rows": 2, "block_n": 4}) == (min(2, n), 4)
+    assert rows * groups - n < rows  # (no empty group)
 
 
 def test_gradient_accumulation_sliced(device):
@@ -137,8 +169,8 @@ def test_gradient_accumulation_sliced(device):
     once, then recomputed)."""
     x, w, t, b = problem(device, torch.float32, (12,), 16, 513, seed=33)
     wg, bg = w.clone().requires_grad_(), b.clone().requires_grad_()
-    with heuristics.force(path="lce_sliced", rows=4, block_n=128):
-        loss = fs.linear_cross_entropy(x, wg, t, bg, backend="triton")
+    with heuristics.force(path="lce_sliced"):
+        loss = fs.linear_cross_entropy(x, wg, t, bg, backend="triton", memory=MEMORY)
         loss.backward(torch.tensor(0.5), retain_graph=True)
         first = wg.grad.clone(), bg.grad.clone()
         loss.backward(torch.tensor(0.5))

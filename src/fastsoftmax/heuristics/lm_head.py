@@ -5,13 +5,10 @@ Measurements: bench/results/h200_lce.json.
 
 from __future__ import annotations
 
-import math
-
 DESIGNS = ("lce_chunked", "lce_recompute")  # when the gradients are computed: in the forward, in the backward
 SLICED = "lce_sliced"  # the layout for small budgets: row groups x vocabulary slices (heuristics.force path=)
 MIN_ROWS = 2048  # fewer rows cost a read and write of dW per chunk more often: 1.12x the GEMMs at 1024 rows,
 # 1.06x at 2048, 1.05x at 4096 (8192 x 4096 x 128256 bf16; bench/results/sweeps/lce_chunk_rows.json)
-SLICE_ALIGN = 128  # a slice's columns: a multiple of the GEMMs' tile
 
 
 def design(reduction: str, forced: str | None) -> str:
@@ -24,30 +21,55 @@ def design(reduction: str, forced: str | None) -> str:
     return forced if forced in DESIGNS else "lce_chunked"
 
 
-def sliced(n: int, v: int, elsize: int, memory: int | None, forced: str | None) -> bool:
-    """Whether the Triton loss runs in row groups x vocabulary slices (lm_head.py's lce_sliced): where an
-    explicit ``memory`` holds fewer than MIN_ROWS rows of logits (and fewer than n), row chunks would read and
-    write all of dW once per chunk; slices write each part of dW once per row group instead."""
+# lce_sliced against row chunks, a time model of each (sliced()), from the H200 (bench/results/h200_lce.json):
+GEMM_FLOPS = {2: 6.6e14, 4: 5.0e13}  # cuBLAS's rate by element size (bf16 / fp16; fp32 without TF32)
+DW_BYTES_S = 4.0e12  # HBM bytes a second of a pass that reads and adds into dW
+HOST_CHUNK_S = 2.5e-4  # host time a row chunk takes (a GEMM, 2 loss kernels, 2 GEMMs; 68 chunks: 19.3 ms)
+HOST_TILE_S = 2.0e-4  # and a tile of lce_sliced (2 GEMMs and a kernel, then 3 GEMMs and a kernel)
+SLICE_COLS = 4096  # a slice's classes where the budget allows: one block of the loss kernels, GEMMs of
+# N x 4096 run at the floor's rate (the dx GEMM's fp32 sums, read and written once a slice, stay hidden)
+ROW_ALIGN = 16  # a group's rows: a multiple of 16 keeps each group's views 16-byte aligned (one compile)
+
+
+def sliced(n: int, d: int, v: int, elsize: int, memory: int | None, forced: str | None) -> bool:
+    """Whether the Triton loss runs in row groups x vocabulary slices (lm_head.py's lce_sliced) rather than
+    row chunks, for an explicit ``memory``: row chunks do 3 GEMMs but read and write all of dW once a chunk;
+    slices do 4 GEMMs and pass over dW once a group. Each side's time is its GPU work or its host's, the larger
+    (small budgets make many small tiles, and the host cannot keep the GPU busy)."""
     if forced is not None and forced in DESIGNS + (SLICED,):
         return forced == SLICED
-    return bool(memory) and memory // max(v * elsize, 1) < min(MIN_ROWS, n)
+    rows = memory // max(v * elsize, 1) if memory else n
+    if rows >= n:
+        return False
+    gemm = 2 * n * d * v / GEMM_FLOPS.get(elsize, GEMM_FLOPS[4])
+    dw_pass = 2 * v * d * elsize / DW_BYTES_S
+    chunks = -(-n // max(rows, 1))
+    group, cols = slice_plan(n, d, v, elsize, memory)
+    groups, tiles = -(-n // group), -(-n // group) * -(-v // cols)
+    t_rows = max(3 * gemm + (chunks - 1) * dw_pass, chunks * HOST_CHUNK_S)
+    t_sliced = max(4 * gemm + (groups - 1) * dw_pass, tiles * HOST_TILE_S)
+    return t_sliced < t_rows
 
 
-def slice_plan(n: int, d: int, v: int, elsize: int, memory: int | None, forced: dict | None) -> tuple[int, int]:
-    """(rows a group, columns a slice) for ``memory`` bytes: a group's working set is its slice of logits
-    (rows x columns, x's dtype) and its dx sums in fp32 (rows x d). About sqrt(memory) columns balance the
-    two costs that grow as the budget shrinks: the dx sums are read and written once a slice (n v d / cols
-    bytes in all), dW once a group (n v d / rows). Forced rows= and block_n= (tests) override."""
-    memory = memory or 1
-    cols = min(max(math.isqrt(memory) // SLICE_ALIGN * SLICE_ALIGN, SLICE_ALIGN), v)
+def slice_plan(n: int, d: int, v: int, elsize: int, memory: int | None) -> tuple[int, int]:
+    """(rows a group, classes a slice) for ``memory`` bytes: a group's working set is a slice of its logits
+    (rows x classes, x's dtype) and its dx sums in fp32 (rows x d). SLICE_COLS classes, as many rows as
+    then fit (a multiple of ROW_ALIGN, the groups evened out); one group where all rows fit, its slices
+    widened to the rest of the budget; narrower slices where not even ROW_ALIGN rows fit."""
+    memory = max(memory or 1, 1)
+    cols = min(SLICE_COLS, v)
     rows = memory // (cols * elsize + 4 * d)
+    if rows < ROW_ALIGN:  # a small budget: ROW_ALIGN rows, the slice what is left (at least 128 classes)
+        cols = min(v, max(128, (memory // ROW_ALIGN - 4 * d) // elsize // 128 * 128))
+        rows = max(1, memory // (cols * elsize + 4 * d))
     if rows >= n:  # one group: the rest of the budget widens the slices
-        rows = n
-        cols = min(max(cols, (memory - 4 * d * n) // max(elsize * n, 1) // SLICE_ALIGN * SLICE_ALIGN), v)
-    rows = max(rows, 1)
-    rows = -(-n // -(-n // rows))  # the groups evened out (no short last group)
-    f = forced or {}
-    return max(1, min(f.get("rows", rows), n)), max(1, min(f.get("block_n", cols), v))
+        wide = (memory - 4 * d * n) // max(elsize * n, 1)
+        return n, min(v, max(cols, wide // SLICE_COLS * SLICE_COLS))
+    if rows >= ROW_ALIGN:
+        rows -= rows % ROW_ALIGN
+        per = -(-n // -(-n // rows))  # the groups evened out
+        rows = min(rows, -(-per // ROW_ALIGN) * ROW_ALIGN)
+    return rows, cols
 
 
 def free_bytes(x) -> int | None:

@@ -55,17 +55,34 @@ class _TritonLoss:
         t, z = self.t[r0:r1], rows_z[r0:r1]
         self.k.rows_forward(logits, t, self.w, self.wsum, self.o, rows_loss[r0:r1], z, stats[r0:r1], self.fwd_shape)
 
-    def forward_slice(self, logits, r0, r1, v0, v, run, stats, rows_loss, rows_z):
-        """The rows' classes [v0, v0 + logits.shape[1]) of v, slices taken in order (lce_sliced)."""
-        t, z = self.t[r0:r1], rows_z[r0:r1]
-        run = run[: 3 * (r1 - r0)]
-        args = (logits, t, self.w, self.wsum, self.o, run, rows_loss[r0:r1], z, stats[r0:r1], v0, v, self.fwd_shape)
-        self.lm.slice_forward(*args)
-
-    def backward(self, logits, r0, r1, stats, g, n: int, v0: int = 0, v: int | None = None):
+    def backward(self, logits, r0, r1, stats, g, n: int):
         gc = g[r0:r1] if g.dim() else g
-        t, lse, o = self.t[r0:r1], stats[r0:r1], self.o
-        self.k.rows_backward(logits, t, self.w, self.wsum, lse, stats[n:], gc, o, logits, self.bwd_shape, v0, v)
+        t = self.t[r0:r1]
+        self.k.rows_backward(logits, t, self.w, self.wsum, stats[r0:r1], stats[n:], gc, self.o, logits, self.bwd_shape)
+
+    def slices(self, cols: int, elsize: int):
+        """lce_sliced's two steps on a slice of ``cols`` classes (launch shapes for that width): the loss's
+        (the rows' numbers merged slice by slice) and the gradients' (dlogits in place), each taking the
+        slice's logits, its first class, V and the row group's views (group())."""
+        fs, bs = self.k.shape(cols, elsize, False), self.k.shape(cols, elsize, True)
+        lm, k, w, ws, o = self.lm, self.k, self.w, self.wsum, self.o
+
+        def loss(logits, v0, v, grp):
+            t, rows_loss, rows_z, lse, run, _, _ = grp
+            lm.slice_forward(logits, t, w, ws, o, run, rows_loss, rows_z, lse, v0, v, fs)
+
+        def grads(logits, v0, v, grp):
+            t, _, _, lse, _, tail, g = grp
+            k.rows_backward(logits, t, w, ws, lse, tail, g, o, logits, bs, v0, v)
+
+        return loss, grads
+
+    def group(self, r0, r1, stats, rows_loss, rows_z, run, g, n: int):
+        """Rows r0 to r1's views the slice steps take, made once a group."""
+        fwd = rows_loss is not None
+        t, lse, tail = self.t[r0:r1], stats[r0:r1], stats[n:]
+        loss, z, run = (rows_loss[r0:r1], rows_z[r0:r1], run[: 3 * (r1 - r0)]) if fwd else (None, None, None)
+        return t, loss, z, lse, run, tail, (g[r0:r1] if g is not None and g.dim() else g)
 
     def finish(self, rows_loss, rows_z, stats, out, zout, n: int, v: int):
         self.k.finish(rows_loss, rows_z, self.t, self.w, out, zout, stats[n:], v, self.o)
@@ -113,7 +130,7 @@ def _sweep(x, weight, bias, t, cw, o, backend, memory, design, wants, g=None, st
     loss_impl = _loss_impl(x, backend) if n else _TorchLoss
     k = loss_impl(x, t, cw, o, v)
     forced = heuristics.forced()
-    sliced = k.name == "triton" and rules.sliced(n, v, x.element_size(), memory, (forced or {}).get("path"))
+    sliced = k.name == "triton" and rules.sliced(n, x.shape[1], v, x.element_size(), memory, (forced or {}).get("path"))
     if forward:
         stats = torch.empty(n + 3, dtype=wide, device=x.device)
         rows_loss = torch.empty(n, dtype=wide, device=x.device)
@@ -130,7 +147,7 @@ def _sweep(x, weight, bias, t, cw, o, backend, memory, design, wants, g=None, st
     dw = torch.zeros_like(weight) if grads and wants[1] and n == 0 else None
     db = torch.zeros(v, dtype=wide, device=x.device) if grads and wants[2] else None
     sweep = (x, weight, bias, k, stats, rows_loss, rows_z, g, forward, grads, wants, dx, dw, db, memory)
-    dw = _slices(*sweep, forced) if sliced else _row_chunks(*sweep, design)
+    dw = _slices(*sweep) if sliced else _row_chunks(*sweep, design)
     dw = dw if dw is not None else weight.new_empty(0)
     db = db.to(weight.dtype) if db is not None else weight.new_empty(0)
     if not forward:
@@ -172,40 +189,48 @@ def _row_chunks(x, weight, bias, k, stats, rows_loss, rows_z, g, forward, grads,
     return dw
 
 
-def _slices(x, weight, bias, k, stats, rows_loss, rows_z, g, forward, grads, wants, dx, dw, db, memory, forced):
+def _slices(x, weight, bias, k, stats, rows_loss, rows_z, g, forward, grads, wants, dx, dw, db, memory):
     """lce_sliced: groups of rows, each swept over slices of the classes (rules.slice_plan), once for the
     loss (forward) and once for the gradients (where wanted). A slice's dW rows are written by the first
     group's GEMM and added to by the others' (one rounding a group, not a chunk); a group's dx is summed over
     the slices in fp32, then rounded once. Returns dW (None: not wanted)."""
     n, d = x.shape
     v = weight.shape[0]
-    rows, cols = rules.slice_plan(n, d, v, x.element_size(), memory, forced)
+    rows, cols = rules.slice_plan(n, d, v, x.element_size(), memory)
+    loss_step, grads_step = k.slices(cols, x.element_size())
     buf = torch.empty(rows * cols, dtype=x.dtype, device=x.device)
     run = torch.empty(3 * rows, dtype=stats.dtype, device=x.device) if forward else None
     acc = torch.empty((rows, d), dtype=stats.dtype, device=x.device) if grads and wants[0] else None
     dw = torch.empty(weight.shape, dtype=weight.dtype, device=x.device) if grads and wants[1] else None  # (n > 0)
+    parts = [  # each slice's first class, weight, bias and dW rows (the host's cost a tile matters)
+        (v0, weight[v0 : v0 + cols], bias[v0 : v0 + cols] if bias is not None else None,
+         dw[v0 : v0 + cols] if dw is not None else None)
+        for v0 in range(0, v, cols)
+    ]  # fmt: skip
+    sweeps = ("loss", "grads") if forward and grads else ("loss",) if forward else ("grads",)
     tiles = 0
     for r0 in range(0, n, rows):
         r1 = min(r0 + rows, n)
-        xg = x[r0:r1]
-        for sweep in ("loss", "grads") if forward and grads else ("loss",) if forward else ("grads",):
-            for v0 in range(0, v, cols):
-                v1 = min(v0 + cols, v)
-                logits = buf[: (r1 - r0) * (v1 - v0)].view(r1 - r0, v1 - v0)
-                chunk_logits(xg, weight[v0:v1], bias[v0:v1] if bias is not None else None, logits)
-                tiles += sweep == "loss" or not forward
+        xg, m = x[r0:r1], r1 - r0
+        grp = k.group(r0, r1, stats, rows_loss, rows_z, run, g, n)
+        acc_g = acc[:m] if acc is not None else None
+        for sweep in sweeps:
+            for v0, w_s, b_s, dw_s in parts:
+                logits = buf[: m * w_s.shape[0]].view(m, w_s.shape[0])
+                chunk_logits(xg, w_s, b_s, logits)
                 if sweep == "loss":
-                    k.forward_slice(logits, r0, r1, v0, v, run, stats, rows_loss, rows_z)
+                    loss_step(logits, v0, v, grp)
                     continue
-                k.backward(logits, r0, r1, stats, g, n, v0, v)  # logits -> dlogits, in place
-                if dw is not None:
-                    _into(dw[v0:v1], logits.t(), xg, add=r0 > 0)
-                if acc is not None:
-                    _into(acc[: r1 - r0], logits, weight[v0:v1], add=v0 > 0)
+                grads_step(logits, v0, v, grp)  # logits -> dlogits, in place
+                if dw_s is not None:
+                    _into(dw_s, logits.t(), xg, add=r0 > 0)
+                if acc_g is not None:
+                    _into(acc_g, logits, w_s, add=v0 > 0)
                 if db is not None:
-                    db[v0:v1] += logits.sum(0, dtype=db.dtype)
-        if acc is not None:
-            dx[r0:r1].copy_(acc[: r1 - r0])
+                    db[v0 : v0 + cols] += logits.sum(0, dtype=db.dtype)
+        tiles += len(parts)
+        if acc_g is not None:
+            dx[r0:r1].copy_(acc_g)
     heuristics.record(heuristics.Plan(k.name, rules.SLICED, block_n=cols, rows=rows, splits=tiles))
     return dw
 
