@@ -57,6 +57,11 @@ def test_backward_segments_rule(device):
     assert ce_rules.launch_shape(256000, 2, False)[3] == 1
     assert ce_rules.launch_shape(4096 * per, 4, True)[3] == 1  # fp32: 16384-wide chunks
     assert ce_rules.launch_shape(3001, 2, True)[3] == 1
+    # 16-bit backward rows of 2049-4096 classes (lce_sliced's slices): 2048-wide chunks at 4 warps
+    assert ce_rules.launch_shape(4096, 2, True) == ce_rules.launch_shape(2049, 2, True) == (1, 2048, 4, 1)
+    assert ce_rules.launch_shape(4096, 4, True) == (1, 4096, 16, 1)
+    assert ce_rules.launch_shape(2048, 2, True) == (2, 2048, 8, 1)
+    assert ce_rules.launch_shape(4096, 2, False) == (1, 4096, 4, 1)
     v = 4096 * per + 5  # one chunk past a segment: two segments
     x, t = data(device, torch.bfloat16, (3,), v)
     xg = x.clone().requires_grad_()
@@ -64,6 +69,14 @@ def test_backward_segments_rule(device):
         loss = fs.cross_entropy(xg, t, backend="triton")
         (dx,) = torch.autograd.grad(loss, xg)
     assert [p.splits for p in plans] == [1, 2]
+    x64 = x.double().requires_grad_()
+    (dref,) = torch.autograd.grad(F.cross_entropy(x64, t), x64)
+    torch.testing.assert_close(dx.double(), dref, rtol=TOL[torch.bfloat16][0], atol=TOL[torch.bfloat16][1])
+    x, t = data(device, torch.bfloat16, (5,), 3001)  # the short-row backward shape, run and right
+    xg = x.clone().requires_grad_()
+    with heuristics.recording() as plans:
+        (dx,) = torch.autograd.grad(fs.cross_entropy(xg, t, backend="triton"), xg)
+    assert (plans[-1].rows, plans[-1].block_n, plans[-1].num_warps) == (1, 2048, 4), plans
     x64 = x.double().requires_grad_()
     (dref,) = torch.autograd.grad(F.cross_entropy(x64, t), x64)
     torch.testing.assert_close(dx.double(), dref, rtol=TOL[torch.bfloat16][0], atol=TOL[torch.bfloat16][1])

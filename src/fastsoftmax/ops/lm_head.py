@@ -28,96 +28,13 @@ from ..core import checks, compose, options
 from ..core.layout import flat_target, storage_problem, values
 from ..heuristics import lm_head as rules
 from ..heuristics.device import selected
-from ..kernels.torch_loss import chunk_logits, dlogits_options, kept_rows, loss_rows_torch, reduce_terms, row_grads
+from ..kernels.lm_head_steps import TorchSteps, TritonSteps
+from ..kernels.torch_loss import chunk_logits
 from .cross_entropy import composite as ce_composite
 
 
-class _TritonLoss:
-    """The cross-entropy kernels on one chunk of logits at a time (triton/cross_entropy.py)."""
-
-    name = "triton"
-
-    def __init__(self, x, t, w, o, v: int):
-        from ..kernels.triton.backend import kernels  # (the kernels import Triton)
-
-        self.k, self.lm, self.t, self.w, self.o = kernels("cross_entropy"), kernels("lm_head"), t, w, o
-        self.fwd_shape, self.bwd_shape = (
-            self.k.shape(v, x.element_size(), False),
-            self.k.shape(v, x.element_size(), True),
-        )
-        self.wsum = self.k.weight_sum(o, w, t)  # (t: a placeholder pointer where no sum is read)
-
-    def start(self, stats, rows_loss, rows_z, n: int, v: int):
-        """The counts (the mean's divisors) into stats[n:], before any chunk's backward reads them."""
-        self.k.finish(rows_loss, rows_z, self.t, self.w, stats, stats, stats[n:], v, self.o, reduce=False)
-
-    def forward(self, logits, r0, r1, stats, rows_loss, rows_z):
-        t, z = self.t[r0:r1], rows_z[r0:r1]
-        self.k.rows_forward(logits, t, self.w, self.wsum, self.o, rows_loss[r0:r1], z, stats[r0:r1], self.fwd_shape)
-
-    def backward(self, logits, r0, r1, stats, g, n: int):
-        gc = g[r0:r1] if g.dim() else g
-        t = self.t[r0:r1]
-        self.k.rows_backward(logits, t, self.w, self.wsum, stats[r0:r1], stats[n:], gc, self.o, logits, self.bwd_shape)
-
-    def slices(self, cols: int, elsize: int):
-        """lce_sliced's two steps on a slice of ``cols`` classes (launch shapes for that width): the loss's
-        (the rows' numbers merged slice by slice) and the gradients' (dlogits in place), each taking the
-        slice's logits, its first class, V and the row group's views (group())."""
-        fs, bs = self.k.shape(cols, elsize, False), self.k.shape(cols, elsize, True)
-        lm, k, w, ws, o = self.lm, self.k, self.w, self.wsum, self.o
-
-        def loss(logits, v0, v, grp):
-            t, rows_loss, rows_z, lse, run, _, _ = grp
-            lm.slice_forward(logits, t, w, ws, o, run, rows_loss, rows_z, lse, v0, v, fs)
-
-        def grads(logits, v0, v, grp):
-            t, _, _, lse, _, tail, g = grp
-            k.rows_backward(logits, t, w, ws, lse, tail, g, o, logits, bs, v0, v)
-
-        return loss, grads
-
-    def group(self, r0, r1, stats, rows_loss, rows_z, run, g, n: int):
-        """Rows r0 to r1's views the slice steps take, made once a group."""
-        fwd = rows_loss is not None
-        t, lse, tail = self.t[r0:r1], stats[r0:r1], stats[n:]
-        loss, z, run = (rows_loss[r0:r1], rows_z[r0:r1], run[: 3 * (r1 - r0)]) if fwd else (None, None, None)
-        return t, loss, z, lse, run, tail, (g[r0:r1] if g is not None and g.dim() else g)
-
-    def finish(self, rows_loss, rows_z, stats, out, zout, n: int, v: int):
-        self.k.finish(rows_loss, rows_z, self.t, self.w, out, zout, stats[n:], v, self.o)
-
-
-class _TorchLoss:
-    """The same steps in torch ops (the CPU, float64, backend='torch')."""
-
-    name = "torch"
-
-    def __init__(self, x, t, w, o, v: int):
-        self.t, self.w, self.o = t, w, o
-
-    def start(self, stats, rows_loss, rows_z, n: int, v: int):
-        kept, w_kept = kept_rows(self.t, self.o.ignore_index, self.w, v, stats.dtype)
-        stats[n], stats[n + 1], stats[n + 2] = kept, 1.0, w_kept
-
-    def forward(self, logits, r0, r1, stats, rows_loss, rows_z):
-        ce, zr, lse = loss_rows_torch(logits, self.t[r0:r1], self.o, self.w)
-        rows_loss[r0:r1], rows_z[r0:r1], stats[r0:r1] = ce, zr, lse  # (rows_z: its own buffer)
-
-    def backward(self, logits, r0, r1, stats, g, n: int):
-        g = g[r0:r1] if g.dim() else g
-        g_ce, g_z = row_grads(g, stats[n], stats[n + 2], self.o.reduction, r1 - r0)
-        lse = stats[r0:r1]
-        logits.copy_(dlogits_options(logits, self.t[r0:r1], lse, g_ce.to(lse.dtype), g_z.to(lse.dtype), self.o, self.w))
-
-    def finish(self, rows_loss, rows_z, stats, out, zout, n: int, v: int):
-        loss, z = reduce_terms(rows_loss, rows_z, stats[n], stats[n + 2], self.o.reduction, out.dtype)
-        out.copy_(loss)
-        zout.copy_(z)
-
-
 def _loss_impl(x, backend: str):
-    return _TritonLoss if dispatch.select_loss(backend, x)[0].name == "triton" else _TorchLoss
+    return TritonSteps if dispatch.select_loss(backend, x)[0].name == "triton" else TorchSteps
 
 
 def _sweep(x, weight, bias, t, cw, o, backend, memory, design, wants, g=None, stats=None, out_dtype=None):
@@ -127,7 +44,7 @@ def _sweep(x, weight, bias, t, cw, o, backend, memory, design, wants, g=None, st
     n, v = x.shape[0], weight.shape[0]
     forward = stats is None
     wide = torch.float64 if x.dtype == torch.float64 else torch.float32
-    loss_impl = _loss_impl(x, backend) if n else _TorchLoss
+    loss_impl = _loss_impl(x, backend) if n else TorchSteps
     k = loss_impl(x, t, cw, o, v)
     forced = heuristics.forced()
     sliced = k.name == "triton" and rules.sliced(n, x.shape[1], v, x.element_size(), memory, (forced or {}).get("path"))
