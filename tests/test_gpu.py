@@ -4,6 +4,8 @@ a target outside [0, V) stopping at the device's assertion; the LM-head loss at 
 CUDA graph). The replay and the launches on a GPU: test_gpu_replay.py. Skipped without CUDA; run with
 `pytest --device cuda tests/test_gpu.py`."""
 
+import contextlib
+
 import pytest
 import torch
 from helpers import DTYPES, assert_close, forward, random_logits, special_rows
@@ -284,16 +286,23 @@ def test_lce_peak_memory():
 
 
 @pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_lce_cuda_graph(reduction):
-    """The LM-head loss (both designs: mean is lce_chunked, none lce_recompute) captured with its backward in
-    a CUDA graph, replayed on new data, equals eager (no host synchronisation inside)."""
+@pytest.mark.parametrize("sliced", [False, True], ids=["rows", "sliced"])
+def test_lce_cuda_graph(reduction, sliced):
+    """The LM-head loss (both designs: mean is lce_chunked, none lce_recompute; and lce_sliced at a budget of
+    300 rows, in groups over slices) captured with its backward in a CUDA graph, replayed on new data,
+    equals eager (no host synchronisation inside)."""
     x, w, t = _lce_inputs(1024, 256, 5003, torch.float32)
     cw = torch.rand(5003, device="cuda") + 0.5
     g_out = torch.rand(1024, device="cuda") if reduction == "none" else torch.tensor(0.75, device="cuda")
+    opts = dict(class_weight=cw, softcap=15.0, z_loss=1e-3, memory=300 * 5003 * 4 if sliced else None)
+
+    want = "lce_sliced" if sliced else "lce_recompute" if reduction == "none" else "lce_chunked"
 
     def step():
-        loss = fs.linear_cross_entropy(x, w, t, reduction=reduction, class_weight=cw, softcap=15.0, z_loss=1e-3)
-        return (loss, *torch.autograd.grad(loss, (x, w), g_out))
+        with heuristics.force(path="lce_sliced") if sliced else contextlib.nullcontext():
+            loss = fs.linear_cross_entropy(x, w, t, reduction=reduction, **opts)
+            assert heuristics.last_plan().path == want
+            return (loss, *torch.autograd.grad(loss, (x, w), g_out))
 
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
