@@ -261,3 +261,30 @@ def test_return_dict_false_keeps_the_tuples_positions(device):
     assert_loss_close(got[0], want[0])
     assert type(got[2]) is type(want[2])
     fst().revert(model)
+
+
+def test_memory_reaches_the_loss(device, monkeypatch):
+    """apply(model, memory=) is the loss's fs.linear_cross_entropy memory=: passed on each call (the plan's
+    chunks follow it), the loss and gradients still the unpatched model's; a bad budget, or a budget without
+    the loss, is refused before the model is touched."""
+    from fastsoftmax import heuristics
+
+    model = make_model("llama", device)
+    inputs = batch(device)
+    want, want_g = step(model, inputs)
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="memory must be None or a positive int"):
+            fst().apply(model, memory=bad)
+    with pytest.raises(ValueError, match="memory= is the loss's"):
+        fst().apply(model, loss=False, attention_softmax=True, memory=1 << 20)
+    assert "_fastsoftmax_patch" not in vars(model)
+    calls = Calls(monkeypatch)
+    memory = 3 * V * 4  # 3 rows of fp32 logits a chunk
+    fst().apply(model, memory=memory)
+    got, got_g = step(model, inputs)
+    assert [c["memory"] for c in calls.lce] == [memory]
+    plan = heuristics.last_plan()
+    assert plan.rows == 3 and plan.splits == -(-2 * S // 3), plan  # (2 rows of S tokens)
+    assert_loss_close(got.loss, want.loss)
+    assert_grads_close(got_g, want_g)
+    fst().revert(model)

@@ -229,6 +229,11 @@ def linear_cross_entropy(
     if x.device.type not in DEVICES and x.device.type != "meta":
         raise RuntimeError(f"{fn}: no path for tensors on device '{x.device}' (cuda and cpu tensors run)")
     target(fn, x, tgt)  # (x's shape without d, as the logits' without the classes)
+    memory_budget(fn, memory)
+
+
+def memory_budget(fn: str, memory) -> None:
+    """The LM-head loss's memory=: None or an int > 0 (bytes of logits a chunk holds)."""
     if memory is not None and (isinstance(memory, bool) or not isinstance(memory, int) or memory < 1):
         raise ValueError(f"{fn}: memory must be None or a positive int (bytes of logits a chunk holds), got {memory!r}")
 

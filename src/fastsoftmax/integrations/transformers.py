@@ -63,6 +63,8 @@ import torch.nn.functional as F
 
 import fastsoftmax as fs
 
+from ..core import checks
+
 NAME = "fastsoftmax"  # the attention implementation's name: attn_implementation="fastsoftmax"
 
 # Model classes whose forward is (decoder, final hidden states, lm_head, optional softcap, ForCausalLMLoss):
@@ -89,8 +91,9 @@ class _Patch:
     """What apply() changed on one model: the forward function set on the instance (or None) with the class's
     output class, and the attention implementation before (or None when unchanged)."""
 
-    def __init__(self, forward, output: type | None, attention_before: str | None):
+    def __init__(self, forward, output: type | None, attention_before: str | None, memory: int | None = None):
         self.forward, self.output, self.attention_before = forward, output, attention_before
+        self.memory = memory  # the LM-head loss's memory= (None: its default chunks)
 
 
 def _transformers():
@@ -141,10 +144,11 @@ def causal_lm_loss(
     num_items_in_batch: torch.Tensor | int | None = None,
     ignore_index: int = -100,
     shift_labels: torch.Tensor | None = None,
+    memory: int | None = None,
 ) -> torch.Tensor:
     """transformers' ForCausalLMLoss(head(hidden) softcapped, labels, ...) without the logits: hidden (B, S, d),
     labels (B, S) shifted inside (or shift_labels (B, S) as given); the mean over kept tokens, or the sum
-    divided by num_items_in_batch. An fp32 loss."""
+    divided by num_items_in_batch. An fp32 loss. memory: fs.linear_cross_entropy's."""
     if shift_labels is None:
         # (labels padded with ignore_index then shifted, as ForCausalLMLoss: the last position predicts nothing,
         # and hidden needs no copy)
@@ -161,8 +165,9 @@ def causal_lm_loss(
     cast = dt in _LOW and not torch.is_autocast_enabled(x.device.type)
     with torch.autocast(x.device.type, dtype=dt) if cast else contextlib.nullcontext():
         loss = fs.linear_cross_entropy(
-            x, head.weight, target, head.bias, ignore_index=ignore_index, reduction=reduction, softcap=softcap
-        )
+            x, head.weight, target, head.bias, ignore_index=ignore_index, reduction=reduction, softcap=softcap,
+            memory=memory,
+        )  # fmt: skip
     if num_items_in_batch is not None:
         if torch.is_tensor(num_items_in_batch):
             num_items_in_batch = num_items_in_batch.to(loss.device)
@@ -199,6 +204,7 @@ def _fused(self, kwargs: dict, cls: type):
         num_items_in_batch=kwargs.get("num_items_in_batch"),
         ignore_index=kwargs.get("ignore_index", -100),
         shift_labels=kwargs.get("shift_labels"),
+        memory=getattr(self, _STATE).memory,
     )
     out_cls = getattr(self, _STATE).output
     rest = {f: getattr(outputs, f, None) for f in out_cls.__dataclass_fields__ if f not in ("loss", "logits")}
@@ -304,10 +310,11 @@ def register() -> None:
 # ---- apply, revert ---------------------------------------------------------------------------------------
 
 
-def apply(model, *, loss: bool = True, attention_softmax: bool = False):
+def apply(model, *, loss: bool = True, attention_softmax: bool = False, memory: int | None = None):
     """Patches ``model`` (this instance only) and returns it: ``loss=True``, the fused LM-head loss in
-    training; ``attention_softmax=True``, fs.softmax in its eager attention. See the module's docstring for
-    what changes and what is refused. revert(model) undoes it.
+    training; ``attention_softmax=True``, fs.softmax in its eager attention. ``memory``: the loss's
+    fs.linear_cross_entropy memory= (bytes of logits at a time; None: its default chunks). See the module's
+    docstring for what changes and what is refused. revert(model) undoes it.
 
     With ``attention_softmax=True`` and left padding, a pad position's query sees no key: its attention
     output is zeros, as sdpa's (transformers' default attention) is, where eager averages the values. The
@@ -318,13 +325,16 @@ def apply(model, *, loss: bool = True, attention_softmax: bool = False):
         raise TypeError("fastsoftmax.apply: loss and attention_softmax must be bools")
     if not (loss or attention_softmax):
         raise ValueError("fastsoftmax.apply: nothing to apply (loss=False and attention_softmax=False)")
+    checks.memory_budget("fastsoftmax.apply", memory)
+    if memory is not None and not loss:
+        raise ValueError("fastsoftmax.apply: memory= is the loss's, and loss=False")
     cls = _family(model)
     if getattr(model, _STATE, None) is not None:
         raise ValueError("fastsoftmax.apply: already applied to this model; revert(model) first")
     if loss:
         _check_loss(model, cls)
     before = _check_attention(model) if attention_softmax else None
-    state = _Patch(_forward_for(cls) if loss else None, _output_class(cls) if loss else None, None)
+    state = _Patch(_forward_for(cls) if loss else None, _output_class(cls) if loss else None, None, memory)
     if before is not None:
         register()
         model.set_attn_implementation(NAME)
