@@ -128,12 +128,13 @@ def test_torch_compile_fullgraph(device):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("inputs", ["16-bit", "float32", "mixed"])
-def test_autocast_loss_is_float32(device, dtype, inputs):
+@pytest.mark.parametrize("sliced", [False, True], ids=["default", "lce_sliced"])
+def test_autocast_loss_is_float32(device, dtype, inputs, sliced):
     """Under autocast the loss is float32 (as F.cross_entropy's), the logits in the autocast dtype (as
     F.linear's: float32 inputs are cast); loss and grads (in the inputs' dtypes) against the float64
     reference of the cast inputs, within twice torch's own error under the same autocast. "mixed": 16-bit
     activations with float32 parameters, as under autocast training (a regression test: the dtype check
-    ran before the cast and refused them)."""
+    ran before the cast and refused them). Also with lce_sliced forced (the cast inputs in groups over slices)."""
     x, w, t, b = problem(device, dtype if inputs == "16-bit" else torch.float32, (6,), 8, 513, seed=13)
     if inputs == "mixed":
         x = x.to(dtype)
@@ -146,7 +147,15 @@ def test_autocast_loss_is_float32(device, dtype, inputs):
 
         return f
 
-    got = run(under_autocast(lambda a, c, e: fs.linear_cross_entropy(a, c, t, e)), x, w, b, "xwb")
+    def lce(a, c, e):  # (lce_sliced: the Triton loss, in groups over slices)
+        if not sliced:
+            return fs.linear_cross_entropy(a, c, t, e)
+        with heuristics.force(path="lce_sliced"):
+            loss = fs.linear_cross_entropy(a, c, t, e, backend="triton", memory=1000)
+        assert heuristics.last_plan().path == "lce_sliced" and heuristics.last_plan().splits > 1
+        return loss
+
+    got = run(under_autocast(lce), x, w, b, "xwb")
     base = run(under_autocast(lambda a, c, e: F.cross_entropy(F.linear(a, c, e), t)), x, w, b, "xwb")
     assert got[0].dtype == base[0].dtype == torch.float32
     cast = [v.to(dtype).double() for v in (x, w, b)]
