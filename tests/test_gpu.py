@@ -322,6 +322,17 @@ def test_lce_cuda_graph(reduction, sliced):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+def test_lce_skip_refused_in_a_cuda_graph():
+    """skip_eps synchronises once a row group: under CUDA graph capture a clear error, not the driver's."""
+    x, w, t = _lce_inputs(256, 64, 5003, torch.float32)
+    fs.linear_cross_entropy(x, w, t, skip_eps=1e-6)  # (eager: runs)
+    graph = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s), pytest.raises(RuntimeError, match="skip_eps .*: not in a CUDA graph"):
+        with torch.cuda.graph(graph):
+            fs.linear_cross_entropy(x, w, t, skip_eps=1e-6)
+
+
 def test_lce_scale_kernel_both_branches():
     """scale_by, the backward's in-place scaling: untouched (not read or written) when g == 1, scaled else."""
     from fastsoftmax.kernels.triton import lm_head as k

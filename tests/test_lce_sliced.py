@@ -176,3 +176,85 @@ def test_gradient_accumulation_sliced(device):
         loss.backward(torch.tensor(0.5))
     torch.testing.assert_close(wg.grad, 2 * first[0], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(bg.grad, 2 * first[1], rtol=1e-5, atol=1e-6)
+
+
+# ---- skip_eps: the opt-in skip of negligible gradient tiles ----------------------------------------------------
+
+# (softcaps above the skippable classes' -200: capped logits far below the rest still; their targets' factor
+# 1 - (z / c)^2 about 0.6 and 0.85)
+SKIP_OPTIONS = [
+    {},
+    {"softcap": 300.0, "z_loss": 1e-2},
+    {"class_weight": "cw"},
+    {"class_weight": "cw", "softcap": 500.0},
+]
+
+
+def _skippable(device, dtype, seed):
+    """18 rows, 513 classes whose classes 128-511 (slices 1-3 at MEMORY's plan) sit 200 below the rest (their
+    probability mass about e^-200 of a row's, the outlier class 256 included), with targets among them (the
+    skipped slices' target terms)."""
+    x, w, t, b = problem(device, dtype, (18,), 16, 513, seed=seed)
+    b = b.clone()
+    b[128:512] -= 200
+    t = t.clone()
+    t[0], t[2], t[6], t[9] = 200, 300, 450, 130  # (rows 1, 5, 9, ... are ignored: -100; 9 is kept here)
+    return x, w, t, b
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("opt", range(len(SKIP_OPTIONS)))
+def test_skip_drops_negligible_tiles(device, dtype, reduction, opt):
+    """skip_eps=1e-6: every group skips the 3 negligible slices (the plan counts them), the loss and every
+    gradient still within the float64 reference's tolerance (the dropped terms are ~e^-200), the targets in
+    skipped slices included; on the ordinary problem with skip_eps=1e-30 nothing is skipped."""
+    opts = dict(SKIP_OPTIONS[opt])
+    if "class_weight" in opts:
+        opts["class_weight"] = class_weights(513, device)
+    scale = 10.0 if dtype == torch.float32 else 1.0
+    for skipped in (True, False):
+        x, w, t, b = _skippable(device, dtype, 40 + opt) if skipped else problem(device, dtype, (18,), 16, 513)
+        fs_opts = {"backend": "triton", "memory": MEMORY, "skip_eps": 1e-6 if skipped else 1e-30}
+        check(x, w, t, b, reduction=reduction, fs_opts=fs_opts, grad_atol_scale=scale, **opts)
+        plan = heuristics.last_plan()
+        rows, cols = rules.slice_plan(18, 16, 513, x.element_size(), MEMORY)
+        assert (plan.path, plan.rows, plan.block_n) == ("lce_sliced", rows, cols), plan
+        assert plan.skipped == (3 * math.ceil(18 / rows) if skipped else 0), plan
+
+
+def test_skip_matches_the_exact_gradients_closely(device):
+    """fp32: the skipped run's dx, dW and db against the same call without skip: equal to fp32 rounding (the
+    dropped probabilities are ~e^-200 of the kept ones)."""
+    x, w, t, b = _skippable(device, torch.float32, 50)
+    runs = []
+    for eps in (0.0, 1e-6):
+        with heuristics.force(path="lce_sliced"):
+            runs.append(
+                check(x, w, t, b, fs_opts={"backend": "triton", "memory": MEMORY, "skip_eps": eps}, grad_atol_scale=10)
+            )
+        assert (heuristics.last_plan().skipped > 0) == (eps > 0)
+    (l0, _, g0), (l1, _, g1) = runs
+    torch.testing.assert_close(l1, l0, rtol=0, atol=0)  # (the forward never skips)
+    for k in g0:
+        torch.testing.assert_close(g1[k], g0[k], rtol=1e-5, atol=1e-6, msg=f"d{k}")
+
+
+def test_skip_refusals_and_exact_elsewhere(device):
+    """skip_eps outside [0, 1), with label smoothing or reduction='none': a clear error before any launch;
+    on the torch loss (no slices) the call is exact and records row chunks."""
+    x, w, t, b = problem(device, torch.float32, (6,), 8, 300, seed=51)
+    bads = ((-0.1, ValueError, r"\[0, 1\)"), (1.0, ValueError, r"\[0, 1\)"), ("x", TypeError, "skip_eps"))
+    for bad, err, match in bads:
+        with pytest.raises(err, match=match):
+            fs.linear_cross_entropy(x, w, t, b, skip_eps=bad)
+    with pytest.raises(ValueError, match="label_smoothing=0"):
+        fs.linear_cross_entropy(x, w, t, b, skip_eps=1e-4, label_smoothing=0.1)
+    with pytest.raises(ValueError, match="reduction 'mean' or 'sum'"):
+        fs.linear_cross_entropy(x, w, t, b, skip_eps=1e-4, reduction="none")
+    check(x, w, t, b, fs_opts={"backend": "torch", "skip_eps": 1e-3})
+    assert heuristics.last_plan().path == "lce_chunked"
+    m = fs.LinearCrossEntropy(8, 300, bias=True, skip_eps=1e-3, backend="triton", memory=1000)
+    m.weight.data.copy_(w)
+    m.bias.data.copy_(b)
+    torch.testing.assert_close(m(x, t), fs.linear_cross_entropy(x, w, t, b, backend="triton"), rtol=1e-5, atol=1e-6)

@@ -282,7 +282,7 @@ def bench(args) -> int:
             return 2
         path = args.json or ("bench/results/h200_lce.json" if device == "cuda" else None)
         memory = lce.MEMORY if args.lce_memory is None else args.lce_memory
-        lce.run_lce(lce.parse_lce_shapes(args.shapes, device), impls, device, memory, path)
+        lce.run_lce(lce.parse_lce_shapes(args.shapes, device), impls, device, memory, path, spread=args.lce_spread)
         return 0
     if args.ce:
         impls = args.impls.split(",") if args.impls else list(b.CE_IMPLS)
@@ -401,7 +401,15 @@ def main(argv=None) -> int:
         type=int,
         default=None,
         metavar="BYTES",
-        help="--lce: the memory= budget of the fastsoftmax_mem run (default fastsoftmax.bench.lce.MEMORY, 64 MiB)",
+        help="--lce: the memory= budget of the fastsoftmax_mem and fastsoftmax_skip runs (default: what keeps "
+        "their peak at 1.045x CCE's, measured just before on the same shape)",
+    )
+    b.add_argument(
+        "--lce-spread",
+        type=float,
+        default=1.0,
+        metavar="S",
+        help="--lce: the logits' standard deviation (W's scale; default 1.0); record it in a file of its own",
     )
     b.add_argument("--attention", default=None, metavar="B,H,S", help="--masked scores shape (default 8,16,2048)")
     b.set_defaults(fn=bench)

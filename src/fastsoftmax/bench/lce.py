@@ -1,13 +1,15 @@
 """`fastsoftmax bench --lce`: the LM-head loss, linear + cross-entropy forward and backward to dx and dW, of
 fastsoftmax against its peers, in one process on one GPU.
 
-Per (N, d, V) shape, bf16 (fp32 on the CPU smoke run): x ~ randn(N, d), W ~ randn(V, d) / sqrt(d) (logits of
-unit spread), targets uniform in [0, V) with ~5% ignore_index rows, seed 0. The fp32 reference (F.linear +
-F.cross_entropy on the same inputs upcast, TF32 off) runs first; then every implementation runs once for
-its errors (relative Frobenius norm ||a - ref|| / ||ref|| of loss, dx and dW), once more for its peak memory
-(max_memory_allocated above what was allocated before the call: inputs excluded, dx and dW included), then
-is timed (do_bench median, L2 flushed). "floor" is not a loss: the three cuBLAS GEMMs any of them must do
-(x @ W^T, g @ W, g^T @ x on a preallocated logits-shaped g), the speed floor every time is divided by.
+Per (N, d, V) shape, bf16 (fp32 on the CPU smoke run): x ~ randn(N, d), W ~ randn(V, d) * spread / sqrt(d)
+(logits of that spread: 1 unless --lce-spread), targets uniform in [0, V) with ~5% ignore_index rows, seed 0.
+The fp32 reference (F.linear + F.cross_entropy on the same inputs upcast, TF32 off) runs first; then every
+implementation runs once for its errors (relative Frobenius norm ||a - ref|| / ||ref|| of loss, dx and dW),
+once more for its peak memory (max_memory_allocated above what was allocated before the call: inputs
+excluded, dx and dW included), then is timed (do_bench median, L2 flushed). "floor" is not a loss: the three
+cuBLAS GEMMs any of them must do (x @ W^T, g @ W, g^T @ x on a preallocated logits-shaped g), the speed floor
+every time is divided by. fastsoftmax_mem and fastsoftmax_skip run at CCE's peak (MEMORY), the second with
+skip_eps=SKIP_EPS.
 
 An implementation that cannot import or run is recorded with its error; the run goes on. The document is
 written after every shape, so a run cut short keeps what it measured. Peers are imported where built.
@@ -38,7 +40,7 @@ LCE_SUITE: list[LceShape] = [
 ]
 CPU_SHAPES: list[LceShape] = [(64, 32, 1000)]
 LCE_IMPLS = ("floor", "torch", "compile", "fs_logits", "fastsoftmax", "liger", "cce", "cce_exact")
-LCE_IMPLS += ("fastsoftmax_mem", "quack")  # (fastsoftmax_mem after CCE: its budget comes from CCE's peak)
+LCE_IMPLS += ("fastsoftmax_mem", "fastsoftmax_skip", "quack")  # (after CCE: their budget comes from CCE's peak)
 CUDA_ONLY = {"liger", "cce", "cce_exact", "quack"}  # Triton / CuTe kernels with no CPU path
 # fastsoftmax_mem's default logits-chunk budget, per shape (MEMORY None): what keeps its peak (dW + dx + the
 # chunk + 16 B a row) at 1.045x CCE's peak measured just before on the same shape (CCE holds no logits:
@@ -46,6 +48,8 @@ CUDA_ONLY = {"liger", "cce", "cce_exact", "quack"}  # Triton / CuTe kernels with
 MEMORY = None
 MEMORY_SHARE = 0.04
 CCE_SLACK = 1.045
+SKIP_EPS = 2.0**-12  # fastsoftmax_skip: fastsoftmax_mem with skip_eps, the largest probability a skipped tile holds
+SPREAD = 1.0  # the logits' standard deviation (W's scale); CCE's filter skips far more at 0.5
 
 
 def memory_for(shape: LceShape, elsize: int, memory: int | None, recs: dict | None = None) -> int:
@@ -149,10 +153,11 @@ def build(name: str, x: torch.Tensor, w: torch.Tensor, memory: int, seen: dict |
 
     if name == "fs_logits":
         return _grads(lambda x, w, t: fs.cross_entropy(F.linear(x, w), t), seen)
-    if name in ("fastsoftmax", "fastsoftmax_mem"):
+    if name in ("fastsoftmax", "fastsoftmax_mem", "fastsoftmax_skip"):
         lce = fs.linear_cross_entropy  # AttributeError until it exists: recorded, the peers still run
-        budget = memory if name == "fastsoftmax_mem" else None
-        return _grads(lambda x, w, t: lce(x, w, t, memory=budget), seen)
+        budget = None if name == "fastsoftmax" else memory
+        skip = SKIP_EPS if name == "fastsoftmax_skip" else 0.0
+        return _grads(lambda x, w, t: lce(x, w, t, memory=budget, skip_eps=skip), seen)
     if name == "liger":
         from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy as liger
 
@@ -170,11 +175,13 @@ def build(name: str, x: torch.Tensor, w: torch.Tensor, memory: int, seen: dict |
     raise ValueError(f"unknown implementation {name!r}; valid: {', '.join(LCE_IMPLS)}")
 
 
-def inputs(shape: LceShape, dtype: torch.dtype, device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def inputs(
+    shape: LceShape, dtype: torch.dtype, device: str, spread: float = SPREAD
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     n, d, v = shape
     gen = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(n, d, device=device, generator=gen).to(dtype).requires_grad_()
-    w = (torch.randn(v, d, device=device, generator=gen) * d**-0.5).to(dtype).requires_grad_()
+    w = (torch.randn(v, d, device=device, generator=gen) * (spread * d**-0.5)).to(dtype).requires_grad_()
     t = torch.randint(0, v, (n,), device=device, generator=gen)
     t[torch.rand(n, device=device, generator=gen) < IGNORE_SHARE] = -100
     return x, w, t
@@ -234,7 +241,7 @@ def measure(name: str, shape: LceShape, x, w, t, ref, memory: int | None, device
     fs_impl = name.startswith("fastsoftmax") or name == "fs_logits"
     rec = LceRecord(name, "auto" if fs_impl else None, str(x.dtype).removeprefix("torch."), n, d, v)
     memory = memory_for(shape, x.element_size(), memory, recs)
-    rec.memory = memory if name == "fastsoftmax_mem" else None
+    rec.memory = memory if name in ("fastsoftmax_mem", "fastsoftmax_skip") else None
     step = None
     try:
         seen: dict = {}
@@ -242,6 +249,7 @@ def measure(name: str, shape: LceShape, x, w, t, ref, memory: int | None, device
         loss, dx, dw = step(x, w, t)
         if (p := seen.get("plan")) is not None:
             rec.plan = f"{p.backend}/{p.path} rows={p.rows} splits={p.splits}"
+            rec.plan += f" skipped={p.skipped}" if p.skipped else ""
         if loss is not None:
             rec.loss_err, rec.dx_err, rec.dw_err = _rel(loss, ref[0]), _rel(dx, ref[1]), _rel(dw, ref[2])
         del loss, dx, dw
@@ -288,6 +296,7 @@ def run_lce(
     path: str | None = None,
     out: TextIO | None = sys.stdout,
     progress: TextIO | None = sys.stderr,
+    spread: float = SPREAD,
 ) -> dict:
     """Every (shape, implementation) record as the result document (report.header's fields first); written
     to `path` after each shape."""
@@ -300,6 +309,8 @@ def run_lce(
         "peers": peer_versions(),
         "memory": memory,
         "ignore_share": IGNORE_SHARE,
+        "spread": spread,
+        "skip_eps": SKIP_EPS,
         "records": [],
         "method": "fwd+bwd (loss, dx, dW) per call; do_bench median (warmup 100 ms, rep 1000 ms), L2 flushed; "
         "peak_bytes: max_memory_allocated above the inputs; *_err: ||a - ref|| / ||ref|| against fp32 torch"
@@ -308,7 +319,7 @@ def run_lce(
     }
     t0 = time.time()
     for i, shape in enumerate(shapes):
-        x, w, t = inputs(shape, dtype, device)
+        x, w, t = inputs(shape, dtype, device, spread)
         ref = reference(x, w, t)
         recs: dict[str, LceRecord] = {}
         for name in impls:

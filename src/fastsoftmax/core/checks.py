@@ -232,6 +232,17 @@ def linear_cross_entropy(
     memory_budget(fn, memory)
 
 
+def skip_eps(fn: str, eps, reduction: str, label_smoothing) -> None:
+    """The LM-head loss's skip_eps: a number in [0, 1); above 0 only for a scalar loss without label smoothing
+    (smoothing's gradient is dense, and 'none''s upstream gradient comes only with the backward)."""
+    if _number(fn, "skip_eps", eps) < 0 or eps >= 1:
+        raise ValueError(f"{fn}: skip_eps must be in [0, 1), got {eps}")
+    if eps and reduction == "none":
+        raise ValueError(f"{fn}: skip_eps needs reduction 'mean' or 'sum' (got 'none')")
+    if eps and label_smoothing:
+        raise ValueError(f"{fn}: skip_eps needs label_smoothing=0 (smoothing's gradient reaches every class)")
+
+
 def memory_budget(fn: str, memory) -> None:
     """The LM-head loss's memory=: None or an int > 0 (bytes of logits a chunk holds)."""
     if memory is not None and (isinstance(memory, bool) or not isinstance(memory, int) or memory < 1):

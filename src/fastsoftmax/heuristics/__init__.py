@@ -47,6 +47,7 @@ class Plan:
     inner: bool = False  # two row groups: a program's rows run along the inner one
     copied: bool = False  # an input was copied first (x; in backward y or dy) to fit one layout
     splits: int = 1  # segments per row (split path)
+    skipped: int = 0  # the LM-head loss's gradient tiles skipped (skip_eps)
 
 
 # Test hooks: force a path or launch shape and poison outputs (process-wide: on CUDA autograd runs the

@@ -31,13 +31,16 @@ SLICE_COLS = 4096  # a slice's classes where the budget allows: one block of the
 ROW_ALIGN = 16  # a group's rows: a multiple of 16 keeps each group's views 16-byte aligned (one compile)
 
 
-def sliced(n: int, d: int, v: int, elsize: int, memory: int | None, forced: str | None) -> bool:
+def sliced(n: int, d: int, v: int, elsize: int, memory: int | None, forced: str | None, skip: bool = False) -> bool:
     """Whether the Triton loss runs in row groups x vocabulary slices (lm_head.py's lce_sliced) rather than
-    row chunks, for an explicit ``memory``: row chunks do 3 GEMMs but read and write all of dW once a chunk;
-    slices do 4 GEMMs and pass over dW once a group. Each side's time is its GPU work or its host's, the larger
-    (small budgets make many small tiles, and the host cannot keep the GPU busy)."""
+    row chunks: wherever a skip is asked for (only slices skip), else for an explicit ``memory`` by time: row
+    chunks do 3 GEMMs but read and write all of dW once a chunk; slices do 4 GEMMs and pass over dW once a
+    group. Each side's time is its GPU work or its host's, the larger (small budgets make many small tiles,
+    and the host cannot keep the GPU busy)."""
     if forced is not None and forced in DESIGNS + (SLICED,):
         return forced == SLICED
+    if skip:
+        return True
     rows = memory // max(v * elsize, 1) if memory else n
     if rows >= n:
         return False

@@ -43,9 +43,9 @@ class TritonSteps:
         fs, bs = self.k.shape(cols, elsize, False), self.k.shape(cols, elsize, True)
         lm, k, w, ws, o = self.lm, self.k, self.w, self.wsum, self.o
 
-        def loss(logits, v0, v, grp):
+        def loss(logits, v0, v, grp, part=None):
             t, rows_loss, rows_z, lse, run, _, _ = grp
-            lm.slice_forward(logits, t, w, ws, o, run, rows_loss, rows_z, lse, v0, v, fs)
+            lm.slice_forward(logits, t, w, ws, o, run, rows_loss, rows_z, lse, v0, v, fs, part)
 
         def grads(logits, v0, v, grp):
             t, _, _, lse, _, tail, g = grp

@@ -37,7 +37,7 @@ def _loss_impl(x, backend: str):
     return TritonSteps if dispatch.select_loss(backend, x)[0].name == "triton" else TorchSteps
 
 
-def _sweep(x, weight, bias, t, cw, o, backend, memory, design, wants, g=None, stats=None, out_dtype=None):
+def _sweep(x, weight, bias, t, cw, o, backend, memory, design, wants, g=None, stats=None, out_dtype=None, skip=0.0):
     """One pass over the chunks. Forward (``stats`` None): returns (loss, z-loss, stats, dx, dw, db), the
     gradients for ``wants`` (x, weight, bias) for a unit upstream gradient when the design is lce_chunked,
     else empty. Backward (``stats`` given, ``g`` the upstream gradient): returns (dx, dw, db)."""
@@ -46,8 +46,13 @@ def _sweep(x, weight, bias, t, cw, o, backend, memory, design, wants, g=None, st
     wide = torch.float64 if x.dtype == torch.float64 else torch.float32
     loss_impl = _loss_impl(x, backend) if n else TorchSteps
     k = loss_impl(x, t, cw, o, v)
-    forced = heuristics.forced()
-    sliced = k.name == "triton" and rules.sliced(n, x.shape[1], v, x.element_size(), memory, (forced or {}).get("path"))
+    forced = (heuristics.forced() or {}).get("path")
+    skip = skip if k.name == "triton" and stats is None and design == "lce_chunked" and any(wants) else 0.0
+    sliced = k.name == "triton" and rules.sliced(n, x.shape[1], v, x.element_size(), memory, forced, skip > 0)
+    if skip and x.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("linear_cross_entropy: skip_eps synchronises with the host: not in a CUDA graph")
+    if sliced and not memory:  # (a skip with the default budget: the default chunk's bytes)
+        memory = rules.rows_per_chunk(x, v, None) * v * x.element_size()
     if forward:
         stats = torch.empty(n + 3, dtype=wide, device=x.device)
         rows_loss = torch.empty(n, dtype=wide, device=x.device)
@@ -64,7 +69,7 @@ def _sweep(x, weight, bias, t, cw, o, backend, memory, design, wants, g=None, st
     dw = torch.zeros_like(weight) if grads and wants[1] and n == 0 else None
     db = torch.zeros(v, dtype=wide, device=x.device) if grads and wants[2] else None
     sweep = (x, weight, bias, k, stats, rows_loss, rows_z, g, forward, grads, wants, dx, dw, db, memory)
-    dw = _slices(*sweep) if sliced else _row_chunks(*sweep, design)
+    dw = _slices(*sweep, skip) if sliced else _row_chunks(*sweep, design)
     dw = dw if dw is not None else weight.new_empty(0)
     db = db.to(weight.dtype) if db is not None else weight.new_empty(0)
     if not forward:
@@ -106,11 +111,13 @@ def _row_chunks(x, weight, bias, k, stats, rows_loss, rows_z, g, forward, grads,
     return dw
 
 
-def _slices(x, weight, bias, k, stats, rows_loss, rows_z, g, forward, grads, wants, dx, dw, db, memory):
+def _slices(x, weight, bias, k, stats, rows_loss, rows_z, g, forward, grads, wants, dx, dw, db, memory, skip):
     """lce_sliced: groups of rows, each swept over slices of the classes (rules.slice_plan), once for the
     loss (forward) and once for the gradients (where wanted). A slice's dW rows are written by the first
     group's GEMM and added to by the others' (one rounding a group, not a chunk); a group's dx is summed over
-    the slices in fp32, then rounded once. Returns dW (None: not wanted)."""
+    the slices in fp32, then rounded once. With ``skip`` (> 0; a scalar loss's forward), a group's slice
+    where each of its rows' probabilities is below skip runs no gradient GEMMs (_live), its targets' terms
+    added alone (_targets). Returns dW (None: not wanted)."""
     n, d = x.shape
     v = weight.shape[0]
     rows, cols = rules.slice_plan(n, d, v, x.element_size(), memory)
@@ -119,37 +126,81 @@ def _slices(x, weight, bias, k, stats, rows_loss, rows_z, g, forward, grads, wan
     run = torch.empty(3 * rows, dtype=stats.dtype, device=x.device) if forward else None
     acc = torch.empty((rows, d), dtype=stats.dtype, device=x.device) if grads and wants[0] else None
     dw = torch.empty(weight.shape, dtype=weight.dtype, device=x.device) if grads and wants[1] else None  # (n > 0)
+    if skip and dw is not None:
+        dw.zero_()  # (a slice skipped by every group: no GEMM writes it)
     parts = [  # each slice's first class, weight, bias and dW rows (the host's cost a tile matters)
         (v0, weight[v0 : v0 + cols], bias[v0 : v0 + cols] if bias is not None else None,
          dw[v0 : v0 + cols] if dw is not None else None)
         for v0 in range(0, v, cols)
     ]  # fmt: skip
     sweeps = ("loss", "grads") if forward and grads else ("loss",) if forward else ("grads",)
-    tiles = 0
+    tops = torch.empty((len(parts), rows), dtype=torch.float32, device=x.device) if skip else None
+    tiles = skipped = 0
     for r0 in range(0, n, rows):
         r1 = min(r0 + rows, n)
         xg, m = x[r0:r1], r1 - r0
         grp = k.group(r0, r1, stats, rows_loss, rows_z, run, g, n)
         acc_g = acc[:m] if acc is not None else None
+        if skip and acc_g is not None:
+            acc_g.zero_()
         for sweep in sweeps:
-            for v0, w_s, b_s, dw_s in parts:
+            live = _live(tops[:, :m], stats[r0:r1], k.t[r0:r1], k.o, skip) if sweep == "grads" and skip else None
+            for i, (v0, w_s, b_s, dw_s) in enumerate(parts):
+                if live is not None and not live[i]:
+                    skipped += 1
+                    continue
                 logits = buf[: m * w_s.shape[0]].view(m, w_s.shape[0])
                 chunk_logits(xg, w_s, b_s, logits)
                 if sweep == "loss":
-                    loss_step(logits, v0, v, grp)
+                    loss_step(logits, v0, v, grp, tops[i, :m] if skip else None)
                     continue
                 grads_step(logits, v0, v, grp)  # logits -> dlogits, in place
                 if dw_s is not None:
-                    _into(dw_s, logits.t(), xg, add=r0 > 0)
+                    _into(dw_s, logits.t(), xg, add=r0 > 0 or bool(skip))
                 if acc_g is not None:
-                    _into(acc_g, logits, w_s, add=v0 > 0)
+                    _into(acc_g, logits, w_s, add=v0 > 0 or bool(skip))
                 if db is not None:
                     db[v0 : v0 + cols] += logits.sum(0, dtype=db.dtype)
+            if live is not None and not all(live):
+                _targets(xg, weight, bias, k, stats, r0, r1, live, cols, acc_g, dw, db)
         tiles += len(parts)
         if acc_g is not None:
             dx[r0:r1].copy_(acc_g)
-    heuristics.record(heuristics.Plan(k.name, rules.SLICED, block_n=cols, rows=rows, splits=tiles))
+    heuristics.record(heuristics.Plan(k.name, rules.SLICED, block_n=cols, rows=rows, splits=tiles, skipped=skipped))
     return dw
+
+
+def _live(tops, lse, t, o, skip: float) -> list[bool]:
+    """Per slice, whether a row group's gradient needs it: some kept row's largest probability on the slice,
+    exp(its largest z there - its logsumexp), is at least ``skip`` (a NaN keeps it). One host
+    synchronisation a group (the skip is eager only)."""
+    keep = t != o.ignore_index
+    top = torch.where(keep[None, :], (tops - lse.to(tops.dtype)[None, :]).exp(), 0.0)
+    return (~(top.amax(1) < skip)).tolist()
+
+
+def _targets(xg, weight, bias, k, stats, r0, r1, live, cols, acc, dw, db):
+    """The target terms of the skipped slices, exactly: dlogit_t = -b (1 - (z_t / c)^2) (b the row's target
+    coefficient, c the softcap; the a p_t beside it is below the skip and dropped) into dx (acc), dW and db,
+    for the group's rows whose target lies in a slice it skipped; the other rows add zero."""
+    o, n = k.o, stats.shape[0] - 3
+    t = k.t[r0:r1].long()
+    keep = t != o.ignore_index
+    tt = torch.where(keep, t, 0).clamp(0, weight.shape[0] - 1)
+    skipped = keep & ~torch.tensor(live, device=t.device)[tt // cols]
+    b = 1.0 / stats[n + 2] if o.reduction == "mean" else torch.ones((), dtype=stats.dtype, device=t.device)
+    b = b * (k.w.to(stats.dtype)[tt] if k.w is not None else 1.0)
+    if o.softcap is not None:
+        z = (xg.to(stats.dtype) * weight[tt].to(stats.dtype)).sum(-1)
+        z = o.softcap * torch.tanh((z + bias[tt].to(z.dtype) if bias is not None else z) / o.softcap)
+        b = b * (1 - (z / o.softcap) ** 2)
+    coef = torch.where(skipped, -b, 0.0)  # (m,), fp32
+    if acc is not None:
+        acc.addcmul_(coef[:, None], weight[tt].to(acc.dtype))
+    if dw is not None:
+        dw.index_add_(0, tt, (coef[:, None] * xg.to(coef.dtype)).to(dw.dtype))
+    if db is not None:
+        db.index_add_(0, tt, coef.to(db.dtype))
 
 
 def _into(out, a, b, add: bool) -> None:
@@ -181,6 +232,7 @@ def _lce(
     memory: int,
     backend: str,
     design: str,
+    skip_eps: float,
     want_x: bool,
     want_w: bool,
     want_b: bool,
@@ -195,11 +247,12 @@ def _lce(
     wants = (want_x, want_w, want_b and bias is not None)
     cw = values(class_weight).contiguous() if class_weight is not None else None  # (the kernels index it densely)
     with selected(x):
-        return _sweep(x, weight, bias, values(target), cw, o, backend, memory, design, wants, out_dtype=out_dtype)
+        t = values(target)
+        return _sweep(x, weight, bias, t, cw, o, backend, memory, design, wants, out_dtype=out_dtype, skip=skip_eps)
 
 
 def _lce_fake(x, weight, target, bias, class_weight, ii, reduction, eps, cap, zl, memory, backend, design, *rest):
-    want_x, want_w, want_b, out_dtype = rest
+    _, want_x, want_w, want_b, out_dtype = rest
     n = x.shape[0]
     grads = design == "lce_chunked"
     loss = x.new_empty(target.shape if reduction == "none" else (), dtype=out_dtype)
@@ -223,17 +276,17 @@ def _lce_grad(ctx, grad_loss, *_):
     ii, reduction, eps, cap, zl, memory, backend, design, *_ = ctx.opts
     need = ctx.needs_input_grad
     if grad_loss is None:
-        return (None,) * 17
+        return (None,) * 18
     if torch.is_grad_enabled() or compose.transformed():  # create_graph=True: torch ops, differentiable again
         return _composite_grads(ctx, grad_loss, x, weight, target, bias, class_weight)
     if design == "lce_chunked" and not getattr(ctx, "scaled", False):
         gx, gw, gb = _scaled(ctx, grad_loss, backend, dx, dw, db)
-        return (gx if need[0] else None), (gw if need[1] else None), None, (gb if need[3] else None), *([None] * 13)
+        return (gx if need[0] else None), (gw if need[1] else None), None, (gb if need[3] else None), *([None] * 14)
     wants = (need[0], need[1], need[3] and bias is not None)  # lce_recompute, or lce_chunked's second backward
     args = (x, weight, target, bias, class_weight, stats, grad_loss, ii, reduction, eps, cap, zl, memory, backend)
     route = compose.route(x, weight, grad_loss)
     gx, gw, gb = _lce_backward(*args, *wants) if route == "plain" else LCE_BACKWARD.call(route, *args, *wants)
-    return (gx if need[0] else None), (gw if need[1] else None), None, (gb if wants[2] else None), *([None] * 13)
+    return (gx if need[0] else None), (gw if need[1] else None), None, (gb if wants[2] else None), *([None] * 14)
 
 
 def _scaled(ctx, grad_loss, backend, *grads):
@@ -266,7 +319,7 @@ def _composite_grads(ctx, grad_loss, x, weight, target, bias, class_weight):
     gx = next(it) if need[0] else None
     gw = next(it) if need[1] else None
     gb = next(it) if need[3] and bias is not None else None
-    return gx, gw, None, gb, *([None] * 13)
+    return gx, gw, None, gb, *([None] * 14)
 
 
 def composite(x, weight, target, bias, class_weight, ii, reduction, eps, cap, zl, memory, backend, design, *rest):
@@ -345,20 +398,26 @@ def linear_cross_entropy(
     return_z_loss: bool = False,
     memory: int | None = None,
     backend: str = "auto",
+    skip_eps: float = 0.0,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """fs.cross_entropy(F.linear(x, weight, bias), target, ...) without the full logits; see the module.
     x (..., d), weight (V, d), bias (V,) or None, target x's shape without d; the options as
     fs.cross_entropy's. memory: bytes of logits a chunk may hold (None: chosen from the problem and the free
-    memory). return_z_loss=True returns (loss, the z-loss term alone)."""
+    memory). return_z_loss=True returns (loss, the z-loss term alone). skip_eps > 0 (a scalar loss without
+    label smoothing, opt-in): the gradient skips a group of rows' slice of classes wherever each of their
+    probabilities there is below skip_eps (lce_sliced; docs/semantics.md gives the error bound)."""
     if compose.is_dtensor(weight):  # sharded on the classes: fastsoftmax.distributed
         from ..distributed import dtensor
 
         opts = dict(ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing)
         opts |= dict(softcap=softcap, z_loss=z_loss, memory=memory, backend=backend)
+        if skip_eps:
+            raise NotImplementedError("linear_cross_entropy: skip_eps with a weight sharded across ranks")
         return dtensor.linear_cross_entropy(x, weight, target, bias, class_weight, return_z_loss, **opts)
     autocast = isinstance(x, torch.Tensor) and compose.autocasting(x.device.type)  # (mixed dtypes allowed then)
     checks.linear_cross_entropy(x, weight, target, bias, memory, same_dtype=not autocast)
     checks.cross_entropy_options("linear_cross_entropy", ignore_index, reduction, label_smoothing, backend)
+    checks.skip_eps("linear_cross_entropy", skip_eps, reduction, label_smoothing)
     checks.loss_extras(
         "linear_cross_entropy", (weight.shape[0], weight.device), class_weight, softcap, z_loss, return_z_loss
     )
@@ -373,7 +432,7 @@ def linear_cross_entropy(
     design = rules.design(reduction, (heuristics.forced() or {}).get("path"))
     cap = None if softcap is None else float(softcap)
     args = (x2, weight, t, bias, class_weight, ignore_index, reduction, float(label_smoothing), cap, float(z_loss))
-    args += (int(memory or 0), backend, design, *wants, out_dtype)
+    args += (int(memory or 0), backend, design, float(skip_eps), *wants, out_dtype)
     route = compose.route(x2, weight, t, bias, class_weight)
     if route == "plain":
         loss, z, *_ = _lce(*args)
@@ -420,5 +479,6 @@ _OPTIONS = frozenset(
         "return_z_loss",
         "memory",
         "backend",
+        "skip_eps",
     )
 )

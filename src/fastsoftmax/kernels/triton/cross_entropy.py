@@ -61,7 +61,8 @@ def row_lse(
     SOFTCAP: tl.constexpr,
 ):
     """One sweep of ROWS rows of v logits (base: each row's first element): each row's logsumexp of z (z the
-    softcapped logits with SOFTCAP) and, with SMOOTH, its sum of w_j * z_j (w = 1 without WEIGHT), fp32."""
+    softcapped logits with SOFTCAP), with SMOOTH its sum of w_j * z_j (w = 1 without WEIGHT), and its max z
+    (-inf for a row of -inf), fp32."""
     c = tl.arange(0, BLOCK_N)[None, :]
     m = tl.full([ROWS], float("-inf"), tl.float32)
     s = tl.zeros([ROWS], tl.float32)
@@ -81,7 +82,7 @@ def row_lse(
                 sum_z += tl.sum(tl.where(ok, x * wj, 0.0), axis=1)
             else:
                 sum_z += tl.sum(tl.where(ok, x, 0.0), axis=1)
-    return safe_max(m) + tl.math.log2(s) * LN2, sum_z
+    return safe_max(m) + tl.math.log2(s) * LN2, sum_z, m
 
 
 @triton.jit
@@ -112,7 +113,7 @@ def ce_fwd(
     row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     row_ok = row < n_rows
     base = x_ptr + row * sx
-    lse, sum_z = row_lse(base, row_ok, v, w_ptr, cap, ROWS, BLOCK_N, SMOOTH, WEIGHT, SOFTCAP)
+    lse, sum_z, _ = row_lse(base, row_ok, v, w_ptr, cap, ROWS, BLOCK_N, SMOOTH, WEIGHT, SOFTCAP)
     t = tl.load(t_ptr + row, mask=row_ok, other=ignore_index).to(tl.int64)
     keep = row_ok & (t != ignore_index)
     inside = keep & (t >= 0) & (t < v)  # an out-of-range target reads nothing (ce_finish flags it)

@@ -19,6 +19,7 @@ def ce_fwd_slice(
     w_ptr,
     wsum_ptr,
     run_ptr,
+    part_ptr,
     loss_ptr,
     z_ptr,
     lse_ptr,
@@ -39,15 +40,19 @@ def ce_fwd_slice(
     ZLOSS: tl.constexpr,
     FIRST: tl.constexpr,
     LAST: tl.constexpr,
+    PART: tl.constexpr,
 ):
     """ce_fwd over the rows' classes [col0, col0 + nc) of v, x_ptr their logits (nc columns a row): the
     slice's logsumexp, target logit and (SMOOTH) sum of w_j * z_j merged into the running ones at run_ptr
     (3 x n_rows fp32; FIRST: none yet). LAST (the rows' last slice): the rows' loss, z-loss and logsumexp
-    stored as ce_fwd stores them, else the running numbers."""
+    stored as ce_fwd stores them, else the running numbers. PART: each row's largest z on the slice stored
+    at part_ptr too (the skip's test, lm_head.py)."""
     row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     row_ok = row < n_rows
     base = x_ptr + row * sx
-    lse, sum_z = row_lse(base, row_ok, nc, w_ptr + col0, cap, ROWS, BLOCK_N, SMOOTH, WEIGHT, SOFTCAP)
+    lse, sum_z, top = row_lse(base, row_ok, nc, w_ptr + col0, cap, ROWS, BLOCK_N, SMOOTH, WEIGHT, SOFTCAP)
+    if PART:
+        tl.store(part_ptr + row, top, mask=row_ok)
     t = tl.load(t_ptr + row, mask=row_ok, other=ignore_index).to(tl.int64)
     keep = row_ok & (t != ignore_index)
     inside = keep & (t >= 0) & (t < v)
@@ -76,14 +81,17 @@ def ce_fwd_slice(
             tl.store(run_ptr + 2 * n_rows + row, sum_z, mask=row_ok)
 
 
-def slice_forward(x, t, w, wsum, o, run, rows_loss, rows_z, lse, col0: int, v: int, shape) -> None:
+def slice_forward(x, t, w, wsum, o, run, rows_loss, rows_z, lse, col0: int, v: int, shape, part=None) -> None:
     """ce_fwd_slice over (M, nc) logits x, the classes [col0, col0 + nc) of v, slices taken in order: the
-    running numbers in run (3, M) until the last slice, which stores the (M,) buffers as rows_forward."""
+    running numbers in run (3, M) until the last slice, which stores the (M,) buffers as rows_forward; each
+    row's largest z on the slice into part (M,) where given."""
     m, nc = x.shape
     rows, block, warps, _ = shape
     eps, cap, zl = _scalars(o)
-    args = (x, t, w if w is not None else x, wsum, run, rows_loss, rows_z, lse, m, v, nc, col0, x.stride(0))
-    meta = dict(ROWS=rows, BLOCK_N=block, num_warps=warps, FIRST=col0 == 0, LAST=col0 + nc == v, **_flags(o, w))
+    args = (x, t, w if w is not None else x, wsum, run, part if part is not None else run, rows_loss, rows_z, lse)
+    args += (m, v, nc, col0, x.stride(0))
+    meta = dict(ROWS=rows, BLOCK_N=block, num_warps=warps, FIRST=col0 == 0, LAST=col0 + nc == v, PART=part is not None)
+    meta |= _flags(o, w)
     launch(ce_fwd_slice, (-(-m // rows),), args + (o.ignore_index, eps, cap, zl), meta)
 
 

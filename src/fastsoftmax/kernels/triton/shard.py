@@ -64,7 +64,7 @@ def shard_stats(
             acc += tl.sum(d, axis=1)
         tl.store(sum_ptr + row, acc, mask=row_ok)
     else:
-        lse, acc = row_lse(x_ptr + row * sx, row_ok, v, w_ptr, cap, ROWS, BLOCK_N, SMOOTH, WEIGHT, SOFTCAP)
+        lse, acc, _ = row_lse(x_ptr + row * sx, row_ok, v, w_ptr, cap, ROWS, BLOCK_N, SMOOTH, WEIGHT, SOFTCAP)
         tl.store(lse_ptr + row, lse, mask=row_ok)
         if SMOOTH:
             tl.store(sum_ptr + row, acc, mask=row_ok)
