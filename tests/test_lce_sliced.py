@@ -254,6 +254,9 @@ def test_skip_refusals_and_exact_elsewhere(device):
         fs.linear_cross_entropy(x, w, t, b, skip_eps=1e-4, reduction="none")
     check(x, w, t, b, fs_opts={"backend": "torch", "skip_eps": 1e-3})
     assert heuristics.last_plan().path == "lce_chunked"
+    check(x, w, t, b, fs_opts={"backend": "triton", "skip_eps": 1e-3})  # no budget: MIN_ROWS rows of one slice
+    plan = heuristics.last_plan()
+    assert (plan.path, plan.rows, plan.block_n) == ("lce_sliced", 6, 300), plan
     m = fs.LinearCrossEntropy(8, 300, bias=True, skip_eps=1e-3, backend="triton", memory=1000)
     m.weight.data.copy_(w)
     m.bias.data.copy_(b)

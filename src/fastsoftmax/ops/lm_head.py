@@ -51,8 +51,8 @@ def _sweep(x, weight, bias, t, cw, o, backend, memory, design, wants, g=None, st
     sliced = k.name == "triton" and rules.sliced(n, x.shape[1], v, x.element_size(), memory, forced, skip > 0)
     if skip and x.is_cuda and torch.cuda.is_current_stream_capturing():
         raise RuntimeError("linear_cross_entropy: skip_eps synchronises with the host: not in a CUDA graph")
-    if sliced and not memory:  # (a skip with the default budget: the default chunk's bytes)
-        memory = rules.rows_per_chunk(x, v, None) * v * x.element_size()
+    if sliced and not memory:  # (a skip without a budget: MIN_ROWS rows of one slice, tiles the skip can drop)
+        memory = rules.MIN_ROWS * (rules.SLICE_COLS * x.element_size() + 4 * x.shape[1])
     if forward:
         stats = torch.empty(n + 3, dtype=wide, device=x.device)
         rows_loss = torch.empty(n, dtype=wide, device=x.device)
