@@ -179,7 +179,7 @@ def run_variant(variant: str, batch: int, seq: int, args) -> dict:
         losses.append(loss.item())
     ms = statistics.median(times) * 1e3
     peak = torch.cuda.max_memory_allocated() if device == "cuda" else None
-    split = _peak_split(step, device) if variant in ("fastsoftmax", "fastsoftmax_lowmem", "cce") else None
+    split = _peak_split(step, device) if variant.startswith("fastsoftmax") or variant == "cce" else None
     return dict(
         variant=variant,
         seq=seq,

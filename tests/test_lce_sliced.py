@@ -261,3 +261,17 @@ def test_skip_refusals_and_exact_elsewhere(device):
     m.weight.data.copy_(w)
     m.bias.data.copy_(b)
     torch.testing.assert_close(m(x, t), fs.linear_cross_entropy(x, w, t, b, backend="triton"), rtol=1e-5, atol=1e-6)
+
+
+def test_skip_keeps_slices_narrow(device):
+    """A skip without memory=, fewer rows than a group holds: the slices stay SLICE_COLS wide (one group
+    widened to all 12288 classes could never be skipped), so the two negligible slices are (a regression:
+    they were one slice, never skipped); the gradients still the float64 reference's."""
+    x, w, t, b = problem(device, torch.float32, (16,), 8, 3 * rules.SLICE_COLS, seed=52)
+    b = b.clone()
+    b[rules.SLICE_COLS :] -= 200
+    t = torch.where(t >= rules.SLICE_COLS, t % rules.SLICE_COLS, t)
+    t[3] = 2 * rules.SLICE_COLS + 5  # (a target in a skipped slice)
+    check(x, w, t, b, fs_opts={"backend": "triton", "skip_eps": 1e-6}, grad_atol_scale=10)
+    plan = heuristics.last_plan()
+    assert (plan.path, plan.rows, plan.block_n, plan.skipped) == ("lce_sliced", 16, rules.SLICE_COLS, 2), plan

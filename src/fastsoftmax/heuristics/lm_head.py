@@ -54,11 +54,12 @@ def sliced(n: int, d: int, v: int, elsize: int, memory: int | None, forced: str 
     return t_sliced < t_rows
 
 
-def slice_plan(n: int, d: int, v: int, elsize: int, memory: int | None) -> tuple[int, int]:
+def slice_plan(n: int, d: int, v: int, elsize: int, memory: int | None, skip: bool = False) -> tuple[int, int]:
     """(rows a group, classes a slice) for ``memory`` bytes: a group's working set is a slice of its logits
     (rows x classes, x's dtype) and its dx sums in fp32 (rows x d). SLICE_COLS classes, as many rows as
     then fit (a multiple of ROW_ALIGN, the groups evened out); one group where all rows fit, its slices
-    widened to the rest of the budget; narrower slices where not even ROW_ALIGN rows fit."""
+    widened to the rest of the budget (not for a ``skip``: it drops whole slices, and wide ones would
+    never be negligible); narrower slices where not even ROW_ALIGN rows fit."""
     memory = max(memory or 1, 1)
     cols = min(SLICE_COLS, v)
     rows = memory // (cols * elsize + 4 * d)
@@ -67,7 +68,7 @@ def slice_plan(n: int, d: int, v: int, elsize: int, memory: int | None) -> tuple
         rows = max(1, memory // (cols * elsize + 4 * d))
     if rows >= n:  # one group: the rest of the budget widens the slices
         wide = (memory - 4 * d * n) // max(elsize * n, 1)
-        return n, min(v, max(cols, wide // SLICE_COLS * SLICE_COLS))
+        return n, cols if skip else min(v, max(cols, wide // SLICE_COLS * SLICE_COLS))
     if rows >= ROW_ALIGN:
         rows -= rows % ROW_ALIGN
         per = -(-n // -(-n // rows))  # the groups evened out

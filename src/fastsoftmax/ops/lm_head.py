@@ -10,9 +10,15 @@ Traffic and work, N tokens, d features, V classes, chunks of R rows (the buffer:
   lce_recompute  forward: per chunk x_c @ W^T and ce_fwd (loss and logsumexp per row, kept); backward: per
                  chunk the logits again, then as above with the upstream gradient of each row: 4 GEMMs. For
                  reduction='none' (the upstream gradient differs per row and is known only then).
-Without gradients (no_grad, nothing requires grad) both are the forward alone: 1 GEMM and ce_fwd a chunk.
-Peak memory above the inputs: the chunk buffer (``memory=`` bytes, else heuristics/lm_head.chunk_rows),
-dx and dW themselves (dW in W's dtype: each chunk's sum is rounded into it once), O(N) statistics.
+  lce_sliced     (the Triton loss, where heuristics/lm_head.sliced's time model prefers it for a small
+                 ``memory=``, or a skip_eps is asked for) groups of rows, each swept over slices of the
+                 classes: the loss (x_g @ W_s^T, ce_fwd_slice) then, where gradients are computed, the
+                 logits again, ce_bwd in place, dW_s (+)= dl^T @ x_g once a group, dx_g += dl @ W_s in fp32
+                 sums (cuBLAS out_dtype), rounded once a group: 4 GEMMs, dW passed once a group.
+Without gradients (no_grad, nothing requires grad) each is the forward alone: 1 GEMM and a loss kernel a
+chunk or slice. Peak memory above the inputs: the chunk buffer (``memory=`` bytes, else
+heuristics/lm_head.chunk_rows; lce_sliced: a slice of a group's logits and its fp32 dx sums, within
+``memory=``), dx and dW themselves (dW in W's dtype: rounded once a chunk or group), O(N) statistics.
 
 Logits are computed in x's dtype, as F.linear gives them; the loss and its statistics in fp32 (fp64 for
 fp64). torch.func transforms and create_graph=True run torch ops (F.linear, then the loss's torch ops);
@@ -49,6 +55,7 @@ def _sweep(x, weight, bias, t, cw, o, backend, memory, design, wants, g=None, st
     forced = (heuristics.forced() or {}).get("path")
     skip = skip if k.name == "triton" and stats is None and design == "lce_chunked" and any(wants) else 0.0
     sliced = k.name == "triton" and rules.sliced(n, x.shape[1], v, x.element_size(), memory, forced, skip > 0)
+    skip = skip if sliced else 0.0  # (a forced row-chunk design: no skip)
     if skip and x.is_cuda and torch.cuda.is_current_stream_capturing():
         raise RuntimeError("linear_cross_entropy: skip_eps synchronises with the host: not in a CUDA graph")
     if sliced and not memory:  # (a skip without a budget: MIN_ROWS rows of one slice, tiles the skip can drop)
@@ -120,12 +127,16 @@ def _slices(x, weight, bias, k, stats, rows_loss, rows_z, g, forward, grads, wan
     added alone (_targets). Returns dW (None: not wanted)."""
     n, d = x.shape
     v = weight.shape[0]
-    rows, cols = rules.slice_plan(n, d, v, x.element_size(), memory)
+    rows, cols = rules.slice_plan(n, d, v, x.element_size(), memory, skip > 0)
     loss_step, grads_step = k.slices(cols, x.element_size())
     buf = torch.empty(rows * cols, dtype=x.dtype, device=x.device)
     run = torch.empty(3 * rows, dtype=stats.dtype, device=x.device) if forward else None
     acc = torch.empty((rows, d), dtype=stats.dtype, device=x.device) if grads and wants[0] else None
     dw = torch.empty(weight.shape, dtype=weight.dtype, device=x.device) if grads and wants[1] else None  # (n > 0)
+    if heuristics.poisoning():  # (tests: every element must be written before it is read)
+        for buffer in (acc, dw):
+            if buffer is not None:
+                buffer.fill_(float("nan"))
     if skip and dw is not None:
         dw.zero_()  # (a slice skipped by every group: no GEMM writes it)
     parts = [  # each slice's first class, weight, bias and dW rows (the host's cost a tile matters)
@@ -182,23 +193,27 @@ def _live(tops, lse, t, o, skip: float) -> list[bool]:
 def _targets(xg, weight, bias, k, stats, r0, r1, live, cols, acc, dw, db):
     """The target terms of the skipped slices, exactly: dlogit_t = -b (1 - (z_t / c)^2) (b the row's target
     coefficient, c the softcap; the a p_t beside it is below the skip and dropped) into dx (acc), dW and db,
-    for the group's rows whose target lies in a slice it skipped; the other rows add zero."""
+    for the group's rows whose target lies in a slice it skipped (found on the host: the skip synchronises a
+    group already), those rows alone."""
     o, n = k.o, stats.shape[0] - 3
     t = k.t[r0:r1].long()
     keep = t != o.ignore_index
     tt = torch.where(keep, t, 0).clamp(0, weight.shape[0] - 1)
-    skipped = keep & ~torch.tensor(live, device=t.device)[tt // cols]
+    rows = (keep & ~torch.tensor(live, device=t.device)[tt // cols]).nonzero()[:, 0]
+    if not rows.numel():
+        return
+    tt = tt[rows]
     b = 1.0 / stats[n + 2] if o.reduction == "mean" else torch.ones((), dtype=stats.dtype, device=t.device)
     b = b * (k.w.to(stats.dtype)[tt] if k.w is not None else 1.0)
     if o.softcap is not None:
-        z = (xg.to(stats.dtype) * weight[tt].to(stats.dtype)).sum(-1)
+        z = (xg[rows].to(stats.dtype) * weight[tt].to(stats.dtype)).sum(-1)
         z = o.softcap * torch.tanh((z + bias[tt].to(z.dtype) if bias is not None else z) / o.softcap)
         b = b * (1 - (z / o.softcap) ** 2)
-    coef = torch.where(skipped, -b, 0.0)  # (m,), fp32
+    coef = -b.expand(rows.shape).to(stats.dtype)  # (rows,)
     if acc is not None:
-        acc.addcmul_(coef[:, None], weight[tt].to(acc.dtype))
+        acc.index_add_(0, rows, coef[:, None] * weight[tt].to(acc.dtype))
     if dw is not None:
-        dw.index_add_(0, tt, (coef[:, None] * xg.to(coef.dtype)).to(dw.dtype))
+        dw.index_add_(0, tt, (coef[:, None] * xg[rows].to(coef.dtype)).to(dw.dtype))
     if db is not None:
         db.index_add_(0, tt, coef.to(db.dtype))
 
