@@ -48,7 +48,8 @@ MEMORY = 2304  # 18 x 16 x 513: groups of 4 rows (fp32; 7 in 16-bit), slices of 
 @pytest.mark.parametrize("opt", range(len(OPTIONS)))
 def test_sliced_matches_reference(device, dtype, reduction, opt):
     """18 rows in groups (the last shorter), 513 classes in slices of 128 (the last of 1): loss, dx, dW and
-    db against float64, outputs poisoned; the plan after the forward and (for 'none') after the backward."""
+    db against float64, outputs poisoned (stats, the logits buffer, the dx sums, dW); the plan after the
+    forward and (for 'none') after the backward."""
     v = 513
     x, w, t, b = problem(device, dtype, (18,), 16, v, seed=21 + opt)
     opts = _opts(opt, v, device)
