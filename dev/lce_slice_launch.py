@@ -1,6 +1,6 @@
 """The loss kernels' launch shapes on lce_sliced's slices of 4096 classes (bench/results/sweeps/lce_slice_launch.json):
 one bf16 forward + backward of fs.linear_cross_entropy at CCE's peak budget on two shapes, forced to lce_sliced,
-per (rows, block_n, num_warps) forced on the loss kernels; the kernel time of ce_fwd_slice and ce_bwd from
+per (rows, block_n, num_warps) forced on the loss kernels; the kernel time of ce_fwd and ce_bwd from
 torch.profiler, GB/s counting the slices' logits read (forward) and read + written (backward).
 
     PYTHONPATH=src python dev/lce_slice_launch.py        # on the GPU; prints one line per configuration
@@ -48,10 +48,10 @@ def main() -> int:
                 torch.cuda.synchronize()
             us = collections.Counter()
             for e in prof.events():
-                if e.device_type == torch.autograd.DeviceType.CUDA and e.name in ("ce_fwd_slice", "ce_bwd"):
+                if e.device_type == torch.autograd.DeviceType.CUDA and e.name in ("ce_fwd", "ce_bwd"):
                     us[e.name] += e.device_time_total
             gb = n * v * 2 / 1e9
-            fwd, bwd = us["ce_fwd_slice"] / 1e3, us["ce_bwd"] / 1e3
+            fwd, bwd = us["ce_fwd"] / 1e3, us["ce_bwd"] / 1e3
             print(
                 f"{n}x{d}x{v} {cfg or 'rule'}: fwd {fwd:.2f} ms ({gb / fwd * 1e3:.0f} GB/s) "
                 f"bwd {bwd:.2f} ms ({2 * gb / bwd * 1e3:.0f} GB/s)",

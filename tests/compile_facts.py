@@ -136,11 +136,15 @@ def ce_facts():
                     "wsum_ptr": "fp32",
                     "z_ptr": "fp32",
                     "cnt_ptr": "fp32",
+                    "run_ptr": "fp32",
+                    "part_ptr": "fp32",
                 }
                 # fs.cross_entropy with smoothing, no class weights, softcap or z-loss
                 consts = {"ROWS": rows, "BLOCK_N": block, "SMOOTH": True, "MEAN": True}
                 consts |= {"WEIGHT": False, "SOFTCAP": False, "ZLOSS": False}
                 ints = {"v": v, "nc": v, "sx": v, "sdx": v, "span": block * ce_rules.BWD_SEGMENT_CHUNKS}
+                if not backward:  # ce_fwd over whole rows
+                    consts |= {"FIRST": True, "LAST": True, "PART": False}
                 names = kernel.arg_names
                 sig = {
                     k: "constexpr"

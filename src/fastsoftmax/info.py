@@ -58,7 +58,7 @@ KERNEL_FAMILIES = {
     },
     "lm_head": {
         "designs": ["lce_chunked", "lce_recompute", "lce_sliced"],
-        "kernels": ["ce_fwd_slice", "scale_by"],
+        "kernels": ["scale_by"],
         "gemms": "cuBLAS (torch.mm / addmm into a reused buffer of logits), logits in x's dtype",
         "accumulation": "dW in the weight's dtype, cuBLAS beta = 1 (one rounding per row chunk, or per row group "
         "in lce_sliced); lce_sliced's dx summed over the vocabulary slices in fp32 by cuBLAS (out_dtype), "

@@ -16,7 +16,7 @@ class TritonSteps:
     def __init__(self, x, t, w, o, v: int):
         from .triton.backend import kernels  # (the kernels import Triton)
 
-        self.k, self.lm, self.t, self.w, self.o = kernels("cross_entropy"), kernels("lm_head"), t, w, o
+        self.k, self.t, self.w, self.o = kernels("cross_entropy"), t, w, o
         self.fwd_shape, self.bwd_shape = (
             self.k.shape(v, x.element_size(), False),
             self.k.shape(v, x.element_size(), True),
@@ -41,11 +41,11 @@ class TritonSteps:
         (the rows' numbers merged slice by slice) and the gradients' (dlogits in place), each taking the
         slice's logits, its first class, V and the row group's views (group())."""
         fs, bs = self.k.shape(cols, elsize, False), self.k.shape(cols, elsize, True)
-        lm, k, w, ws, o = self.lm, self.k, self.w, self.wsum, self.o
+        k, w, ws, o = self.k, self.w, self.wsum, self.o
 
         def loss(logits, v0, v, grp, part=None):
             t, rows_loss, rows_z, lse, run, _, _ = grp
-            lm.slice_forward(logits, t, w, ws, o, run, rows_loss, rows_z, lse, v0, v, fs, part)
+            k.rows_forward(logits, t, w, ws, o, rows_loss, rows_z, lse, fs, v0, v, run, part)
 
         def grads(logits, v0, v, grp):
             t, _, _, lse, _, tail, g = grp

@@ -12,7 +12,7 @@ Traffic and work, N tokens, d features, V classes, chunks of R rows (the buffer:
                  reduction='none' (the upstream gradient differs per row and is known only then).
   lce_sliced     (the Triton loss, where heuristics/lm_head.sliced's time model prefers it for a small
                  ``memory=``, or a skip_eps is asked for) groups of rows, each swept over slices of the
-                 classes: the loss (x_g @ W_s^T, ce_fwd_slice) then, where gradients are computed, the
+                 classes: the loss (x_g @ W_s^T, ce_fwd on the slice) then, where gradients are computed, the
                  logits again, ce_bwd in place, dW_s (+)= dl^T @ x_g once a group, dx_g += dl @ W_s in fp32
                  sums (cuBLAS out_dtype), rounded once a group: 4 GEMMs, dW passed once a group.
 Without gradients (no_grad, nothing requires grad) each is the forward alone: 1 GEMM and a loss kernel a
@@ -35,7 +35,7 @@ from ..core.layout import flat_target, storage_problem, values
 from ..heuristics import lm_head as rules
 from ..heuristics.device import selected
 from ..kernels.lm_head_steps import TorchSteps, TritonSteps
-from ..kernels.torch_loss import chunk_logits
+from ..kernels.torch_loss import capped, chunk_logits, row_grads
 from .cross_entropy import composite as ce_composite
 
 
@@ -173,7 +173,7 @@ def _slices(x, weight, bias, k, stats, rows_loss, rows_z, g, forward, grads, wan
                 if db is not None:
                     db[v0 : v0 + cols] += logits.sum(0, dtype=db.dtype)
             if live is not None and not all(live):
-                _targets(xg, weight, bias, k, stats, r0, r1, live, cols, acc_g, dw, db)
+                _targets(xg, weight, bias, k, stats, g, r0, r1, live, cols, acc_g, dw, db)
         tiles += len(parts)
         if acc_g is not None:
             dx[r0:r1].copy_(acc_g)
@@ -190,7 +190,7 @@ def _live(tops, lse, t, o, skip: float) -> list[bool]:
     return (~(top.amax(1) < skip)).tolist()
 
 
-def _targets(xg, weight, bias, k, stats, r0, r1, live, cols, acc, dw, db):
+def _targets(xg, weight, bias, k, stats, g, r0, r1, live, cols, acc, dw, db):
     """The target terms of the skipped slices, exactly: dlogit_t = -b (1 - (z_t / c)^2) (b the row's target
     coefficient, c the softcap; the a p_t beside it is below the skip and dropped) into dx (acc), dW and db,
     for the group's rows whose target lies in a slice it skipped (found on the host: the skip synchronises a
@@ -203,13 +203,13 @@ def _targets(xg, weight, bias, k, stats, r0, r1, live, cols, acc, dw, db):
     if not rows.numel():
         return
     tt = tt[rows]
-    b = 1.0 / stats[n + 2] if o.reduction == "mean" else torch.ones((), dtype=stats.dtype, device=t.device)
+    b = row_grads(g, stats[n], stats[n + 2], o.reduction, r1 - r0)[0][rows]  # (g_ce: the mean's divisor)
     b = b * (k.w.to(stats.dtype)[tt] if k.w is not None else 1.0)
     if o.softcap is not None:
         z = (xg[rows].to(stats.dtype) * weight[tt].to(stats.dtype)).sum(-1)
-        z = o.softcap * torch.tanh((z + bias[tt].to(z.dtype) if bias is not None else z) / o.softcap)
+        z = capped(z + bias[tt].to(z.dtype) if bias is not None else z, o.softcap)
         b = b * (1 - (z / o.softcap) ** 2)
-    coef = -b.expand(rows.shape).to(stats.dtype)  # (rows,)
+    coef = -b.to(stats.dtype)  # (rows,)
     if acc is not None:
         acc.index_add_(0, rows, coef[:, None] * weight[tt].to(acc.dtype))
     if dw is not None:

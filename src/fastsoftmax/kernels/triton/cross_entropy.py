@@ -91,11 +91,15 @@ def ce_fwd(
     t_ptr,
     w_ptr,
     wsum_ptr,
+    run_ptr,
+    part_ptr,
     loss_ptr,
     z_ptr,
     lse_ptr,
     n_rows,
     v,
+    nc,
+    col0,
     sx,
     ignore_index,
     smoothing,
@@ -107,61 +111,55 @@ def ce_fwd(
     WEIGHT: tl.constexpr,
     SOFTCAP: tl.constexpr,
     ZLOSS: tl.constexpr,
+    FIRST: tl.constexpr,
+    LAST: tl.constexpr,
+    PART: tl.constexpr,
 ):
     """loss_ptr: each row's ce (fp32), z_ptr: its z-loss (ZLOSS), lse_ptr: its logsumexp; w_ptr: the class
-    weights and wsum_ptr their sum (WEIGHT; the sum only read with SMOOTH)."""
+    weights and wsum_ptr their sum (WEIGHT; the sum only read with SMOOTH). The rows' logits at x_ptr are
+    the classes [col0, col0 + nc) of v: all of them (col0 = 0, nc = v, FIRST and LAST), or the LM-head loss's
+    vocabulary slices, taken in order: each slice's logsumexp, target logit and (SMOOTH) sum of w_j * z_j
+    merged into the running ones at run_ptr (3 x n_rows fp32; FIRST: none yet), the outputs stored at the
+    LAST slice. PART: each row's largest z on the slice stored at part_ptr (lm_head.py's skip)."""
     row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     row_ok = row < n_rows
     base = x_ptr + row * sx
-    lse, sum_z, _ = row_lse(base, row_ok, v, w_ptr, cap, ROWS, BLOCK_N, SMOOTH, WEIGHT, SOFTCAP)
+    lse, sum_z, top = row_lse(base, row_ok, nc, w_ptr + col0, cap, ROWS, BLOCK_N, SMOOTH, WEIGHT, SOFTCAP)
+    if PART:
+        tl.store(part_ptr + row, top, mask=row_ok)
     t = tl.load(t_ptr + row, mask=row_ok, other=ignore_index).to(tl.int64)
     keep = row_ok & (t != ignore_index)
     inside = keep & (t >= 0) & (t < v)  # an out-of-range target reads nothing (ce_finish flags it)
-    tt = tl.where(inside, t, 0)
-    z_t = tl.load(base + tt, mask=inside, other=0.0).to(tl.float32)
+    here = inside & (t >= col0) & (t < col0 + nc)
+    z_t = tl.load(base + tl.where(here, t - col0, 0), mask=here, other=0.0).to(tl.float32)
     if SOFTCAP:
         z_t = softcapped(z_t, cap)
-    store_rows(row, row_ok, keep, inside, tt, lse, z_t, sum_z, w_ptr, wsum_ptr, loss_ptr, z_ptr, lse_ptr, v,
-               smoothing, zl, SMOOTH, WEIGHT, ZLOSS)  # fmt: skip
-
-
-@triton.jit
-def store_rows(
-    row,
-    row_ok,
-    keep,
-    inside,
-    tt,
-    lse,
-    z_t,
-    sum_z,
-    w_ptr,
-    wsum_ptr,
-    loss_ptr,
-    z_ptr,
-    lse_ptr,
-    v,
-    smoothing,
-    zl,
-    SMOOTH: tl.constexpr,
-    WEIGHT: tl.constexpr,
-    ZLOSS: tl.constexpr,
-):
-    """Each row's ce (0 where ignored), z-loss (ZLOSS) and logsumexp stored, from its logsumexp, target logit
-    z_t and (SMOOTH) sum of w_j * z_j over all v classes: the module's formulas."""
-    w_t = 1.0
-    if WEIGHT:
-        w_t = tl.load(w_ptr + tt, mask=inside, other=0.0).to(tl.float32)
-    loss = w_t * (lse - z_t)
-    if SMOOTH:
-        wsum = v * 1.0  # (v == 1 arrives as a constexpr)
+    z_t = tl.where(here, z_t, 0.0)
+    if not FIRST:  # the running logsumexp merged with the slice's (-inf where both are)
+        m, s = merge_stats(tl.load(run_ptr + row, mask=row_ok, other=0.0), 1.0, lse, 1.0)
+        lse = safe_max(m) + tl.math.log2(s) * LN2
+        z_t += tl.load(run_ptr + n_rows + row, mask=row_ok, other=0.0)
+        if SMOOTH:
+            sum_z += tl.load(run_ptr + 2 * n_rows + row, mask=row_ok, other=0.0)
+    if not LAST:
+        tl.store(run_ptr + row, lse, mask=row_ok)
+        tl.store(run_ptr + n_rows + row, z_t, mask=row_ok)
+        if SMOOTH:
+            tl.store(run_ptr + 2 * n_rows + row, sum_z, mask=row_ok)
+    else:
+        w_t = 1.0
         if WEIGHT:
-            wsum = tl.load(wsum_ptr)
-        loss = (1.0 - smoothing) * loss + (smoothing / v) * (lse * wsum - sum_z)
-    tl.store(loss_ptr + row, tl.where(keep, loss, 0.0), mask=row_ok)
-    if ZLOSS:
-        tl.store(z_ptr + row, tl.where(keep, zl * lse * lse, 0.0), mask=row_ok)
-    tl.store(lse_ptr + row, lse, mask=row_ok)
+            w_t = tl.load(w_ptr + tl.where(inside, t, 0), mask=inside, other=0.0).to(tl.float32)
+        loss = w_t * (lse - z_t)
+        if SMOOTH:
+            wsum = v * 1.0  # (v == 1 arrives as a constexpr)
+            if WEIGHT:
+                wsum = tl.load(wsum_ptr)
+            loss = (1.0 - smoothing) * loss + (smoothing / v) * (lse * wsum - sum_z)
+        tl.store(loss_ptr + row, tl.where(keep, loss, 0.0), mask=row_ok)
+        if ZLOSS:
+            tl.store(z_ptr + row, tl.where(keep, zl * lse * lse, 0.0), mask=row_ok)
+        tl.store(lse_ptr + row, lse, mask=row_ok)
 
 
 @triton.jit
@@ -353,18 +351,19 @@ def weight_sum(o, w, like):
     return like
 
 
-def rows_forward(x, t, w, wsum, o, rows_loss, rows_z, lse, shape) -> None:
-    """ce_fwd over (M, V) logits x into the (M,) buffers: each row's ce, z-loss and logsumexp."""
-    m, v = x.shape
+def rows_forward(x, t, w, wsum, o, rows_loss, rows_z, lse, shape, col0=0, v=None, run=None, part=None) -> None:
+    """ce_fwd over (M, nc) logits x into the (M,) buffers: each row's ce, z-loss and logsumexp. x holds the
+    classes [col0, col0 + nc) of v (default: all); slices are taken in order, the running numbers in run (3,
+    M) until the last slice; each row's largest z on the slice into part (M,) where given."""
+    m, nc = x.shape
+    v = nc if v is None else v
     rows, block, warps, _ = shape
     eps, cap, zl = _scalars(o)
-    launch(
-        ce_fwd,
-        (-(-m // rows),),
-        (x, t, w if w is not None else x, wsum, rows_loss, rows_z, lse, m, v, x.stride(0), o.ignore_index)
-        + (eps, cap, zl),
-        dict(ROWS=rows, BLOCK_N=block, num_warps=warps, **_flags(o, w)),
-    )
+    run = run if run is not None else rows_loss  # (placeholders where FIRST and LAST, or not PART)
+    args = (x, t, w if w is not None else x, wsum, run, part if part is not None else run, rows_loss, rows_z, lse)
+    args += (m, v, nc, col0, x.stride(0), o.ignore_index, eps, cap, zl)
+    meta = dict(ROWS=rows, BLOCK_N=block, num_warps=warps, FIRST=col0 == 0, LAST=col0 + nc == v, PART=part is not None)
+    launch(ce_fwd, (-(-m // rows),), args, meta | _flags(o, w))
 
 
 def finish(rows_loss, rows_z, t, w, out, zout, tail, v: int, o, reduce: bool = True, check: bool | None = None):
