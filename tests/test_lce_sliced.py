@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from lce_reference import check, class_weights, problem, upstream
+from lce_reference import check, class_weights, problem, run, upstream
 
 import fastsoftmax as fs
 from fastsoftmax import heuristics
@@ -276,3 +276,21 @@ def test_skip_keeps_slices_narrow(device):
     check(x, w, t, b, fs_opts={"backend": "triton", "skip_eps": 1e-6}, grad_atol_scale=10)
     plan = heuristics.last_plan()
     assert (plan.path, plan.rows, plan.block_n, plan.skipped) == ("lce_sliced", 16, rules.SLICE_COLS, 2), plan
+
+
+def test_skip_under_torch_compile(device):
+    """torch.compile(fullgraph=True, aot_eager) around a skipping call (the custom op runs the skip eagerly
+    inside the graph): the same loss and gradients as the eager call, tiles skipped."""
+    x, w, t, b = _skippable(device, torch.float32, 53)
+    opts = {"backend": "triton", "memory": MEMORY, "skip_eps": 1e-6}
+
+    def f(a, c, e):
+        return fs.linear_cross_entropy(a, c, t, e, **opts)
+
+    eager = run(f, x, w, b, "xwb")
+    assert heuristics.last_plan().skipped > 0
+    compiled = run(torch.compile(f, fullgraph=True, backend="aot_eager"), x, w, b, "xwb")
+    assert heuristics.last_plan().skipped > 0
+    torch.testing.assert_close(compiled[0], eager[0], rtol=1e-6, atol=1e-6)
+    for k in "xwb":
+        torch.testing.assert_close(compiled[2][k], eager[2][k], rtol=1e-5, atol=1e-6, msg=f"d{k}")
