@@ -234,18 +234,18 @@ def targets(rows=M, ignore_index=-100):
     return t
 
 
-def class_weights(dtype, seed=3):
+def class_weights(dtype, seed=3, v=V):
     """Positive class weights, every fifth (class 0 among them) 0."""
-    w = torch.rand(V, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) + 0.2
+    w = torch.rand(v, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) + 0.2
     w[::5] = 0.0
     return w.to(dtype)
 
 
-def split_options(opts, dtype, lo, hi):
+def split_options(opts, dtype, lo, hi, v=V):
     """(the rank's options: its class-weight slice; the reference's: the full weights)."""
     local, full = dict(opts), dict(opts)
     if opts.get("class_weight"):
-        w = class_weights(dtype)
+        w = class_weights(dtype, v=v)
         local["class_weight"], full["class_weight"] = w[lo:hi], w
     full.pop("return_z_loss", None)
     return local, full
@@ -262,15 +262,15 @@ def same_on_every_rank(t: torch.Tensor) -> bool:
     return all(torch.equal(o, t) for o in out)
 
 
-def lce_problem(dtype, rows=N, ignore_index=-100, seed=21):
-    """(x (rows, D), W (V, D), b (V,), targets): logits of scale ~2, one of 80 + b[5] (row 3, class 5),
+def lce_problem(dtype, rows=N, ignore_index=-100, seed=21, v=V):
+    """(x (rows, D), W (v, D), b (v,), targets): logits of scale ~2, one of 80 + b[5] (row 3, class 5),
     rows 1 and 8 ignored."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, D, generator=g, dtype=torch.float64)
-    w = torch.randn(V, D, generator=g, dtype=torch.float64) * 0.7
-    b = torch.randn(V, generator=g, dtype=torch.float64)
+    w = torch.randn(v, D, generator=g, dtype=torch.float64) * 0.7
+    b = torch.randn(v, generator=g, dtype=torch.float64)
     x[3] = w[5] * (80.0 / w[5].dot(w[5]))
-    t = torch.randint(0, V, (rows,), generator=g)
+    t = torch.randint(0, v, (rows,), generator=g)
     t[3] = 0
     for r in (1, 8):
         if r < rows:
@@ -279,15 +279,15 @@ def lce_problem(dtype, rows=N, ignore_index=-100, seed=21):
 
 
 def lce_one(fsd, rank, lo, hi, dtype, opts, reduction, *, bias=True, memory=LCE_MEMORY, shape=None, wrt="xwb",
-             backend="auto", tol=TP_LCE_TOL, what="", dev="cpu"):  # fmt: skip
+             backend="auto", tol=TP_LCE_TOL, what="", dev="cpu", v=V, rows=N):  # fmt: skip
     """One call against F.cross_entropy(F.linear(x, W, b)) in float64: the loss (and z-loss term), dx (full,
-    the same on every rank), dW and db (the rank's slices)."""
+    the same on every rank), dW and db (the rank's slices); ``v`` classes, ``rows`` rows (or ``shape``)."""
     ii = opts.get("ignore_index", -100)
-    rows = N if shape is None else shape[0] * shape[1]
-    x, w, b, t = lce_problem(dtype, rows=rows, ignore_index=ii)
+    rows = rows if shape is None else shape[0] * shape[1]
+    x, w, b, t = lce_problem(dtype, rows=rows, ignore_index=ii, v=v)
     if shape is not None:
         x, t = x.reshape(*shape, D), t.reshape(shape)
-    local, full = split_options(opts, dtype, lo, hi)
+    local, full = split_options(opts, dtype, lo, hi, v=v)
     xr = x.to(dev, copy=True).requires_grad_("x" in wrt)
     wr = w[lo:hi].to(dev, copy=True).requires_grad_("w" in wrt)
     br = b[lo:hi].to(dev, copy=True).requires_grad_("b" in wrt) if bias else None

@@ -18,6 +18,7 @@ from helpers import (
     EPS,
     LCE_MEMORY,
     ZL,
+    D,
     M,
     V,
     bounds,
@@ -210,6 +211,80 @@ def test_linear_cross_entropy_every_option(tmp_path, monkeypatch, splits):
     or W, no_grad with int32 targets."""
     assert all(sum(w) == V for w in splits)
     spawn_gloo(tmp_path, monkeypatch, _lce_checks, len(splits[0]), splits)
+
+
+# ---- linear_cross_entropy's sliced backward ------------------------------------------------------------------
+# 300 classes so that a rank's classes make several slices of 128 (rules.slice_plan's narrowest), 40 rows in
+# groups of 16 (the last of 8): a budget of 16 rows of a 128-class slice and their dx sums.
+SV, SN, SLICE, GROUP = 300, 40, 128, 16
+
+
+def _sliced_memory(dtype) -> int:
+    return GROUP * (SLICE * torch.empty((), dtype=dtype).element_size() + 4 * D)
+
+
+def _sliced_checks(rank, world, splits):
+    import fastsoftmax.distributed as fsd
+    from fastsoftmax import heuristics
+    from fastsoftmax.heuristics import lm_head as rules
+
+    cases = LCE_CASES + [("3-D", {"softcap": CAP})]
+    for widths in splits:
+        lo, hi = bounds(widths, rank)
+        for dtype in (torch.float32, torch.float64):
+            mem = _sliced_memory(dtype)
+            for k, (name, opts) in enumerate(cases):
+                reduction = ("none", "mean", "sum")[k % 3]
+                what = f"rank {rank} widths {widths} {dtype} {name} {reduction} sliced"
+                shape = (4, SN // 4) if name == "3-D" else None
+                with heuristics.force(path="lce_sliced", poison=True):
+                    lce_one(fsd, rank, lo, hi, dtype, opts, reduction, bias=name != "no-bias", memory=mem, v=SV,
+                            rows=SN, shape=shape, what=what, wrt="xwb" if k % 4 else "wb")  # fmt: skip
+                plan = heuristics.last_plan()
+                if hi > lo:  # (an empty shard has no backward work)
+                    tiles = -(-SN // GROUP) * -(-(hi - lo) // SLICE)
+                    got = (plan.path, plan.rows, plan.block_n, plan.splits)
+                    assert got == ("lce_sliced", GROUP, SLICE, tiles), (what, plan)
+            # the rule's own choice (rules.sliced for this rank's classes, recomputing), and row chunks forced
+            # (and under a model whose GEMMs are slow enough to outweigh the host: there a 4th GEMM decides)
+            e = torch.empty((), dtype=dtype).element_size()
+            rates = dict(rules.GEMM_FLOPS)
+            for budget, slow in ((mem // 8, False), (mem, False), (2 * mem, False), (mem, True)):
+                rules.GEMM_FLOPS.update({2: 1e6, 4: 1e6} if slow else rates)
+                lce_one(fsd, rank, lo, hi, dtype, {}, "mean", memory=budget, v=SV, rows=SN, what=f"{widths} rule")
+                sliced = rules.sliced(SN, D, hi - lo, e, budget, None, recompute=True)
+                got = getattr(heuristics.last_plan(), "path", None)  # (none on an empty shard)
+                assert hi == lo or got == ("lce_sliced" if sliced else "lce_recompute"), (widths, dtype, budget, got)
+                if slow and hi - lo == 170:  # (GEMMs that weigh: a backward that recomputes anyway takes slices
+                    # for groups of more rows than its chunks: 16 against 12 on 170 classes, where 130 make 16 each)
+                    assert sliced and not rules.sliced(SN, D, hi - lo, e, budget, None), (widths, dtype)
+            rules.GEMM_FLOPS.update(rates)
+            with heuristics.force(path="lce_recompute"):
+                lce_one(fsd, rank, lo, hi, dtype, {}, "sum", memory=mem, v=SV, rows=SN, what=f"{widths} {dtype} chunks")
+            assert hi == lo or heuristics.last_plan().path == "lce_recompute", heuristics.last_plan()
+
+
+@pytest.mark.parametrize("splits", [((130, 170), (0, 300)), ((170, 0, 130),)], ids=["2-uneven-empty", "3-empty"])
+def test_linear_cross_entropy_sliced_backward(tmp_path, monkeypatch, splits):
+    """The head's backward in row groups x slices of the rank's classes (forced, the outputs poisoned): every
+    option in turn, each in one reduction, float32 and float64, (B, T, d) x, x frozen; loss and gradients
+    against float64 torch on the gathered W; the plan recorded (group rows, slice classes, tiles); the
+    backward follows rules.sliced (recompute=True) at three budgets; forced row chunks record theirs."""
+    assert all(sum(w) == SV for w in splits)
+    spawn_gloo(tmp_path, monkeypatch, _sliced_checks, len(splits[0]), splits)
+
+
+def test_sliced_rule_for_a_backward_that_recomputes():
+    """rules.sliced(recompute=True): row chunks already do 4 GEMMs there, so slices win wherever they make
+    fewer passes over dW; at 4096 x 8192 x 128256 bf16 with 256 MiB of logits, a forward that computes the gradients
+    keeps row chunks (3 GEMMs) and one that recomputes takes slices; no budget: row chunks."""
+    from fastsoftmax.heuristics import lm_head as rules
+
+    n, d, v, mem = 4096, 8192, 128256, 256 << 20
+    assert not rules.sliced(n, d, v, 2, mem, None)
+    assert rules.sliced(n, d, v, 2, mem, None, recompute=True)
+    assert not rules.sliced(n, d, v, 2, None, None, recompute=True)
+    assert rules.sliced(16384, 2304, 128000, 2, 64 << 20, None, recompute=True)  # (a rank's half of 256000)
 
 
 # ---- checks before any collective; one rank in-process -----------------------------------------------------

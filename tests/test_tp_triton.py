@@ -15,6 +15,7 @@ from helpers import (
     CAP,
     EPS,
     ZL,
+    D,
     V,
     bounds,
     ce_logits,
@@ -78,6 +79,7 @@ def _triton_checks(rank, world, widths, dev="cpu"):
 
 def _triton_cases(rank, widths, dev, launches):
     import fastsoftmax.distributed as fsd
+    from fastsoftmax import heuristics
 
     lo, hi = bounds(widths, rank)
     f32 = torch.float32
@@ -134,6 +136,16 @@ def _triton_cases(rank, widths, dev, launches):
         lce_one(fsd, rank, lo, hi, f32, opts, reduction, bias=bias, memory=3 * V * 4, shape=(TM, 1), backend="triton",
                  what=what, dev=dev)  # fmt: skip
         assert len(launches) > n0 or hi == lo, f"{what}: no Triton kernel ran"
+    # the backward in row groups x slices of the rank's classes (forced; 300 classes: slices of 128; 20 rows:
+    # groups of 16 and 4), the slice's dlogits by the kernels
+    lo, hi = bounds((130, 170) if len(widths) == 2 else (130, 0, 170), rank)
+    what = f"rank {rank} [{lo}, {hi}) triton linear_cross_entropy sliced backward"
+    n0 = len(launches)
+    with heuristics.force(path="lce_sliced", poison=True):
+        lce_one(fsd, rank, lo, hi, f32, ALL_OPTIONS, "mean", memory=16 * (128 * 4 + 4 * D), v=300, rows=20,
+                backend="triton", what=what, dev=dev)  # fmt: skip
+    assert hi == lo or heuristics.last_plan().path == "lce_sliced", (what, heuristics.last_plan())
+    assert hi == lo or "shard_apply" in launches[n0:], f"{what}: no dlogits kernel ran ({launches[n0:]})"
 
 
 @pytest.mark.parametrize("widths", [(5, 18), (5, 0, 18)], ids=["2-uneven", "3-empty"])

@@ -33,10 +33,11 @@ import math
 import torch
 import torch.distributed as dist
 
+from .. import heuristics
 from ..core import checks, compose, options
 from ..core.layout import flat_target
-from ..heuristics.lm_head import rows_per_chunk
-from ..kernels.torch_loss import chunk_logits, reduce_terms
+from ..heuristics import lm_head as rules
+from ..kernels.torch_loss import chunk_logits, gemm_into, reduce_terms
 from . import merge as shard_merge
 
 
@@ -225,8 +226,9 @@ def cross_entropy(
 class _LinearCrossEntropy(torch.autograd.Function):
     """The LM head with W split on the classes: chunks of rows through x_c @ W_r^T into one buffer (the
     rows per chunk from ``memory``, as fs.linear_cross_entropy), the slice's statistics of each, one gather;
-    the backward recomputes each chunk's logits, turns them into dlogits in place, and accumulates dx (then
-    all-reduced once), dW_r and db_r."""
+    the backward computes the logits again, turns them into dlogits in place, and accumulates dx (then
+    all-reduced once), dW_r and db_r: in the same row chunks, or, for a ``memory`` too small for chunks to
+    pay their passes over dW_r, in row groups x slices of the classes (rules.sliced decides)."""
 
     @staticmethod
     def forward(ctx, x, weight, target, bias, w, o, group, backend, memory, out_dtype):
@@ -239,7 +241,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         rows = shard_merge.Rows(t, o, offset, v_local, w)
         wide = shard_merge.wide_dtype(x2)
         local = torch.empty((n, 4), dtype=wide, device=x.device)
-        step = rows_per_chunk(x2, v_local, memory) if n and v_local else max(n, 1)
+        step = rules.rows_per_chunk(x2, v_local, memory) if n and v_local else max(n, 1)
         if n and v_local:
             buf = torch.empty((min(step, n), v_local), dtype=x2.dtype, device=x.device)
             impl = shard_merge.slice_work(buf, backend)
@@ -253,6 +255,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         ctx.mark_non_differentiable(z)
         ctx.save_for_backward(x2, weight, bias)
         ctx.rows, ctx.group, ctx.backend, ctx.step, ctx.x_shape = rows, group, backend, step, x.shape
+        ctx.memory = memory
         if o.reduction == "none":
             loss, z = loss.reshape(target.shape), z.reshape(target.shape)
         return loss, z
@@ -262,7 +265,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         _no_double_backward("distributed.linear_cross_entropy")
 
         x2, weight, bias = ctx.saved_tensors
-        rows, o, step = ctx.rows, ctx.rows.o, ctx.step
+        rows, step = ctx.rows, ctx.step
         need_x, need_w, _, need_b = ctx.needs_input_grad[:4]
         need_b = need_b and bias is not None
         n, v_local = x2.shape[0], weight.shape[0]
@@ -272,26 +275,77 @@ class _LinearCrossEntropy(torch.autograd.Function):
         dw = torch.zeros_like(weight) if need_w else None
         db = torch.zeros(v_local, dtype=wide, device=x2.device) if need_b else None
         if n and v_local:
-            buf = torch.empty((min(step, n), v_local), dtype=x2.dtype, device=x2.device)
-            impl = shard_merge.slice_work(buf, ctx.backend, backward=True)
             lse = rows.lse.to(wide)
-            for r0 in range(0, n, step):
-                r1 = min(r0 + step, n)
-                xc = x2[r0:r1]
-                logits = chunk_logits(xc, weight, bias, buf[: r1 - r0])
-                s = slice(r0, r1)
-                w = rows.w_local
-                impl.dlogits(logits, lse[s], a[s], b[s], cc[s], rows.code[s], w, o.softcap, o.smoothing != 0, logits)
-                if need_x:
-                    torch.mm(logits, weight, out=dx[r0:r1])
-                if need_w:
-                    dw.addmm_(logits.t(), xc)
-                if need_b:
-                    db += logits.sum(0, dtype=wide)
+            forced = (heuristics.forced() or {}).get("path")
+            coef = (lse, a, b, cc)
+            if rules.sliced(n, x2.shape[1], v_local, x2.element_size(), ctx.memory, forced, recompute=True):
+                _slices_backward(x2, weight, bias, rows, coef, ctx.memory, ctx.backend, dx, dw, db)
+            else:
+                _chunks_backward(x2, weight, bias, rows, coef, step, ctx.backend, dx, dw, db)
         if need_x:
             dist.all_reduce(dx, group=ctx.group)  # (every rank's slice of the classes contributes to dx)
             dx = dx.reshape(ctx.x_shape)
         return dx, dw, None, (db.to(bias.dtype) if need_b else None), None, None, None, None, None, None
+
+
+def _chunks_backward(x2, weight, bias, rows, coef, step, backend, dx, dw, db):
+    """The head's backward in chunks of ``step`` rows, each with all the slice's classes: the logits again,
+    dlogits in place, dx's rows, and dW_r and db_r added to once a chunk."""
+    n, v_local = x2.shape[0], weight.shape[0]
+    lse, a, b, cc = coef
+    o = rows.o
+    buf = torch.empty((min(step, n), v_local), dtype=x2.dtype, device=x2.device)
+    impl = shard_merge.slice_work(buf, backend, backward=True)
+    for r0 in range(0, n, step):
+        r1 = min(r0 + step, n)
+        xc, s = x2[r0:r1], slice(r0, r1)
+        logits = chunk_logits(xc, weight, bias, buf[: r1 - r0])
+        impl.dlogits(logits, lse[s], a[s], b[s], cc[s], rows.code[s], rows.w_local, o.softcap, o.smoothing != 0, logits)
+        if dx is not None:
+            torch.mm(logits, weight, out=dx[r0:r1])
+        if dw is not None:
+            dw.addmm_(logits.t(), xc)
+        if db is not None:
+            db += logits.sum(0, dtype=db.dtype)
+    heuristics.record(heuristics.Plan(impl.name, "lce_recompute", rows=step, splits=-(-n // step)))
+
+
+def _slices_backward(x2, weight, bias, rows, coef, memory, backend, dx, dw, db):
+    """The head's backward in groups of rows x slices of this rank's classes (lm_head.py's lce_sliced
+    layout, rules.slice_plan): per tile the logits again and dlogits in place; each slice's dW_r rows
+    written by the first group's GEMM and added to by the others' (one pass over dW_r a group, where row
+    chunks make one a chunk); a group's dx summed over the slices in fp32, then rounded once."""
+    n, d = x2.shape
+    v_local = weight.shape[0]
+    lse, a, b, cc = coef
+    o, w_local = rows.o, rows.w_local
+    group, cols = rules.slice_plan(n, d, v_local, x2.element_size(), memory)
+    buf = torch.empty(group * cols, dtype=x2.dtype, device=x2.device)
+    impl = shard_merge.slice_work(buf.view(group, cols), backend, backward=True)
+    acc = torch.empty((group, d), dtype=lse.dtype, device=x2.device) if dx is not None else None
+    if heuristics.poisoning() and dw is not None:  # (tests: the first group's GEMMs must write all of dW_r)
+        dw.fill_(float("nan"))
+    tiles = 0
+    for r0 in range(0, n, group):
+        r1 = min(r0 + group, n)
+        xg, s, m = x2[r0:r1], slice(r0, r1), r1 - r0
+        for v0 in range(0, v_local, cols):
+            v1 = min(v0 + cols, v_local)
+            w_s = weight[v0:v1]
+            logits = chunk_logits(xg, w_s, bias[v0:v1] if bias is not None else None, buf[: m * (v1 - v0)].view(m, -1))
+            ws = w_local[v0:v1] if w_local is not None else None
+            impl.dlogits(logits, lse[s], a[s], b[s], cc[s], rows.code_in(s, v0, v1), ws, o.softcap, o.smoothing != 0,
+                         logits)  # fmt: skip
+            if dw is not None:
+                gemm_into(dw[v0:v1], logits.t(), xg, add=r0 > 0)
+            if acc is not None:
+                gemm_into(acc[:m], logits, w_s, add=v0 > 0)
+            if db is not None:
+                db[v0:v1] += logits.sum(0, dtype=db.dtype)
+            tiles += 1
+        if acc is not None:
+            dx[r0:r1].copy_(acc[:m])
+    heuristics.record(heuristics.Plan(impl.name, rules.SLICED, block_n=cols, rows=group, splits=tiles))
 
 
 def linear_cross_entropy(

@@ -86,6 +86,8 @@ def wide_dtype(x) -> torch.dtype:
 class _Kernels:
     """The slice's statistics and outputs by triton/shard.py's kernels."""
 
+    name = "triton"
+
     def __init__(self, x, backward: bool):
         from ..kernels.triton.backend import kernels  # (the kernels import Triton)
 
@@ -120,6 +122,8 @@ class _Kernels:
 
 class TorchOps:
     """The same in torch ops (the CPU, float64, backend='torch')."""
+
+    name = "torch"
 
     def stats(self, x, w, cap, smooth):
         z = capped(x.to(wide_dtype(x)), cap)
@@ -194,6 +198,12 @@ class Rows:
         self.local = torch.where(own, local, 0)
         self.code = torch.where(own, local, torch.where(self.keep, -1, -2)).to(torch.int32)  # (triton/shard.py's t)
         self.w_local = w_local
+
+    def code_in(self, rows: slice, v0: int, v1: int) -> torch.Tensor:
+        """The code of ``rows`` (the kernels' t) on this slice's classes v0 to v1: the target's column there,
+        else -1 (kept) or -2 (ignored)."""
+        c = self.code[rows]
+        return torch.where((c >= v0) & (c < v1), c - v0, c.clamp(max=-1))
 
     def local_stats(self, impl, x, stats_dtype, r0: int = 0):
         """(m, 4) this slice's [logsumexp, target's z, target's class weight, sum of w * z] for x (m, V_r):

@@ -31,12 +31,17 @@ SLICE_COLS = 4096  # a slice's classes where the budget allows: one block of the
 ROW_ALIGN = 16  # a group's rows: a multiple of 16 keeps each group's views 16-byte aligned (one compile)
 
 
-def sliced(n: int, d: int, v: int, elsize: int, memory: int | None, forced: str | None, skip: bool = False) -> bool:
-    """Whether the Triton loss runs in row groups x vocabulary slices (lm_head.py's lce_sliced) rather than
-    row chunks: wherever a skip is asked for (only slices skip), else for an explicit ``memory`` by time: row
-    chunks do 3 GEMMs but read and write all of dW once a chunk; slices do 4 GEMMs and pass over dW once a
-    group. Each side's time is its GPU work or its host's, the larger (small budgets make many small tiles,
-    and the host cannot keep the GPU busy)."""
+def sliced(
+    n: int, d: int, v: int, elsize: int, memory: int | None, forced: str | None, skip: bool = False,
+    recompute: bool = False,
+) -> bool:  # fmt: skip
+    """Whether the loss's gradients run in row groups x vocabulary slices (lm_head.py's lce_sliced, the
+    tensor-parallel head's backward) rather than row chunks: wherever a skip is asked for (only slices
+    skip), else for an explicit ``memory`` by time: row chunks do 3 GEMMs (4 where the backward computes the
+    logits again anyway: ``recompute``, as lce_recompute and the tensor-parallel head do) but read and
+    write all of dW once a chunk; slices do 4 GEMMs and pass over dW once a group. Each side's time is its
+    GPU work or its host's, the larger (small budgets make many small tiles, and the host cannot keep the
+    GPU busy)."""
     if forced is not None and forced in DESIGNS + (SLICED,):
         return forced == SLICED
     if skip:
@@ -49,7 +54,7 @@ def sliced(n: int, d: int, v: int, elsize: int, memory: int | None, forced: str 
     chunks = -(-n // max(rows, 1))
     group, cols = slice_plan(n, d, v, elsize, memory)
     groups, tiles = -(-n // group), -(-n // group) * -(-v // cols)
-    t_rows = max(3 * gemm + (chunks - 1) * dw_pass, chunks * HOST_CHUNK_S)
+    t_rows = max((4 if recompute else 3) * gemm + (chunks - 1) * dw_pass, chunks * HOST_CHUNK_S)
     t_sliced = max(4 * gemm + (groups - 1) * dw_pass, tiles * HOST_TILE_S)
     return t_sliced < t_rows
 
@@ -60,7 +65,7 @@ def slice_plan(n: int, d: int, v: int, elsize: int, memory: int | None, skip: bo
     then fit (a multiple of ROW_ALIGN, the groups evened out); one group where all rows fit, its slices
     widened to the rest of the budget (not for a ``skip``: it drops whole slices, and wide ones would
     never be negligible); narrower slices where not even ROW_ALIGN rows fit."""
-    memory = max(memory or 1, 1)
+    memory = memory or MIN_ROWS * (SLICE_COLS * elsize + 4 * d)  # (none given: the path forced, or a skip)
     cols = min(SLICE_COLS, v)
     rows = memory // (cols * elsize + 4 * d)
     if rows < ROW_ALIGN:  # a small budget: ROW_ALIGN rows, the slice what is left (at least 128 classes)

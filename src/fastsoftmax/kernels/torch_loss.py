@@ -129,3 +129,15 @@ def chunk_logits(xc, weight, bias, out):
     if bias is not None:
         return torch.addmm(bias, xc, weight.t(), out=out)
     return torch.mm(xc, weight.t(), out=out)
+
+
+def gemm_into(out, a, b, add: bool) -> None:
+    """out = a @ b, or out += a @ b, one cuBLAS GEMM: low-precision a and b summed into an fp32 out by the GEMM
+    itself on CUDA (torch's out_dtype)."""
+    beta = 1 if add else 0
+    if a.dtype == out.dtype:
+        torch.addmm(out, a, b, beta=beta, out=out)
+    elif a.is_cuda:
+        torch.addmm(out, a, b, out_dtype=out.dtype, beta=beta, out=out)
+    else:  # (the CPU under Triton's interpreter: the tests)
+        torch.addmm(out, a.to(out.dtype), b.to(out.dtype), beta=beta, out=out)

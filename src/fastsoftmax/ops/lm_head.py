@@ -35,7 +35,7 @@ from ..core.layout import flat_target, storage_problem, values
 from ..heuristics import lm_head as rules
 from ..heuristics.device import selected
 from ..kernels.lm_head_steps import TorchSteps, TritonSteps
-from ..kernels.torch_loss import capped, chunk_logits, row_grads
+from ..kernels.torch_loss import capped, chunk_logits, gemm_into, row_grads
 from .cross_entropy import composite as ce_composite
 
 
@@ -54,12 +54,13 @@ def _sweep(x, weight, bias, t, cw, o, backend, memory, design, wants, g=None, st
     k = loss_impl(x, t, cw, o, v)
     forced = (heuristics.forced() or {}).get("path")
     skip = skip if k.name == "triton" and stats is None and design == "lce_chunked" and any(wants) else 0.0
-    sliced = k.name == "triton" and rules.sliced(n, x.shape[1], v, x.element_size(), memory, forced, skip > 0)
+    recompute = design == "lce_recompute"
+    sliced = k.name == "triton" and rules.sliced(
+        n, x.shape[1], v, x.element_size(), memory, forced, skip > 0, recompute
+    )
     skip = skip if sliced else 0.0  # (a forced row-chunk design: no skip)
     if skip and x.is_cuda and torch.cuda.is_current_stream_capturing():
         raise RuntimeError("linear_cross_entropy: skip_eps synchronises with the host: not in a CUDA graph")
-    if sliced and not memory:  # (a skip without a budget: MIN_ROWS rows of one slice, tiles the skip can drop)
-        memory = rules.MIN_ROWS * (rules.SLICE_COLS * x.element_size() + 4 * x.shape[1])
     if forward:
         stats = torch.empty(n + 3, dtype=wide, device=x.device)
         rows_loss = torch.empty(n, dtype=wide, device=x.device)
@@ -167,9 +168,9 @@ def _slices(x, weight, bias, k, stats, rows_loss, rows_z, g, forward, grads, wan
                     continue
                 grads_step(logits, v0, v, grp)  # logits -> dlogits, in place
                 if dw_s is not None:
-                    _into(dw_s, logits.t(), xg, add=r0 > 0 or bool(skip))
+                    gemm_into(dw_s, logits.t(), xg, add=r0 > 0 or bool(skip))
                 if acc_g is not None:
-                    _into(acc_g, logits, w_s, add=v0 > 0 or bool(skip))
+                    gemm_into(acc_g, logits, w_s, add=v0 > 0 or bool(skip))
                 if db is not None:
                     db[v0 : v0 + cols] += logits.sum(0, dtype=db.dtype)
             if live is not None and not all(live):
@@ -216,18 +217,6 @@ def _targets(xg, weight, bias, k, stats, g, r0, r1, live, cols, acc, dw, db):
         dw.index_add_(0, tt, (coef[:, None] * xg[rows].to(coef.dtype)).to(dw.dtype))
     if db is not None:
         db.index_add_(0, tt, coef.to(db.dtype))
-
-
-def _into(out, a, b, add: bool) -> None:
-    """out = a @ b, or out += a @ b, one cuBLAS GEMM: low-precision a and b summed into an fp32 out by the GEMM
-    itself on CUDA (torch's out_dtype)."""
-    beta = 1 if add else 0
-    if a.dtype == out.dtype:
-        torch.addmm(out, a, b, beta=beta, out=out)
-    elif a.is_cuda:
-        torch.addmm(out, a, b, out_dtype=out.dtype, beta=beta, out=out)
-    else:  # (the CPU under Triton's interpreter: the tests)
-        torch.addmm(out, a.to(out.dtype), b.to(out.dtype), beta=beta, out=out)
 
 
 # ---- the custom op ------------------------------------------------------------------------------------
