@@ -241,6 +241,34 @@ def test_skip_matches_the_exact_gradients_closely(device):
         torch.testing.assert_close(g1[k], g0[k], rtol=1e-5, atol=1e-6, msg=f"d{k}")
 
 
+def test_skip_reads_narrow_targets_widened(device):
+    """uint8 targets (-100 would wrap to 156): row 0's target 156 holds nearly all of its probability in slice
+    1, which every other row finds negligible; the skip must keep that slice for row 0's group (a row whose
+    target equals ignore_index's wrapped value is not ignored). Its dx and dW equal the exact run's."""
+    n, d, v = 18, 16, 513
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, d, generator=g)
+    x[:, 0] = 0.0
+    x[0] = 0.0
+    x[0, 0] = 20.0
+    w = torch.randn(v, d, generator=g) * 0.1
+    w[128:256] = 0.0
+    w[128:256, 0] = 20.0
+    b = torch.zeros(v)
+    b[128:256] = -200.0  # (other rows: -200 there; row 0: +200)
+    t = torch.randint(0, 128, (n,), generator=g)
+    t[0] = 156
+    x, w, b, t8 = x.to(device), w.to(device), b.to(device), t.to(device, torch.uint8)
+    grads = []
+    for eps in (0.0, 1e-6):
+        xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+        loss = fs.linear_cross_entropy(xg, wg, t8, b, backend="triton", memory=MEMORY, skip_eps=eps)
+        grads.append(torch.autograd.grad(loss, (xg, wg)))
+        assert (heuristics.last_plan().skipped > 0) == (eps > 0), heuristics.last_plan()
+    for name, exact, skipped in zip(("dx", "dW"), *grads, strict=True):
+        torch.testing.assert_close(skipped, exact, rtol=1e-5, atol=1e-6, msg=name)
+
+
 def test_skip_refusals_and_exact_elsewhere(device):
     """skip_eps outside [0, 1), with label smoothing or reduction='none': a clear error before any launch;
     on the torch loss (no slices) the call is exact and records row chunks."""

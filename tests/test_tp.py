@@ -17,6 +17,7 @@ from helpers import (
     CAP,
     EPS,
     LCE_MEMORY,
+    TP_LCE_TOL,
     ZL,
     D,
     M,
@@ -346,3 +347,39 @@ def test_float64_output_of_a_float32_shard(one_rank):
         y = (fsd.log_softmax if log else fsd.softmax)(x, dtype=torch.float64)
         assert y.dtype == torch.float64
         close(y, want, torch.float64, f"distributed.{'log_softmax' if log else 'softmax'}, dtype=float64")
+
+
+def test_collectives_get_contiguous_tensors(one_rank, monkeypatch):
+    """x transposed (dense, not contiguous: reshape keeps it a view) through the LM head's backward on both
+    layouts: every tensor a collective gets is contiguous, as NCCL requires (gloo accepts any), and the
+    gradients are right."""
+    import torch.nn.functional as F
+
+    import fastsoftmax.distributed as fsd
+    from fastsoftmax import heuristics
+    from fastsoftmax.distributed import merge
+
+    seen = []
+    for module, name in ((dist, "all_reduce"), (merge, "_all_gather")):  # (merge binds its all-gather once)
+        real = getattr(module, name)
+
+        def checked(t, *args, _real=real, _name=name, **kwargs):
+            tensors = [t] + [a for a in args if isinstance(a, torch.Tensor)]
+            seen.append((_name, all(a.is_contiguous() for a in tensors)))
+            return _real(t, *args, **kwargs)
+
+        monkeypatch.setattr(module, name, checked)
+    x, w, b, t = lce_problem(torch.float64, rows=SN, v=SV)
+    for path in ("lce_recompute", "lce_sliced"):
+        xt = x.t().contiguous().t().requires_grad_()  # (same values, strides (1, SN))
+        wr = w.clone().requires_grad_()
+        with heuristics.force(path=path):
+            loss = fsd.linear_cross_entropy(xt, wr, t, b, memory=_sliced_memory(torch.float64))
+            dx, dw = torch.autograd.grad(loss, (xt, wr))
+        x64, w64 = x.clone().requires_grad_(), w.clone().requires_grad_()
+        ref = F.cross_entropy(F.linear(x64, w64, b), t)
+        rx, rw = torch.autograd.grad(ref, (x64, w64))
+        close(loss, ref, torch.float64, f"{path}: loss", TP_LCE_TOL)
+        close(dx, rx, torch.float64, f"{path}: dx", TP_LCE_TOL)
+        close(dw, rw, torch.float64, f"{path}: dW", TP_LCE_TOL)
+    assert seen and all(ok for _, ok in seen), seen

@@ -271,14 +271,21 @@ class _LinearCrossEntropy(torch.autograd.Function):
         n, v_local = x2.shape[0], weight.shape[0]
         a, b, cc = rows.coefficients(grad)
         wide = shard_merge.wide_dtype(x2)
-        dx = torch.zeros_like(x2) if need_x else None
-        dw = torch.zeros_like(weight) if need_w else None
+        forced = (heuristics.forced() or {}).get("path")
+        sliced = n and v_local and rules.sliced(n, x2.shape[1], v_local, x2.element_size(), ctx.memory, forced,
+                                                recompute=True)  # fmt: skip
+        # (dx contiguous whatever x's strides: NCCL all-reduces contiguous tensors only; dW_r written whole by
+        # the slices' first group, added to by row chunks)
+        dx = torch.zeros(x2.shape, dtype=x2.dtype, device=x2.device) if need_x else None
+        dw = (
+            (torch.empty if sliced else torch.zeros)(weight.shape, dtype=weight.dtype, device=x2.device)
+            if need_w
+            else None
+        )
         db = torch.zeros(v_local, dtype=wide, device=x2.device) if need_b else None
         if n and v_local:
-            lse = rows.lse.to(wide)
-            forced = (heuristics.forced() or {}).get("path")
-            coef = (lse, a, b, cc)
-            if rules.sliced(n, x2.shape[1], v_local, x2.element_size(), ctx.memory, forced, recompute=True):
+            coef = (rows.lse.to(wide), a, b, cc)
+            if sliced:
                 _slices_backward(x2, weight, bias, rows, coef, ctx.memory, ctx.backend, dx, dw, db)
             else:
                 _chunks_backward(x2, weight, bias, rows, coef, step, ctx.backend, dx, dw, db)

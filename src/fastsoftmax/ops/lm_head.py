@@ -156,9 +156,11 @@ def _slices(x, weight, bias, k, stats, rows_loss, rows_z, g, forward, grads, wan
         if skip and acc_g is not None:
             acc_g.zero_()
         for sweep in sweeps:
-            live = _live(tops[:, :m], stats[r0:r1], k.t[r0:r1], k.o, skip) if sweep == "grads" and skip else None
+            live, kept = (
+                _live(tops[:, :m], stats[r0:r1], k.t[r0:r1], k.o, skip) if sweep == "grads" and skip else (None, None)
+            )
             for i, (v0, w_s, b_s, dw_s) in enumerate(parts):
-                if live is not None and not live[i]:
+                if kept is not None and not kept[i]:
                     skipped += 1
                     continue
                 logits = buf[: m * w_s.shape[0]].view(m, w_s.shape[0])
@@ -173,7 +175,7 @@ def _slices(x, weight, bias, k, stats, rows_loss, rows_z, g, forward, grads, wan
                     gemm_into(acc_g, logits, w_s, add=v0 > 0 or bool(skip))
                 if db is not None:
                     db[v0 : v0 + cols] += logits.sum(0, dtype=db.dtype)
-            if live is not None and not all(live):
+            if kept is not None and not all(kept):
                 _targets(xg, weight, bias, k, stats, g, r0, r1, live, cols, acc_g, dw, db)
         tiles += len(parts)
         if acc_g is not None:
@@ -182,39 +184,39 @@ def _slices(x, weight, bias, k, stats, rows_loss, rows_z, g, forward, grads, wan
     return dw
 
 
-def _live(tops, lse, t, o, skip: float) -> list[bool]:
+def _live(tops, lse, t, o, skip: float):
     """Per slice, whether a row group's gradient needs it: some kept row's largest probability on the slice,
-    exp(its largest z there - its logsumexp), is at least ``skip`` (a NaN keeps it). One host
-    synchronisation a group (the skip is eager only)."""
-    keep = t != o.ignore_index
+    exp(its largest z there - its logsumexp), is at least ``skip`` (a NaN keeps it): (on the device, as a
+    list). The list is the skip's one host synchronisation a group (the skip is eager only)."""
+    keep = t.long() != o.ignore_index  # (widened: a uint8 target 156 is not ignore_index -100)
     top = torch.where(keep[None, :], (tops - lse.to(tops.dtype)[None, :]).exp(), 0.0)
-    return (~(top.amax(1) < skip)).tolist()
+    live = ~(top.amax(1) < skip)
+    return live, live.tolist()
 
 
 def _targets(xg, weight, bias, k, stats, g, r0, r1, live, cols, acc, dw, db):
     """The target terms of the skipped slices, exactly: dlogit_t = -b (1 - (z_t / c)^2) (b the row's target
     coefficient, c the softcap; the a p_t beside it is below the skip and dropped) into dx (acc), dW and db,
-    for the group's rows whose target lies in a slice it skipped (found on the host: the skip synchronises a
-    group already), those rows alone."""
-    o, n = k.o, stats.shape[0] - 3
+    for the group's rows whose target lies in a slice it skipped (``live``: per slice, on the device), the
+    other rows' coefficients 0: no host synchronisation."""
+    o, n, m = k.o, stats.shape[0] - 3, r1 - r0
     t = k.t[r0:r1].long()
     keep = t != o.ignore_index
     tt = torch.where(keep, t, 0).clamp(0, weight.shape[0] - 1)
-    rows = (keep & ~torch.tensor(live, device=t.device)[tt // cols]).nonzero()[:, 0]
-    if not rows.numel():
-        return
-    tt = tt[rows]
-    b = row_grads(g, stats[n], stats[n + 2], o.reduction, r1 - r0)[0][rows]  # (g_ce: the mean's divisor)
+    alone = keep & ~live[tt // cols]
+    b = row_grads(g, stats[n], stats[n + 2], o.reduction, m)[0]  # (g_ce: the mean's divisor)
     b = b * (k.w.to(stats.dtype)[tt] if k.w is not None else 1.0)
+    w_t = weight[tt].to(stats.dtype)  # (m, d)
     if o.softcap is not None:
-        z = (xg[rows].to(stats.dtype) * weight[tt].to(stats.dtype)).sum(-1)
+        z = (xg.to(stats.dtype) * w_t).sum(-1)
         z = capped(z + bias[tt].to(z.dtype) if bias is not None else z, o.softcap)
         b = b * (1 - (z / o.softcap) ** 2)
-    coef = -b.to(stats.dtype)  # (rows,)
+    coef = torch.where(alone, -b.to(stats.dtype), 0.0)  # (m,)
+    only = alone[:, None]  # (where, not a product: another row's NaN or inf stays out)
     if acc is not None:
-        acc.index_add_(0, rows, coef[:, None] * weight[tt].to(acc.dtype))
+        acc.add_(torch.where(only, coef[:, None] * w_t, 0.0))
     if dw is not None:
-        dw.index_add_(0, tt, (coef[:, None] * xg[rows].to(coef.dtype)).to(dw.dtype))
+        dw.index_add_(0, tt, torch.where(only, coef[:, None] * xg.to(coef.dtype), 0.0).to(dw.dtype))
     if db is not None:
         db.index_add_(0, tt, coef.to(db.dtype))
 
