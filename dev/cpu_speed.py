@@ -100,6 +100,17 @@ def chunk_sweep() -> list:
     return records
 
 
+def commit() -> str:
+    """The checkout's commit (short), or '?' outside a git checkout."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
+        return out.stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "?"
+
+
 def cpu_name() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -136,6 +147,7 @@ def main() -> None:
         date=time.strftime("%Y-%m-%d"),
         threads=torch.get_num_threads(),
         chunk=native.CHUNK,
+        commit_measured=commit(),
         records=records,
     )
     if sweep:
