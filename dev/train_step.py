@@ -12,8 +12,9 @@ three) and with its defaults (``liger_all``: its RMSNorm, SwiGLU and RoPE kernel
 one of the four). CCE's PyPI wheels have no transformers patch (``cut_cross_entropy.transformers`` is in its
 git tree only): without it, CCE's linear_cross_entropy replaces fs.linear_cross_entropy inside fastsoftmax's
 patched forward, so only the loss differs. A peer that does not import is recorded with the reason, not run.
-Recorded beside the four too: ``fastsoftmax_lowmem`` (apply(memory=) of dW's bytes / LOWMEM_SHARE: the LM
-head's logits held at a time kept small beside its gradient) and ``fastsoftmax_eager`` (eager attention
+Recorded beside the four too: ``fastsoftmax_dw4`` and ``fastsoftmax_dw8`` (apply(memory=) of dW's bytes / 4
+and / 8: the LM head's logits held at a time kept small beside its gradient; the default chunks hold 2048
+rows, 525 MB of logits at this vocabulary, on top of the activations) and ``fastsoftmax_eager`` (eager attention
 with fs.softmax, attention_softmax=True, in place of sdpa). The variants through fastsoftmax's forward record
 their peak split around the loss (_peak_split): how much of the step's peak is the loss's.
 
@@ -34,9 +35,10 @@ import subprocess
 import sys
 import time
 
-VARIANTS = ("unpatched", "fastsoftmax", "liger", "cce", "liger_all", "fastsoftmax_lowmem", "fastsoftmax_eager")
+VARIANTS = ("unpatched", "fastsoftmax", "liger", "cce", "liger_all", "fastsoftmax_dw4", "fastsoftmax_dw8",
+            "fastsoftmax_eager")  # fmt: skip
 FOUR = VARIANTS[:4]  # (the issue's comparison; the others are recorded beside)
-LOWMEM_SHARE = 8  # fastsoftmax_lowmem: apply(memory=) of dW's bytes / 8 (the head's gradient beside its logits)
+SHARES = {"fastsoftmax_dw4": 4, "fastsoftmax_dw8": 8}  # apply(memory=) of dW's bytes / this
 LLAMA_1B = dict(
     vocab_size=128256,
     hidden_size=2048,
@@ -72,14 +74,14 @@ def _parser() -> argparse.ArgumentParser:
 
 def _patch(variant: str, model):
     """Applies variant's patch to model (in this process); returns the model to train."""
-    if variant in ("fastsoftmax", "fastsoftmax_lowmem", "fastsoftmax_eager"):
+    if variant.startswith("fastsoftmax"):
         from fastsoftmax.integrations import transformers as fst
 
         if variant == "fastsoftmax_eager":  # fs.softmax in eager attention (from sdpa) as well as the loss
             model.set_attn_implementation("eager")
             return fst.apply(model, attention_softmax=True)
         head = model.get_output_embeddings().weight
-        memory = head.numel() * head.element_size() // LOWMEM_SHARE if variant == "fastsoftmax_lowmem" else None
+        memory = head.numel() * head.element_size() // SHARES[variant] if variant in SHARES else None
         return fst.apply(model, memory=memory)
     if variant in ("liger", "liger_all"):
         from liger_kernel.transformers import apply_liger_kernel_to_llama
