@@ -17,7 +17,7 @@ from fastsoftmax.bench.suite import SUITE, graphed
 from fastsoftmax.core.reference import compare, compare_grad
 from fastsoftmax.kernels.cuda import build
 
-SHAPES = [s for s in SUITE if s != (1, 4096)]  # ../shared/BENCHING.md's suite (1x4096: host-bound)
+SHAPES = [s for s in SUITE if s != (1, 4096)]  # bench/suite.py's SUITE (1x4096: host-bound)
 VARIANTS = ["warp", "block", "cluster", "online", "staged", "three_pass"]
 # occupancy mode: registers capped for more CTAs per SM, fewer vectors per thread, smaller CTAs
 EXPERIMENTS = [

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Liger-Kernel, QuACK and Cut Cross-Entropy for `fastsoftmax bench` (--lce too) on the device, which has no network (../shared/BENCHING.md).
+# Liger-Kernel, QuACK and Cut Cross-Entropy for `fastsoftmax bench` (--lce too) on the device, which has no network (dev/README.md).
 #   bash dev/peers.sh pack      here: download the wheels (Python 3.12, x86_64) into .wheels/ (git-ignored)
 #                               and split the ~92 MB cu13 libs into two xz halves, each carryable in one call
 #   bash dev/peers.sh install   on the device (after carrying .wheels/part-a, then .wheels/part-b, in two

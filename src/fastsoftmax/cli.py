@@ -125,8 +125,8 @@ def check(args) -> int:
     return 1 if failed else 0
 
 
-# The loss kernels' cases, (N, d, V): cross-entropy with every option on logits, and the LM-head loss in both
-# designs over several chunks (an odd V)
+# The loss kernels' cases, (N, d, V): cross-entropy with every option on logits, and the LM-head loss in its
+# three designs (heuristics.LCE_DESIGNS) over several chunks (an odd V)
 LOSS_CASE = {"cuda": (4096, 256, 50257), "cpu": (24, 16, 1031)}
 
 
@@ -215,7 +215,9 @@ def asm(args) -> int:
     from fastsoftmax.kernels.triton.compile import compile_forward, ptxas_report
 
     arch = int(args.arch.removeprefix("sm_").rstrip("a"))
-    for k in compile_forward(args.variant, args.dtype, args.n, log=args.log, arch=arch, backward=args.backward):
+    kernels = compile_forward(args.variant, args.dtype, args.n, log=args.log, arch=arch, n_rows=args.rows,
+                              backward=args.backward)  # fmt: skip
+    for k in kernels:
         code = k.asm[args.stage]
         print(f"// kernel {k.name}")
         print(code if isinstance(code, str) else code.hex())
@@ -333,7 +335,8 @@ def main(argv=None) -> int:
         "--variant",
         default=None,
         help="triton: rowblock|online|split (default rowblock); "
-        "cuda: three_pass|warp|block|cluster|online|staged (default: what auto picks)",
+        "cuda: three_pass|warp|block|cluster|online|staged (default: the CUDA backend's own rule, without the "
+        "tuning table)",
     )
     a.add_argument("--rows", type=int, default=4096, help="rows of the (rows, n) problem the launch is planned for")
     a.add_argument("--backward", action="store_true", help="the backward kernel")

@@ -1,7 +1,7 @@
 """The implementations `fastsoftmax bench` times: fastsoftmax per backend and its peers (torch eager,
 torch.compile, Liger-Kernel, QuACK), each behind one adapter. Peers are imported when built, never at import;
-one that cannot be imported here raises then and is recorded as unsupported (see ../shared/BENCHING.md for
-carrying them to the device).
+one that cannot be imported here raises then and is recorded as unsupported (dev/peers.sh packs them for
+the device: dev/README.md).
 
 An adapter is a pair (fwd(x) -> fn, bwd(dy, y) -> fn), each fn a no-argument callable: what is timed.
 """

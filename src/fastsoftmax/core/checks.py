@@ -113,7 +113,8 @@ def target(fn: str, logits, target) -> None:
     if not isinstance(target, torch.Tensor):
         raise TypeError(f"{fn}: target must be a torch.Tensor")
     if target.dtype not in dtypes.TARGETS:
-        raise TypeError(f"{fn}: target must hold class indices (an integer dtype), got {target.dtype}")
+        names = ", ".join(str(d).removeprefix("torch.") for d in dtypes.TARGETS)
+        raise TypeError(f"{fn}: target must hold class indices (an integer dtype: {names}), got {target.dtype}")
     if tuple(target.shape) != tuple(logits.shape[:-1]):
         raise ValueError(
             f"{fn}: target has shape {tuple(target.shape)}, expected logits' shape without "

@@ -10,7 +10,7 @@ and a fully masked row gives zeros / -inf (never NaN).
 
 Gradients: dx = scale * dz, 0 at masked positions (False in a bool mask, -inf in an additive one, above
 the causal diagonal) and on fully masked rows; a floating mask that requires grad gets dz, summed over
-the dims it is broadcast along (ops.py); the scale gets none. (torch's autograd of
+the dims it is broadcast along (ops/softmax.py); the scale gets none. (torch's autograd of
 `log_softmax(x + mask)` would give dy at additive -inf positions; here every masked position gets 0.)
 
 The mask is broadcast to x's shape as a view (stride 0 along broadcast dims) and never expanded in memory:

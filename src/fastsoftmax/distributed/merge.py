@@ -1,4 +1,4 @@
-"""One rank's slice of classes split across ranks, for distributed.py's functions: the collectives and the
+"""One rank's slice of classes split across ranks, for distributed/__init__.py's functions: the collectives and the
 merge of their statistics, and the slice's own work.
 
 The collectives: agree (the first all-gather: each rank's signature, checked for agreement, giving the slice's

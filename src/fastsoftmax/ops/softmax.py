@@ -168,7 +168,7 @@ def forward(
     checks.masked(fn, x, d, mask, scale, causal)
     if _route(x, mask) in ("op", "func"):
         raise RuntimeError(
-            f"fastsoftmax.softmax.forward is an eager call with no autograd and no custom op: under "
+            f"fastsoftmax.ops.softmax.forward is an eager call with no autograd and no custom op: under "
             f"torch.compile, fake tensors, dispatch modes and torch.func use fs.{fn}"
         )
     with torch.no_grad():

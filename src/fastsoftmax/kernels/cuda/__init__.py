@@ -1,2 +1,3 @@
 """The CUDA C backend: softmax.cu (package data) compiled at run time by NVRTC (build.py), launched through
-cuda.bindings on torch's current stream (kernels.py). Imported only when backend="cuda" is used."""
+kernels/launch.py (fastlaunch.c) on torch's current stream (kernels.py). Its backend module is imported with
+the package; NVRTC and the cubins are touched on first use only."""

@@ -15,7 +15,7 @@ A forward is two launches: ce_fwd (the rows), then ce_finish (one program: the r
 rows kept and their weight, and whether every target is in range, which on CUDA it asserts on the device);
 a backward is one (ce_bwd reads the upstream gradient and the mean's divisors from
 device memory). A target outside [0, V) never addresses memory (its row's z_t is taken as 0); the caller
-raises from ce_finish's flag. The LM-head loss (lce.py) runs the same kernels on chunks of rows.
+raises from ce_finish's flag. The LM-head loss (ops/lm_head.py) runs the same kernels on chunks of rows.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Kernels on one rank's slice of logits split along the classes across ranks (shard_merge.py): the slice is
+"""Kernels on one rank's slice of logits split along the classes across ranks (distributed/merge.py): the slice is
 (M, V_r) of the full (M, V) rows. The statistics that cross ranks are per row, so each kernel is a row sweep
 over the slice alone, and the merge of the ranks' statistics is O(M) work between them.
 
