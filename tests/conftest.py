@@ -78,6 +78,7 @@ FULL_ONLY = {
     "test_masked.py::test_gradcheck_float64": lambda item: True,
     # (test_tp*.py's 2-process cases keep gloo, softmax, uneven and empty shards, and disagreeing ranks)
     "test_distributed.py::test_vocabulary_parallel_gloo": lambda item: True,
+    "test_tp.py::test_linear_cross_entropy_sliced_backward": lambda item: "3-empty" in item.name,  # (~8 s)
     "test_distributed.py::test_disagreeing_ranks_all_raise_the_same_error": lambda item: True,
     "test_distributed.py::test_slice_widths_change_between_calls": lambda item: True,
     "test_forward.py::test_paths_random_and_special": lambda item: (
