@@ -198,7 +198,9 @@ def _targets(xg, weight, bias, k, stats, g, r0, r1, live, cols, acc, dw, db):
     """The target terms of the skipped slices, exactly: dlogit_t = -b (1 - (z_t / c)^2) (b the row's target
     coefficient, c the softcap; the a p_t beside it is below the skip and dropped) into dx (acc), dW and db,
     for the group's rows whose target lies in a slice it skipped (``live``: per slice, on the device), the
-    other rows' coefficients 0: no host synchronisation."""
+    other rows' coefficients 0: no host synchronisation. One temporary of the group's size, W's target rows
+    in W's dtype; the products rounded as the GEMMs round them (z_t and dlogit_t in x's dtype, fp32 sums).
+    (A 0 coefficient times a non-finite x or W row gives NaN where the GEMMs of that row give NaN too.)"""
     o, n, m = k.o, stats.shape[0] - 3, r1 - r0
     t = k.t[r0:r1].long()
     keep = t != o.ignore_index
@@ -206,17 +208,16 @@ def _targets(xg, weight, bias, k, stats, g, r0, r1, live, cols, acc, dw, db):
     alone = keep & ~live[tt // cols]
     b = row_grads(g, stats[n], stats[n + 2], o.reduction, m)[0]  # (g_ce: the mean's divisor)
     b = b * (k.w.to(stats.dtype)[tt] if k.w is not None else 1.0)
-    w_t = weight[tt].to(stats.dtype)  # (m, d)
+    w_t = weight[tt]  # (m, d)
     if o.softcap is not None:
-        z = (xg.to(stats.dtype) * w_t).sum(-1)
+        z = torch.bmm(xg[:, None, :], w_t[:, :, None]).reshape(m).to(stats.dtype)
         z = capped(z + bias[tt].to(z.dtype) if bias is not None else z, o.softcap)
         b = b * (1 - (z / o.softcap) ** 2)
     coef = torch.where(alone, -b.to(stats.dtype), 0.0)  # (m,)
-    only = alone[:, None]  # (where, not a product: another row's NaN or inf stays out)
     if acc is not None:
-        acc.add_(torch.where(only, coef[:, None] * w_t, 0.0))
+        acc.addcmul_(w_t, coef[:, None])
     if dw is not None:
-        dw.index_add_(0, tt, torch.where(only, coef[:, None] * xg.to(coef.dtype), 0.0).to(dw.dtype))
+        dw.index_add_(0, tt, xg * coef[:, None].to(xg.dtype))
     if db is not None:
         db.index_add_(0, tt, coef.to(db.dtype))
 
