@@ -284,7 +284,8 @@ def bench(args) -> int:
             return 2
         path = args.json or ("bench/results/h200_lce.json" if device == "cuda" else None)
         memory = lce.MEMORY if args.lce_memory is None else args.lce_memory
-        lce.run_lce(lce.parse_lce_shapes(args.shapes, device), impls, device, memory, path, spread=args.lce_spread)
+        spread = lce.SPREAD if args.lce_spread is None else args.lce_spread
+        lce.run_lce(lce.parse_lce_shapes(args.shapes, device), impls, device, memory, path, spread=spread)
         return 0
     if args.ce:
         impls = args.impls.split(",") if args.impls else list(b.CE_IMPLS)
@@ -410,9 +411,10 @@ def main(argv=None) -> int:
     b.add_argument(
         "--lce-spread",
         type=float,
-        default=1.0,
+        default=None,
         metavar="S",
-        help="--lce: the logits' standard deviation (W's scale; default 1.0); record it in a file of its own",
+        help="--lce: the logits' standard deviation (W's scale; default fastsoftmax.bench.lce.SPREAD, 1); record "
+        "it in a file of its own",
     )
     b.add_argument("--attention", default=None, metavar="B,H,S", help="--masked scores shape (default 8,16,2048)")
     b.set_defaults(fn=bench)

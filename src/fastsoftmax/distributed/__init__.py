@@ -37,7 +37,7 @@ from .. import heuristics
 from ..core import checks, compose, options
 from ..core.layout import flat_target
 from ..heuristics import lm_head as rules
-from ..kernels.torch_loss import chunk_logits, gemm_into, reduce_terms
+from ..kernels.torch_loss import chunk_logits, reduce_terms, tile_grads
 from . import merge as shard_merge
 
 
@@ -275,10 +275,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
         sliced = n and v_local and rules.sliced(n, x2.shape[1], v_local, x2.element_size(), ctx.memory, forced,
                                                 recompute=True)  # fmt: skip
         # (dx contiguous whatever x's strides: NCCL all-reduces contiguous tensors only; dW_r written whole by
-        # the slices' first group, added to by row chunks)
+        # the first chunk or group, added to by the others)
         dx = torch.zeros(x2.shape, dtype=x2.dtype, device=x2.device) if need_x else None
         dw = (
-            (torch.empty if sliced else torch.zeros)(weight.shape, dtype=weight.dtype, device=x2.device)
+            (torch.empty if n and v_local else torch.zeros)(weight.shape, dtype=weight.dtype, device=x2.device)
             if need_w
             else None
         )
@@ -297,7 +297,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
 def _chunks_backward(x2, weight, bias, rows, coef, step, backend, dx, dw, db):
     """The head's backward in chunks of ``step`` rows, each with all the slice's classes: the logits again,
-    dlogits in place, dx's rows, and dW_r and db_r added to once a chunk."""
+    dlogits in place, dx's rows, dW_r written by the first chunk and added to by the others, db_r."""
     n, v_local = x2.shape[0], weight.shape[0]
     lse, a, b, cc = coef
     o = rows.o
@@ -308,12 +308,7 @@ def _chunks_backward(x2, weight, bias, rows, coef, step, backend, dx, dw, db):
         xc, s = x2[r0:r1], slice(r0, r1)
         logits = chunk_logits(xc, weight, bias, buf[: r1 - r0])
         impl.dlogits(logits, lse[s], a[s], b[s], cc[s], rows.code[s], rows.w_local, o.softcap, o.smoothing != 0, logits)
-        if dx is not None:
-            torch.mm(logits, weight, out=dx[r0:r1])
-        if dw is not None:
-            dw.addmm_(logits.t(), xc)
-        if db is not None:
-            db += logits.sum(0, dtype=db.dtype)
+        tile_grads(logits, xc, weight, dw, dx[r0:r1] if dx is not None else None, db, add_dw=r0 > 0, add_dx=False)
     heuristics.record(heuristics.Plan(impl.name, "lce_recompute", rows=step, splits=-(-n // step)))
 
 
@@ -343,12 +338,8 @@ def _slices_backward(x2, weight, bias, rows, coef, memory, backend, dx, dw, db):
             ws = w_local[v0:v1] if w_local is not None else None
             impl.dlogits(logits, lse[s], a[s], b[s], cc[s], rows.code_in(s, v0, v1), ws, o.softcap, o.smoothing != 0,
                          logits)  # fmt: skip
-            if dw is not None:
-                gemm_into(dw[v0:v1], logits.t(), xg, add=r0 > 0)
-            if acc is not None:
-                gemm_into(acc[:m], logits, w_s, add=v0 > 0)
-            if db is not None:
-                db[v0:v1] += logits.sum(0, dtype=db.dtype)
+            dw_s, db_s = (dw[v0:v1] if dw is not None else None), (db[v0:v1] if db is not None else None)
+            tile_grads(logits, xg, w_s, dw_s, acc[:m] if acc is not None else None, db_s, add_dw=r0 > 0, add_dx=v0 > 0)
             tiles += 1
         if acc is not None:
             dx[r0:r1].copy_(acc[:m])

@@ -131,6 +131,19 @@ def chunk_logits(xc, weight, bias, out):
     return torch.mm(xc, weight.t(), out=out)
 
 
+def tile_grads(dl, x_rows, w_cols, dw, dx, db, add_dw: bool, add_dx: bool) -> None:
+    """The LM-head loss's gradient GEMMs of one tile (rows x classes) from its dlogits ``dl``: dW's rows for
+    those classes (dw = or += dl^T @ x_rows), dx's rows (dx = or += dl @ w_cols: fp32 sums over the slices
+    where dx is fp32) and db's entries (+= dl's column sums); None: not wanted. Row chunks add to dW after the
+    first chunk; slices add to dW after the first group and to dx after the first slice."""
+    if dw is not None:
+        gemm_into(dw, dl.t(), x_rows, add=add_dw)
+    if dx is not None:
+        gemm_into(dx, dl, w_cols, add=add_dx)
+    if db is not None:
+        db += dl.sum(0, dtype=db.dtype)
+
+
 def gemm_into(out, a, b, add: bool) -> None:
     """out = a @ b, or out += a @ b, one cuBLAS GEMM: low-precision a and b summed into an fp32 out by the GEMM
     itself on CUDA (torch's out_dtype)."""

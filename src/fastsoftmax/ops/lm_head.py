@@ -35,7 +35,7 @@ from ..core.layout import flat_target, storage_problem, values
 from ..heuristics import lm_head as rules
 from ..heuristics.device import selected
 from ..kernels.lm_head_steps import TorchSteps, TritonSteps
-from ..kernels.torch_loss import capped, chunk_logits, gemm_into, row_grads
+from ..kernels.torch_loss import capped, chunk_logits, row_grads, tile_grads
 from .cross_entropy import composite as ce_composite
 
 
@@ -93,9 +93,10 @@ def _sweep(x, weight, bias, t, cw, o, backend, memory, design, wants, g=None, st
 def _row_chunks(x, weight, bias, k, stats, rows_loss, rows_z, g, forward, grads, wants, dx, dw, db, memory, design):
     """lce_chunked / lce_recompute: chunks of rows, each with all V classes. Returns dW (None: not wanted)."""
     n, v = x.shape[0], weight.shape[0]
-    wide = stats.dtype
     rows = rules.rows_per_chunk(x, v, memory)
     buf = torch.empty((min(rows, n), v), dtype=x.dtype, device=x.device) if n else None
+    if grads and wants[1] and dw is None:
+        dw = torch.empty(weight.shape, dtype=weight.dtype, device=x.device)  # (the first chunk writes it)
     chunks = 0
     for r0 in range(0, n, rows):
         r1 = min(r0 + rows, n)
@@ -105,15 +106,8 @@ def _row_chunks(x, weight, bias, k, stats, rows_loss, rows_z, g, forward, grads,
             k.forward(logits, r0, r1, stats, rows_loss, rows_z)
         if grads:
             k.backward(logits, r0, r1, stats, g, n)  # logits -> dlogits, in place
-            if wants[0]:
-                torch.mm(logits, weight, out=dx[r0:r1])
-            if wants[1]:
-                if dw is None:
-                    dw = torch.mm(logits.t(), xc)
-                else:
-                    dw.addmm_(logits.t(), xc)
-            if wants[2]:
-                db += logits.sum(0, dtype=wide)
+            tile_grads(logits, xc, weight, dw if wants[1] else None, dx[r0:r1] if wants[0] else None, db,
+                       add_dw=r0 > 0, add_dx=False)  # fmt: skip
         chunks += 1
     heuristics.record(heuristics.Plan(k.name, design, rows=rows, splits=chunks))
     return dw
@@ -169,12 +163,8 @@ def _slices(x, weight, bias, k, stats, rows_loss, rows_z, g, forward, grads, wan
                     loss_step(logits, v0, v, grp, tops[i, :m] if skip else None)
                     continue
                 grads_step(logits, v0, v, grp)  # logits -> dlogits, in place
-                if dw_s is not None:
-                    gemm_into(dw_s, logits.t(), xg, add=r0 > 0 or bool(skip))
-                if acc_g is not None:
-                    gemm_into(acc_g, logits, w_s, add=v0 > 0 or bool(skip))
-                if db is not None:
-                    db[v0 : v0 + cols] += logits.sum(0, dtype=db.dtype)
+                db_s = db[v0 : v0 + cols] if db is not None else None
+                tile_grads(logits, xg, w_s, dw_s, acc_g, db_s, add_dw=r0 > 0 or bool(skip), add_dx=v0 > 0 or bool(skip))
             if kept is not None and not all(kept):
                 _targets(xg, weight, bias, k, stats, g, r0, r1, live, cols, acc_g, dw, db)
         tiles += len(parts)
