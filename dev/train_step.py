@@ -12,11 +12,12 @@ three) and with its defaults (``liger_all``: its RMSNorm, SwiGLU and RoPE kernel
 one of the four). CCE's PyPI wheels have no transformers patch (``cut_cross_entropy.transformers`` is in its
 git tree only): without it, CCE's linear_cross_entropy replaces fs.linear_cross_entropy inside fastsoftmax's
 patched forward, so only the loss differs. A peer that does not import is recorded with the reason, not run.
-Recorded beside the four too: ``fastsoftmax_dw4`` and ``fastsoftmax_dw8`` (apply(memory=) of dW's bytes / 4
-and / 8: the LM head's logits held at a time kept small beside its gradient; the default chunks hold 2048
-rows, 525 MB of logits at this vocabulary, on top of the activations) and ``fastsoftmax_eager`` (eager attention
-with fs.softmax, attention_softmax=True, in place of sdpa). The variants through fastsoftmax's forward record
-their peak split around the loss (_peak_split): how much of the step's peak is the loss's.
+Recorded beside the four too: ``fastsoftmax_chunks`` (apply(memory=) of the loss's own default
+chunk, at least 2048 rows, 525 MB of logits at this vocabulary: apply()'s default before STEP_SHARE),
+``fastsoftmax_dw8`` (apply(memory=) of dW's bytes / 8; apply()'s default is / heuristics.lm_head.STEP_SHARE)
+and ``fastsoftmax_eager`` (eager attention with fs.softmax, attention_softmax=True, in place of sdpa).
+The variants through fastsoftmax's forward record their peak split around the loss (_peak_split): how
+much of the step's peak is the loss's.
 
     python dev/train_step.py OUT.json                 # on the GPU: 1x4096, 1x8192 and 8x1024 tokens
     python dev/train_step.py OUT.json --tiny          # on the CPU: a 2-layer model, the code paths only
@@ -35,10 +36,10 @@ import subprocess
 import sys
 import time
 
-VARIANTS = ("unpatched", "fastsoftmax", "liger", "cce", "liger_all", "fastsoftmax_dw4", "fastsoftmax_dw8",
+VARIANTS = ("unpatched", "fastsoftmax", "liger", "cce", "liger_all", "fastsoftmax_chunks", "fastsoftmax_dw8",
             "fastsoftmax_eager")  # fmt: skip
 FOUR = VARIANTS[:4]  # (the issue's comparison; the others are recorded beside)
-SHARES = {"fastsoftmax_dw4": 4, "fastsoftmax_dw8": 8}  # apply(memory=) of dW's bytes / this
+SHARES = {"fastsoftmax_dw8": 8}  # apply(memory=) of dW's bytes / this
 LLAMA_1B = dict(
     vocab_size=128256,
     hidden_size=2048,
@@ -72,7 +73,7 @@ def _parser() -> argparse.ArgumentParser:
 # ---- one variant, in its own process --------------------------------------------------------------------
 
 
-def _patch(variant: str, model):
+def _patch(variant: str, model, tokens: int):
     """Applies variant's patch to model (in this process); returns the model to train."""
     if variant.startswith("fastsoftmax"):
         from fastsoftmax.integrations import transformers as fst
@@ -80,8 +81,13 @@ def _patch(variant: str, model):
         if variant == "fastsoftmax_eager":  # fs.softmax in eager attention (from sdpa) as well as the loss
             model.set_attn_implementation("eager")
             return fst.apply(model, attention_softmax=True)
+        from fastsoftmax.heuristics import lm_head as rules
+
         head = model.get_output_embeddings().weight
-        memory = head.numel() * head.element_size() // SHARES[variant] if variant in SHARES else None
+        (v, d), size = head.shape, head.element_size()
+        memory = v * d * size // SHARES[variant] if variant in SHARES else None
+        if variant == "fastsoftmax_chunks":  # (the loss's default chunk at this many tokens, as a budget)
+            memory = rules.chunk_rows(tokens, d, v, size, None, None) * v * size
         return fst.apply(model, memory=memory)
     if variant in ("liger", "liger_all"):
         from liger_kernel.transformers import apply_liger_kernel_to_llama
@@ -150,7 +156,7 @@ def run_variant(variant: str, batch: int, seq: int, args) -> dict:
     config = transformers.LlamaConfig(**(TINY if args.tiny else LLAMA_1B), attn_implementation="sdpa")
     with torch.device(device):
         model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
-    model = _patch(variant, model).train()
+    model = _patch(variant, model, batch * seq).train()
     params = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device == "cuda")
     g = torch.Generator(device="cpu").manual_seed(1)

@@ -288,3 +288,25 @@ def test_memory_reaches_the_loss(device, monkeypatch):
     assert_loss_close(got.loss, want.loss)
     assert_grads_close(got_g, want_g)
     fst().revert(model)
+
+
+def test_default_memory_is_the_heads_gradient_share(device, monkeypatch):
+    """apply(model) without memory= gives the loss the head's gradient bytes / STEP_SHARE (the step's rule,
+    from the head's weight at the call), the plan's chunks following it."""
+    from fastsoftmax import heuristics
+    from fastsoftmax.heuristics import lm_head as lm_rules
+
+    model = make_model("llama", device)
+    inputs = batch(device)
+    want, want_g = step(model, inputs)
+    calls = Calls(monkeypatch)
+    fst().apply(model)
+    got, got_g = step(model, inputs)
+    weight = model.lm_head.weight
+    budget = weight.numel() * weight.element_size() // lm_rules.STEP_SHARE
+    assert [c["memory"] for c in calls.lce] == [budget]
+    plan = heuristics.last_plan()
+    assert plan.path == "lce_sliced" or plan.rows == budget // (V * weight.element_size()), plan
+    assert_loss_close(got.loss, want.loss)
+    assert_grads_close(got_g, want_g)
+    fst().revert(model)

@@ -286,7 +286,7 @@ def test_skip_refusals_and_exact_elsewhere(device):
     check(x, w, t, b, fs_opts={"backend": "triton", "skip_eps": 1e-3})  # no budget: MIN_ROWS rows of one slice
     plan = heuristics.last_plan()
     assert (plan.path, plan.rows, plan.block_n) == ("lce_sliced", 6, 300), plan
-    m = fs.LinearCrossEntropy(8, 300, bias=True, skip_eps=1e-3, backend="triton", memory=1000)
+    m = fs.LinearCrossEntropy(8, 300, bias=True, skip_eps=1e-3, backend="triton", memory=1000, device=x.device)
     m.weight.data.copy_(w)
     m.bias.data.copy_(b)
     torch.testing.assert_close(m(x, t), fs.linear_cross_entropy(x, w, t, b, backend="triton"), rtol=1e-5, atol=1e-6)

@@ -141,10 +141,11 @@ def _triton_cases(rank, widths, dev, launches):
     lo, hi = bounds((130, 170) if len(widths) == 2 else (130, 0, 170), rank)
     what = f"rank {rank} [{lo}, {hi}) triton linear_cross_entropy sliced backward"
     n0 = len(launches)
-    with heuristics.force(path="lce_sliced", poison=True):
+    with heuristics.force(path="lce_sliced", poison=True), heuristics.recording() as plans:
         lce_one(fsd, rank, lo, hi, f32, ALL_OPTIONS, "mean", memory=16 * (128 * 4 + 4 * D), v=300, rows=20,
                 backend="triton", what=what, dev=dev)  # fmt: skip
-    assert hi == lo or heuristics.last_plan().path == "lce_sliced", (what, heuristics.last_plan())
+    # (recording(): on a GPU the backward's plan is recorded on autograd's thread, not this one's)
+    assert hi == lo or any(p.path == "lce_sliced" for p in plans), (what, plans)
     assert hi == lo or "shard_apply" in launches[n0:], f"{what}: no dlogits kernel ran ({launches[n0:]})"
 
 

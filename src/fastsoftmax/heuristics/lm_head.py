@@ -81,6 +81,19 @@ def slice_plan(n: int, d: int, v: int, elsize: int, memory: int | None, skip: bo
     return rows, cols
 
 
+STEP_SHARE = 4  # a training step's LM-head loss (integrations' apply): logits of at most dW's bytes / this at a
+# time. The loss runs at the step's activation peak and the backward's peak is dW above it; the default
+# 2048-row chunk (525 MB at Llama 3.2 1B's 128256 classes) put the step's peak 2.7% above CCE's, dW / 4 at
+# +0.09% (4096 tokens) and level (8192, 8 x 1024) for 1-1.5% of the step's time; dW / 8 level too, 7-9% slower
+# (bench/results/h200_train_step.json)
+
+
+def step_memory(weight) -> int:
+    """The LM-head loss's memory= in a training step (integrations/transformers.apply's default): the
+    head's gradient bytes / STEP_SHARE."""
+    return max(1, weight.numel() * weight.element_size() // STEP_SHARE)
+
+
 def free_bytes(x) -> int | None:
     """Bytes the caching allocator can hand out on x's GPU (None on the CPU, and while a CUDA graph is
     captured: its chunks must not depend on what is free then)."""

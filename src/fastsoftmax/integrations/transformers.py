@@ -64,6 +64,7 @@ import torch.nn.functional as F
 import fastsoftmax as fs
 
 from ..core import checks
+from ..heuristics import lm_head as lm_rules
 
 NAME = "fastsoftmax"  # the attention implementation's name: attn_implementation="fastsoftmax"
 
@@ -93,7 +94,7 @@ class _Patch:
 
     def __init__(self, forward, output: type | None, attention_before: str | None, memory: int | None = None):
         self.forward, self.output, self.attention_before = forward, output, attention_before
-        self.memory = memory  # the LM-head loss's memory= (None: its default chunks)
+        self.memory = memory  # the LM-head loss's memory= (None: lm_rules.step_memory at each call)
 
 
 def _transformers():
@@ -175,6 +176,11 @@ def causal_lm_loss(
     return loss
 
 
+def _memory(memory: int | None, weight: torch.Tensor) -> int:
+    """apply()'s memory=, or the step's rule from the head's weight as it is at the call."""
+    return memory if memory is not None else lm_rules.step_memory(weight)
+
+
 def _positional(names: tuple[str, ...], args: tuple, kwargs: dict) -> dict:
     """kwargs with the positional args named as the class's forward names them."""
     if len(args) > len(names):
@@ -204,7 +210,7 @@ def _fused(self, kwargs: dict, cls: type):
         num_items_in_batch=kwargs.get("num_items_in_batch"),
         ignore_index=kwargs.get("ignore_index", -100),
         shift_labels=kwargs.get("shift_labels"),
-        memory=getattr(self, _STATE).memory,
+        memory=_memory(getattr(self, _STATE).memory, self.lm_head.weight),
     )
     out_cls = getattr(self, _STATE).output
     rest = {f: getattr(outputs, f, None) for f in out_cls.__dataclass_fields__ if f not in ("loss", "logits")}
@@ -313,7 +319,8 @@ def register() -> None:
 def apply(model, *, loss: bool = True, attention_softmax: bool = False, memory: int | None = None):
     """Patches ``model`` (this instance only) and returns it: ``loss=True``, the fused LM-head loss in
     training; ``attention_softmax=True``, fs.softmax in its eager attention. ``memory``: the loss's
-    fs.linear_cross_entropy memory= (bytes of logits at a time; None: its default chunks). See the module's
+    fs.linear_cross_entropy memory= (bytes of logits at a time; None: the head's gradient bytes / 4, which
+    keeps a training step's peak at the backward's own: heuristics/lm_head.step_memory). See the module's
     docstring for what changes and what is refused. revert(model) undoes it.
 
     With ``attention_softmax=True`` and left padding, a pad position's query sees no key: its attention
