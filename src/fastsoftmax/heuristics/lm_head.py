@@ -85,7 +85,7 @@ STEP_SHARE = 4  # a training step's LM-head loss (integrations' apply): logits o
 # time. The loss runs at the step's activation peak and the backward's peak is dW above it; the default
 # 2048-row chunk (525 MB at Llama 3.2 1B's 128256 classes) put the step's peak 2.7% above CCE's, dW / 4 at
 # +0.09% (4096 tokens) and level (8192, 8 x 1024) for 1-1.5% of the step's time; dW / 8 level too, 7-9% slower
-# (bench/results/h200_train_step.json)
+# (H200, 2026-12-04); the default at every length: bench/results/h100_train_step.json
 
 
 def step_memory(weight) -> int:

@@ -62,7 +62,10 @@ def loss_key(tensors: tuple, *options):
     """The key of a cross-entropy call on ``tensors`` (None entries kept as None): their keys and devices
     (each one's: the call is looked up before the checks that refuse tensors on two devices), and the loss's
     options (each as the kernels take it)."""
-    return tuple(None if t is None else (tensor_key(t), t.get_device()) for t in tensors), options
+    keys = []  # (a loop: a generator expression costs a frame per tensor)
+    for t in tensors:
+        keys.append(None if t is None else (tensor_key(t), t.get_device()))
+    return tuple(keys), options
 
 
 def replayable(*tensors) -> bool:
@@ -195,11 +198,16 @@ def _torch_call(fn, args: tuple, swap: bool, plan):
     swapped where ``swap`` (a backward: the replay takes y, dy and fn dy, y)."""
     record = heuristics.record
 
-    def torch_call(*inputs):
+    def torch_call(x, *rest):  # (x alone: the forward, one frame)
         if _overridden():
             return None
         try:
-            out = fn(*(inputs[::-1] if swap else inputs), *args)
+            if not rest:
+                out = fn(x, *args)
+            elif swap:
+                out = fn(rest[0], x, *args)
+            else:
+                out = fn(x, *rest, *args)
         except (IndexError, RuntimeError):  # (a bad target, say: the full path runs and reports it)
             return None
         record(plan)

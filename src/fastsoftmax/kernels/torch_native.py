@@ -48,43 +48,66 @@ def _last(x: torch.Tensor, dim: int) -> bool:
     return dim == x.dim() - 1 or all(s == 1 for s in x.shape[dim + 1 :])
 
 
-def _firsts(t: torch.Tensor, dim: int, ctype):
-    """Each row's first element along dim of a contiguous t, read from its memory as ``ctype`` (a list)
-    where its rows lie in memory and there are at most READ_ROWS of them (a torch op on a small tensor costs
-    as much as the softmax of a row of 4096); else None."""
+def nan_first_test(t: torch.Tensor, dim: int):
+    """The test _any_nan_first makes on every contiguous tensor of t's shape and dtype, chosen once (a
+    replay keeps it): a function of such a tensor."""
+    uint, inf, _, sign, value = _BITS[t.dtype]
     n = t.shape[dim]
-    m = t.numel() // n
-    if m > READ_ROWS or (m > 1 and not _last(t, dim)):
-        return None
-    return _SPANS[ctype].from_address(t.data_ptr())[0 : (m - 1) * n + 1 : n]
+    m = t.numel() // n if n else 0
+    if m == 1 and value is not None:  # one row: its first element's value (NaN iff it differs from itself)
+
+        def one_value(u):
+            v = value.from_address(u.data_ptr()).value
+            return v != v
+
+        return one_value
+    if m == 1:
+        mask = sign - 1
+        return lambda u: uint.from_address(u.data_ptr()).value & mask > inf  # (its bits)
+    if m <= READ_ROWS and _last(t, dim):  # each row's first element, read from memory in one slice
+        picks, span = slice(0, (m - 1) * n + 1, n), _SPANS[value or uint]
+        if value is not None:
+
+            def values(u):
+                s = sum(span.from_address(u.data_ptr())[picks])
+                return s != s  # (NaN iff one is NaN, or both infinities are there)
+
+            return values
+        mask = sign - 1
+        return lambda u: any(b & mask > inf for b in span.from_address(u.data_ptr())[picks])
+    return lambda u: bool(u.select(dim, 0).isnan().any())
 
 
 def _any_nan_first(t: torch.Tensor, dim: int) -> bool:
     """Whether a row of the contiguous t starts with NaN; may also say so for a first column that holds
     both +inf and -inf (callers confirm)."""
-    uint, inf, _, sign, value = _BITS[t.dtype]
-    if t.numel() == t.shape[dim]:  # one row: its first element's bits
-        return uint.from_address(t.data_ptr()).value & (sign - 1) > inf
-    if value is not None:
-        values = _firsts(t, dim, value)
-        if values is not None:
-            s = sum(values)  # NaN iff one is NaN (or both infinities are there)
-            return s != s
-    else:
-        bits = _firsts(t, dim, uint)
-        if bits is not None:
-            return any(b & (sign - 1) > inf for b in bits)
-    return bool(t.select(dim, 0).isnan().any())
+    return nan_first_test(t, dim)(t)
+
+
+def underflow_first_test(t: torch.Tensor, dim: int):
+    """The test _any_underflow_first makes on every contiguous tensor of t's shape and dtype, chosen once (a
+    replay keeps it): a function of such a tensor."""
+    uint, inf, hundred, sign, _ = _BITS[t.dtype]
+    n = t.shape[dim]
+    m = t.numel() // n if n else 0
+    mask = sign - 1
+    if m == 1:
+
+        def one(u):
+            b = uint.from_address(u.data_ptr()).value
+            return b & sign and hundred < b & mask <= inf
+
+        return one
+    if m <= READ_ROWS and _last(t, dim):
+        picks, span = slice(0, (m - 1) * n + 1, n), _SPANS[uint]
+        return lambda u: any(b & sign and hundred < b & mask <= inf for b in span.from_address(u.data_ptr())[picks])
+    return lambda u: bool((u.select(dim, 0) < -100.0).any())
 
 
 def _any_underflow_first(t: torch.Tensor, dim: int) -> bool:
     """Whether a row of the contiguous t starts below -100 (its exp may be 0 in fp32, as every exp of a
     fully masked row is); NaN does not."""
-    uint, inf, hundred, sign, _ = _BITS[t.dtype]
-    bits = _firsts(t, dim, uint)
-    if bits is None:
-        return bool((t.select(dim, 0) < -100.0).any())
-    return any(b & sign and hundred < b & (sign - 1) <= inf for b in bits)
+    return underflow_first_test(t, dim)(t)
 
 
 def _dense_order(t: torch.Tensor) -> list[int] | None:
@@ -127,15 +150,32 @@ def _rows_wide(x: torch.Tensor, dim: int, log: bool, out_dtype: torch.dtype, wid
     return y
 
 
+def _usual(x: torch.Tensor, dim: int, log: bool, out_dtype: torch.dtype) -> bool:
+    """The usual case: torch's kernel in x's own dtype on rows in memory (fp32 for log_softmax)."""
+    return out_dtype is x.dtype and (not log or out_dtype is torch.float32) and x.is_contiguous() and _last(x, dim)
+
+
+def _usual_softmax(x: torch.Tensor, dim: int, log: bool, nan_first) -> torch.Tensor:
+    """torch's kernel, then the fully masked rows set to 0 (-inf), found by ``nan_first`` (nan_first_test's)."""
+    y = torch._log_softmax(x, dim, False) if log else torch._softmax(x, dim, False)
+    if nan_first(y):  # a fully masked row, or one holding NaN or +inf (which stays NaN)
+        y.masked_fill_(x.amax(dim, keepdim=True) == float("-inf"), float("-inf") if log else 0.0)
+    return y
+
+
+def softmax_call(x: torch.Tensor, dim: int, log: bool, out_dtype: torch.dtype) -> tuple:
+    """(fn, args): native_softmax's call for every tensor of x's shape, strides and dtype, fn(x, *args), the
+    usual case's own function where it is one (what the eager replay makes again: no choice on the way)."""
+    if _usual(x, dim, log, out_dtype):
+        return _usual_softmax, (dim, log, nan_first_test(x, dim))
+    return native_softmax, (dim, log, out_dtype)
+
+
 def native_softmax(x: torch.Tensor, dim: int, log: bool, out_dtype: torch.dtype) -> torch.Tensor:
     """softmax (log_softmax) of x along dim (non-negative) with torch's CPU kernels and the library's
     conventions, in out_dtype, laid out as torch.empty_like(x). Precondition: x has elements and dims."""
-    usual = out_dtype is x.dtype and (not log or out_dtype is torch.float32)
-    if usual and x.is_contiguous() and _last(x, dim):  # the usual case
-        y = torch._log_softmax(x, dim, False) if log else torch._softmax(x, dim, False)
-        if _any_nan_first(y, dim):  # a fully masked row, or one holding NaN or +inf (which stays NaN)
-            y.masked_fill_(x.amax(dim, keepdim=True) == float("-inf"), float("-inf") if log else 0.0)
-        return y
+    if _usual(x, dim, log, out_dtype):
+        return _usual_softmax(x, dim, log, nan_first_test(x, dim))
     if not x.is_contiguous():
         perm = _dense_order(x)
         if perm is None:  # (torch's kernels would copy it contiguous too)
@@ -202,6 +242,37 @@ def cross_entropy_graph(x, t, w, ignore_index: int, reduction: str, out_dtype) -
     return loss if loss.dtype is out_dtype else loss.to(out_dtype)
 
 
+def _usual_backward(dy: torch.Tensor, y: torch.Tensor, dim: int, out_dtype: torch.dtype) -> bool:
+    """The backward's usual case: torch's kernel in the tensors' own dtype on rows in memory."""
+    return out_dtype is y.dtype is dy.dtype and y.is_contiguous() and _last(y, dim)
+
+
+def _usual_softmax_backward(dy: torch.Tensor, y: torch.Tensor, dim: int, log: bool, first) -> torch.Tensor:
+    """torch's kernel, then the fully masked rows set to 0 (see native_softmax_backward), found by ``first``:
+    nan_first_test's for softmax, underflow_first_test's for log_softmax (of y)."""
+    if log:
+        dx = torch._log_softmax_backward_data(dy, y, dim, y.dtype)
+        if not first(y):
+            return dx
+        f = y.to(torch.float32 if y.dtype is not torch.float64 else y.dtype).exp()
+    else:
+        dx = torch._softmax_backward_data(dy, y, dim, y.dtype)
+        if not first(dx):
+            return dx
+        f = y
+    wide = torch.float64 if y.dtype is torch.float64 else torch.float32
+    dx.masked_fill_(f.sum(dim, keepdim=True, dtype=wide) == 0, 0.0)
+    return dx
+
+
+def softmax_backward_call(dy: torch.Tensor, y: torch.Tensor, dim: int, log: bool, out_dtype: torch.dtype) -> tuple:
+    """(fn, args): native_softmax_backward's call for every dy and y of these shapes, strides and dtypes (and
+    negation), fn(dy, y, *args), as softmax_call."""
+    if not (y.is_neg() or dy.is_neg()) and _usual_backward(dy, y, dim, out_dtype):
+        return _usual_softmax_backward, (dim, log, (underflow_first_test if log else nan_first_test)(y, dim))
+    return native_softmax_backward, (dim, log, out_dtype)
+
+
 def native_softmax_backward(
     dy: torch.Tensor, y: torch.Tensor, dim: int, log: bool, out_dtype: torch.dtype
 ) -> torch.Tensor:
@@ -211,13 +282,8 @@ def native_softmax_backward(
     (a y of mixed signs that merely sums to 0, never a softmax output, gets the formula's value)."""
     if y.is_neg() or dy.is_neg():  # (a lazily negated view: its memory is not its value)
         y, dy = y.resolve_neg(), dy.resolve_neg()
-    if out_dtype is y.dtype is dy.dtype and not log and y.is_contiguous() and _last(y, dim):  # the usual case
-        dx = torch._softmax_backward_data(dy, y, dim, out_dtype)
-        if _any_nan_first(dx, dim):
-            dx.masked_fill_(
-                y.sum(dim, keepdim=True, dtype=torch.float64 if out_dtype is torch.float64 else torch.float32) == 0, 0.0
-            )
-        return dx
+    if _usual_backward(dy, y, dim, out_dtype):
+        return _usual_softmax_backward(dy, y, dim, log, (underflow_first_test if log else nan_first_test)(y, dim))
     if not y.is_contiguous():
         perm = _dense_order(y)
         if perm is None:

@@ -34,7 +34,7 @@ class TorchBackend:
     def forward(self, x, dim, out_dtype, log, want_lse, path=None, spec=masking.NONE):
         if path == "native":
             _record(_NATIVE)
-            _recorded_call(_native_softmax, (dim, log, out_dtype))  # (for the replay)
+            _recorded_call(*native.softmax_call(x, dim, log, out_dtype))  # (for the replay)
             return _native_softmax(x, dim, log, out_dtype), None
         heuristics.record(REFERENCE)
         if spec.active:
@@ -47,7 +47,7 @@ class TorchBackend:
     def backward(self, dy, y, dim, out_dtype, log, path=None, spec=masking.NONE):
         if path == "native":
             _record(_NATIVE)
-            _recorded_call(_native_softmax_backward, (dim, log, out_dtype), swap=True)
+            _recorded_call(*native.softmax_backward_call(dy, y, dim, log, out_dtype), swap=True)
             return _native_softmax_backward(dy, y, dim, log, out_dtype)
         heuristics.record(REFERENCE)
         return alloc(y, out_dtype).copy_(grad_torch(dy, y, dim, log, out_dtype, spec.mask, spec.scale, spec.causal))
