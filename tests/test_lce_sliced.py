@@ -191,6 +191,13 @@ SKIP_OPTIONS = [
 ]
 
 
+@pytest.fixture
+def free_tiles(monkeypatch):
+    """The time model's host cost of a tile set to 0: these problems are tiny, and a skip whose tiles' host
+    time alone passes row chunks' runs row chunks (test_skip_gives_way_to_row_chunks_where_host_bound)."""
+    monkeypatch.setattr(rules, "HOST_TILE_S", 0.0)
+
+
 def _skippable(device, dtype, seed):
     """18 rows, 513 classes whose classes 128-511 (slices 1-3 at MEMORY's plan) sit 200 below the rest (their
     probability mass about e^-200 of a row's, the outlier class 256 included), with targets among them (the
@@ -206,7 +213,7 @@ def _skippable(device, dtype, seed):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize("opt", range(len(SKIP_OPTIONS)))
-def test_skip_drops_negligible_tiles(device, dtype, reduction, opt):
+def test_skip_drops_negligible_tiles(free_tiles, device, dtype, reduction, opt):
     """skip_eps=1e-6: every group skips the 3 negligible slices (the plan counts them), the loss and every
     gradient still within the float64 reference's tolerance (the dropped terms are ~e^-200), the targets in
     skipped slices included; on the ordinary problem with skip_eps=1e-30 nothing is skipped."""
@@ -222,6 +229,42 @@ def test_skip_drops_negligible_tiles(device, dtype, reduction, opt):
         rows, cols = rules.slice_plan(18, 16, 513, x.element_size(), MEMORY)
         assert (plan.path, plan.rows, plan.block_n) == ("lce_sliced", rows, cols), plan
         assert plan.skipped == (3 * math.ceil(18 / rows) if skipped else 0), plan
+
+
+@pytest.mark.parametrize(
+    "shape,sliced",
+    [
+        ((8192, 4096, 128256, 2, 51876431), True),  # h200_lce.json's shapes at CCE's peak: 128 tiles, 25.6 ms
+        ((16384, 2304, 256000, 2, 60722833), True),  # of host against row chunks' 60 ms; 315 against 169 ms
+        ((4096, 8192, 128256, 2, 99174105), True),  # 64 tiles, 12.8 ms against 50 ms
+        ((8192, 2048, 32000, 2, 7777379), False),  # 144 tiles, 28.8 ms of host against 68 chunks' 17 ms
+        ((8192, 4096, 128256, 2, None), True),  # no budget: 2048 x 4096 tiles, 25.6 ms against 3 GEMMs' 39 ms
+        ((8192, 2048, 32000, 2, None), False),  # 32 tiles' 6.4 ms of host against 3 GEMMs' 4.9 ms
+    ],
+)
+def test_the_rule_with_a_skip(shape, sliced):
+    """A skip runs slices unless their host time alone passes row chunks' whole time; a forced design wins."""
+    n, d, v, elsize, memory = shape
+    assert rules.sliced(n, d, v, elsize, memory, None, skip=True) is sliced
+    assert rules.sliced(n, d, v, elsize, memory, "lce_chunked", skip=True) is False
+    assert rules.sliced(n, d, v, elsize, memory, "lce_sliced", skip=True) is True
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_skip_gives_way_to_row_chunks_where_host_bound(device, dtype, monkeypatch):
+    """The skippable problem at MEMORY with the model's real host costs: its tiles' host time passes row
+    chunks', so row chunks run (lce_chunked, nothing skipped) and the loss and gradients are the float64
+    reference's; with the tiles' host cost at 0 the same call skips."""
+    x, w, t, b = _skippable(device, dtype, 60)
+    fs_opts = {"backend": "triton", "memory": MEMORY, "skip_eps": 1e-6}
+    scale = 10.0 if dtype == torch.float32 else 1.0
+    check(x, w, t, b, fs_opts=fs_opts, grad_atol_scale=scale)
+    plan = heuristics.last_plan()
+    assert plan.path == "lce_chunked" and not getattr(plan, "skipped", 0), plan
+    monkeypatch.setattr(rules, "HOST_TILE_S", 0.0)
+    check(x, w, t, b, fs_opts=fs_opts, grad_atol_scale=scale)
+    plan = heuristics.last_plan()
+    assert plan.path == "lce_sliced" and plan.skipped > 0, plan
 
 
 def test_skip_matches_the_exact_gradients_closely(device):
@@ -241,7 +284,7 @@ def test_skip_matches_the_exact_gradients_closely(device):
         torch.testing.assert_close(g1[k], g0[k], rtol=1e-5, atol=1e-6, msg=f"d{k}")
 
 
-def test_skip_reads_narrow_targets_widened(device):
+def test_skip_reads_narrow_targets_widened(free_tiles, device):
     """uint8 targets (-100 would wrap to 156): row 0's target 156 holds nearly all of its probability in slice
     1, which every other row finds negligible; the skip must keep that slice for row 0's group (a row whose
     target equals ignore_index's wrapped value is not ignored). Its dx and dW equal the exact run's."""
@@ -292,7 +335,7 @@ def test_skip_refusals_and_exact_elsewhere(device):
     torch.testing.assert_close(m(x, t), fs.linear_cross_entropy(x, w, t, b, backend="triton"), rtol=1e-5, atol=1e-6)
 
 
-def test_skip_keeps_slices_narrow(device):
+def test_skip_keeps_slices_narrow(free_tiles, device):
     """A skip without memory=, fewer rows than a group holds: the slices stay SLICE_COLS wide (one group
     widened to all 12288 classes could never be skipped), so the two negligible slices are (a regression:
     they were one slice, never skipped); the gradients still the float64 reference's."""
@@ -306,7 +349,7 @@ def test_skip_keeps_slices_narrow(device):
     assert (plan.path, plan.rows, plan.block_n, plan.skipped) == ("lce_sliced", 16, rules.SLICE_COLS, 2), plan
 
 
-def test_skip_under_torch_compile(device):
+def test_skip_under_torch_compile(free_tiles, device):
     """torch.compile(fullgraph=True, aot_eager) around a skipping call (the custom op runs the skip eagerly
     inside the graph): the same loss and gradients as the eager call, tiles skipped."""
     x, w, t, b = _skippable(device, torch.float32, 53)

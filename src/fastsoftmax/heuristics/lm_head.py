@@ -36,25 +36,27 @@ def sliced(
     recompute: bool = False,
 ) -> bool:  # fmt: skip
     """Whether the loss's gradients run in row groups x vocabulary slices (lm_head.py's lce_sliced, the
-    tensor-parallel head's backward) rather than row chunks: wherever a skip is asked for (only slices
-    skip), else for an explicit ``memory`` by time: row chunks do 3 GEMMs (4 where the backward computes the
+    tensor-parallel head's backward) rather than row chunks: where a skip is asked for (only slices skip)
+    unless the slices' host time alone passes row chunks' time (8192 x 2048 x 32000 at CCE's peak: 144
+    tiles, 28.8 ms of host against 68 chunks' 17 ms; measured 33.9-43 ms against 17.6, h200_lce.json),
+    else for an explicit ``memory`` by time: row chunks do 3 GEMMs (4 where the backward computes the
     logits again anyway: ``recompute``, as lce_recompute and the tensor-parallel head do) but read and
     write all of dW once a chunk; slices do 4 GEMMs and pass over dW once a group. Each side's time is its
     GPU work or its host's, the larger (small budgets make many small tiles, and the host cannot keep the
     GPU busy)."""
     if forced is not None and forced in DESIGNS + (SLICED,):
         return forced == SLICED
-    if skip:
-        return True
     rows = memory // max(v * elsize, 1) if memory else n
-    if rows >= n:
+    if rows >= n and not skip:
         return False
     gemm = 2 * n * d * v / GEMM_FLOPS.get(elsize, GEMM_FLOPS[4])
     dw_pass = 2 * v * d * elsize / DW_BYTES_S
     chunks = -(-n // max(rows, 1))
-    group, cols = slice_plan(n, d, v, elsize, memory)
+    group, cols = slice_plan(n, d, v, elsize, memory, skip)
     groups, tiles = -(-n // group), -(-n // group) * -(-v // cols)
     t_rows = max((4 if recompute else 3) * gemm + (chunks - 1) * dw_pass, chunks * HOST_CHUNK_S)
+    if skip:  # the data decides how much GPU work a skip saves, but not the host's time a tile: where that
+        return tiles * HOST_TILE_S < t_rows  # alone passes row chunks' whole time, row chunks run (exact)
     t_sliced = max(4 * gemm + (groups - 1) * dw_pass, tiles * HOST_TILE_S)
     return t_sliced < t_rows
 

@@ -11,7 +11,8 @@ Traffic and work, N tokens, d features, V classes, chunks of R rows (the buffer:
                  chunk the logits again, then as above with the upstream gradient of each row: 4 GEMMs. For
                  reduction='none' (the upstream gradient differs per row and is known only then).
   lce_sliced     (the Triton loss, where heuristics/lm_head.sliced's time model prefers it for a small
-                 ``memory=``, or a skip_eps is asked for) groups of rows, each swept over slices of the
+                 ``memory=``, or for a skip_eps unless its tiles' host time alone passes row chunks' time)
+                 groups of rows, each swept over slices of the
                  classes: the loss (x_g @ W_s^T, ce_fwd on the slice) then, where gradients are computed, the
                  logits again, ce_bwd in place, dW_s (+)= dl^T @ x_g once a group, dx_g += dl @ W_s in fp32
                  sums (cuBLAS out_dtype), rounded once a group: 4 GEMMs, dW passed once a group.
