@@ -37,9 +37,9 @@ def sliced(
 ) -> bool:  # fmt: skip
     """Whether the loss's gradients run in row groups x vocabulary slices (lm_head.py's lce_sliced, the
     tensor-parallel head's backward) rather than row chunks: where a skip is asked for (only slices skip)
-    unless the slices' host time alone passes row chunks' time (8192 x 2048 x 32000 at CCE's peak: 144
-    tiles, 28.8 ms of host against 68 chunks' 17 ms; measured 33.9-43 ms against 17.6, h200_lce.json),
-    else for an explicit ``memory`` by time: row chunks do 3 GEMMs (4 where the backward computes the
+    unless the slices' host time alone passes row chunks' whole time (a small problem at a small budget:
+    however many tiles a skip drops, each costs the host its launches), else for an explicit ``memory`` by
+    time: row chunks do 3 GEMMs (4 where the backward computes the
     logits again anyway: ``recompute``, as lce_recompute and the tensor-parallel head do) but read and
     write all of dW once a chunk; slices do 4 GEMMs and pass over dW once a group. Each side's time is its
     GPU work or its host's, the larger (small budgets make many small tiles, and the host cannot keep the
@@ -87,7 +87,7 @@ STEP_SHARE = 4  # a training step's LM-head loss (integrations' apply): logits o
 # time. The loss runs at the step's activation peak and the backward's peak is dW above it; the default
 # 2048-row chunk (525 MB at Llama 3.2 1B's 128256 classes) put the step's peak 2.7% above CCE's, dW / 4 at
 # +0.09% (4096 tokens) and level (8192, 8 x 1024) for 1-1.5% of the step's time; dW / 8 level too, 7-9% slower
-# (H200, 2026-12-04); the default at every length: bench/results/h100_train_step.json
+# (the default at every length: bench/results/h100_train_step.json)
 
 
 def step_memory(weight) -> int:
