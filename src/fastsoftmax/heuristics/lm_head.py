@@ -39,11 +39,10 @@ def sliced(
     tensor-parallel head's backward) rather than row chunks: where a skip is asked for (only slices skip)
     unless the slices' host time alone passes row chunks' whole time (a small problem at a small budget:
     however many tiles a skip drops, each costs the host its launches), else for an explicit ``memory`` by
-    time: row chunks do 3 GEMMs (4 where the backward computes the
-    logits again anyway: ``recompute``, as lce_recompute and the tensor-parallel head do) but read and
-    write all of dW once a chunk; slices do 4 GEMMs and pass over dW once a group. Each side's time is its
-    GPU work or its host's, the larger (small budgets make many small tiles, and the host cannot keep the
-    GPU busy)."""
+    time: row chunks do 3 GEMMs (4 where the backward computes the logits again anyway: ``recompute``, as
+    lce_recompute and the tensor-parallel head do) but read and write all of dW once a chunk; slices do 4
+    GEMMs and pass over dW once a group. Each side's time is its GPU work or its host's, the larger (small
+    budgets make many small tiles, and the host cannot keep the GPU busy)."""
     if forced is not None and forced in DESIGNS + (SLICED,):
         return forced == SLICED
     rows = memory // max(v * elsize, 1) if memory else n

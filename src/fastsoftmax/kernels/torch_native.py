@@ -48,34 +48,41 @@ def _last(x: torch.Tensor, dim: int) -> bool:
     return dim == x.dim() - 1 or all(s == 1 for s in x.shape[dim + 1 :])
 
 
+def _firsts_reader(t: torch.Tensor, dim: int, ctype):
+    """A function of a contiguous tensor of t's shape: its rows' first elements, read from its memory as
+    ``ctype`` (a list), where there are at most READ_ROWS rows and they lie in memory (a torch op on a small
+    tensor costs as much as the softmax of a row of 4096); else None."""
+    n = t.shape[dim]
+    m = t.numel() // n if n else 0
+    if m > READ_ROWS or (m > 1 and not _last(t, dim)):
+        return None
+    picks, span = slice(0, (m - 1) * n + 1, n), _SPANS[ctype]
+    return lambda u: span.from_address(u.data_ptr())[picks]
+
+
 def nan_first_test(t: torch.Tensor, dim: int):
     """The test _any_nan_first makes on every contiguous tensor of t's shape and dtype, chosen once (a
     replay keeps it): a function of such a tensor."""
     uint, inf, _, sign, value = _BITS[t.dtype]
-    n = t.shape[dim]
-    m = t.numel() // n if n else 0
-    if m == 1 and value is not None:  # one row: its first element's value (NaN iff it differs from itself)
+    mask = sign - 1
+    if t.numel() == t.shape[dim] and value is not None:  # one row: its first value (NaN iff unequal to itself)
 
         def one_value(u):
             v = value.from_address(u.data_ptr()).value
             return v != v
 
         return one_value
-    if m == 1:
-        mask = sign - 1
-        return lambda u: uint.from_address(u.data_ptr()).value & mask > inf  # (its bits)
-    if m <= READ_ROWS and _last(t, dim):  # each row's first element, read from memory in one slice
-        picks, span = slice(0, (m - 1) * n + 1, n), _SPANS[value or uint]
-        if value is not None:
+    firsts = _firsts_reader(t, dim, value or uint)
+    if firsts is None:
+        return lambda u: bool(u.select(dim, 0).isnan().any())
+    if value is not None:
 
-            def values(u):
-                s = sum(span.from_address(u.data_ptr())[picks])
-                return s != s  # (NaN iff one is NaN, or both infinities are there)
+        def values(u):
+            s = sum(firsts(u))
+            return s != s  # (NaN iff one is NaN, or both infinities are there)
 
-            return values
-        mask = sign - 1
-        return lambda u: any(b & mask > inf for b in span.from_address(u.data_ptr())[picks])
-    return lambda u: bool(u.select(dim, 0).isnan().any())
+        return values
+    return lambda u: any(b & mask > inf for b in firsts(u))
 
 
 def _any_nan_first(t: torch.Tensor, dim: int) -> bool:
@@ -88,20 +95,11 @@ def underflow_first_test(t: torch.Tensor, dim: int):
     """The test _any_underflow_first makes on every contiguous tensor of t's shape and dtype, chosen once (a
     replay keeps it): a function of such a tensor."""
     uint, inf, hundred, sign, _ = _BITS[t.dtype]
-    n = t.shape[dim]
-    m = t.numel() // n if n else 0
     mask = sign - 1
-    if m == 1:
-
-        def one(u):
-            b = uint.from_address(u.data_ptr()).value
-            return b & sign and hundred < b & mask <= inf
-
-        return one
-    if m <= READ_ROWS and _last(t, dim):
-        picks, span = slice(0, (m - 1) * n + 1, n), _SPANS[uint]
-        return lambda u: any(b & sign and hundred < b & mask <= inf for b in span.from_address(u.data_ptr())[picks])
-    return lambda u: bool((u.select(dim, 0) < -100.0).any())
+    firsts = _firsts_reader(t, dim, uint)
+    if firsts is None:
+        return lambda u: bool((u.select(dim, 0) < -100.0).any())
+    return lambda u: any(b & sign and hundred < b & mask <= inf for b in firsts(u))
 
 
 def _any_underflow_first(t: torch.Tensor, dim: int) -> bool:
@@ -250,17 +248,11 @@ def _usual_backward(dy: torch.Tensor, y: torch.Tensor, dim: int, out_dtype: torc
 def _usual_softmax_backward(dy: torch.Tensor, y: torch.Tensor, dim: int, log: bool, first) -> torch.Tensor:
     """torch's kernel, then the fully masked rows set to 0 (see native_softmax_backward), found by ``first``:
     nan_first_test's for softmax, underflow_first_test's for log_softmax (of y)."""
-    if log:
-        dx = torch._log_softmax_backward_data(dy, y, dim, y.dtype)
-        if not first(y):
-            return dx
-        f = y.to(torch.float32 if y.dtype is not torch.float64 else y.dtype).exp()
-    else:
-        dx = torch._softmax_backward_data(dy, y, dim, y.dtype)
-        if not first(dx):
-            return dx
-        f = y
+    dx = (torch._log_softmax_backward_data if log else torch._softmax_backward_data)(dy, y, dim, y.dtype)
+    if not first(y if log else dx):
+        return dx
     wide = torch.float64 if y.dtype is torch.float64 else torch.float32
+    f = y.to(wide).exp() if log else y
     dx.masked_fill_(f.sum(dim, keepdim=True, dtype=wide) == 0, 0.0)
     return dx
 
