@@ -113,17 +113,17 @@ def _sm90_facts(kernel, sig: dict, consts: dict, div16: list, warps: int):
 
 
 def ce_facts():
-    """The cross-entropy kernels at the launch shapes loss.py takes (triton/cross_entropy.py's _shape), for
-    aligned and odd vocabularies, sm_90a."""
+    """The cross-entropy kernels at the launch shapes loss.py takes (triton/cross_entropy.py's shape), for
+    aligned and odd vocabularies, and the one-program forward of 8 rows of 4096, sm_90a."""
     from fastsoftmax.heuristics import cross_entropy as ce_rules
     from fastsoftmax.kernels.triton import cross_entropy as ce
 
     ty = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
     out = []
     for dtype in ("bfloat16", "float32"):
-        for v in (32000, 50257, 151936):
-            for backward in (False, True):
-                rows, block, warps, _ = ce_rules.launch_shape(v, 4 if dtype == "float32" else 2, backward)
+        for v, m in ((32000, 0), (50257, 0), (151936, 0), (4096, 8)):  # (m 8: the one-program forward)
+            for backward in (False, True) if not m else (False,):
+                rows, block, warps, _ = ce_rules.launch_shape(v, 4 if dtype == "float32" else 2, backward, m)
                 kernel = ce.ce_bwd if backward else ce.ce_fwd
                 ptrs = {
                     "x_ptr": ty[dtype],
@@ -143,8 +143,9 @@ def ce_facts():
                 consts = {"ROWS": rows, "BLOCK_N": block, "SMOOTH": True, "MEAN": True}
                 consts |= {"WEIGHT": False, "SOFTCAP": False, "ZLOSS": False}
                 ints = {"v": v, "nc": v, "sx": v, "sdx": v, "span": block * ce_rules.BWD_SEGMENT_CHUNKS}
-                if not backward:  # ce_fwd over whole rows
-                    consts |= {"FIRST": True, "LAST": True, "PART": False}
+                if not backward:  # ce_fwd over whole rows; finishing as one program where m is given
+                    consts |= {"FIRST": True, "LAST": True, "PART": False, "FINISH": bool(m), "CHECK": False}
+                    consts |= {"REDUCTION": 2 if m else 0, "ZOUT": True, "STATS": True}
                 names = kernel.arg_names
                 sig = {
                     k: "constexpr"
@@ -157,7 +158,8 @@ def ce_facts():
                     for k in names
                 }
                 div16 = [k for k in names if k in ptrs or (k in ints and ints[k] % 16 == 0)]
-                row = dict(kernel=kernel.__name__, dtype=dtype, v=v, block_n=block, num_warps=warps)
+                name = kernel.__name__ + ("_one" if m else "")
+                row = dict(kernel=name, dtype=dtype, v=v, block_n=block, num_warps=warps)
                 out.append(row | _sm90_facts(kernel, sig, consts, div16, warps)[0])
     json.dump(out, sys.stdout)
 

@@ -173,6 +173,18 @@ def test_outputs_and_workspaces_are_made_anew(launcher, monkeypatch):
     assert ws not in (ptr(rows), ptr(x2), ptr(t2), ptr(loss2), ptr(z2), ptr(st2))
 
 
+def test_outputs_returned_as_none(launcher):
+    """The one-program loss forward of a plain call: its stats and z-loss None (not made), its slots the
+    loss's; each replay returns None for them and launches with the new loss's address there."""
+    m, v = 4, 10
+    x, t, loss = torch.randn(m, v), torch.randint(0, v, (m,)), torch.empty(())
+    r = record("k", [(kernel(5, 0xB), (x, t, x, loss, loss))], (x, t), (loss, None, None))
+    x2, t2 = torch.randn(m, v), torch.randint(0, v, (m,))
+    out = r(x2, t2)
+    assert r.__name__ == "general" and len(out) == 3 and out[1] is None and out[2] is None
+    assert out[0].shape == () and launcher.pointers() == (ptr(x2), ptr(t2), ptr(x2), ptr(out[0]), ptr(out[0]))
+
+
 # ---- which closure, and a failed launch ---------------------------------------------------------------------
 
 

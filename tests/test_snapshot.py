@@ -41,11 +41,12 @@ def facts():
 def test_cross_entropy_kernels():
     """The cross-entropy kernels at their launch shapes compile for sm_90a with no spills; aligned rows
     (V = 32000, 151936) are read, and dlogits written, with 16-byte accesses; odd V (50257: rows not 16-byte
-    aligned) falls back to narrower ones (no edge split there yet: 53-62% of copy forward on the H200)."""
+    aligned) falls back to narrower ones (no edge split there yet: 53-62% of copy forward on the H200). The
+    one-program forward (8 rows of 4096) too."""
     ce = _compile_facts("ce")
     assert {(f["kernel"], f["dtype"], f["v"]) for f in ce} == {
         (k, d, v) for k in ("ce_fwd", "ce_bwd") for d in ("bfloat16", "float32") for v in (32000, 50257, 151936)
-    }
+    } | {("ce_fwd_one", d, 4096) for d in ("bfloat16", "float32")}
     for f in ce:
         assert f["registers"] > 0 and not (f["spill_stores"] or f["spill_loads"] or f["stack_bytes"]), f
         if f["v"] % 16 == 0:

@@ -299,7 +299,8 @@ def cross_entropy(logits, target, class_weight, ignore_index, reduction, label_s
     """(loss in out_dtype, z-loss in out_dtype, stats) for checked arguments: stats (M + 3,) holds each row's
     logsumexp, then the number of rows not ignored, 1.0 if every target was in range, and the weight of the
     rows kept (the mean's divisors, for the backward); None without ``stats`` where the path need not make
-    them (the CPU's native path, for a call without autograd). The custom op's implementation (its schema
+    them (for a call without autograd: the CPU's native path, and the Triton one-program forward, which
+    then makes no z-loss either where there is none: None). The custom op's implementation (its schema
     leaves ``stats`` out). A plain call is recorded for replayed_loss, under the key it looks up."""
     key, w = None, class_weight
     if _replayable(logits, target, w):
@@ -319,15 +320,16 @@ def cross_entropy(logits, target, class_weight, ignore_index, reduction, label_s
     if impl.name == "torch" and path is None:
         checks.targets(t, v, ignore_index)
     rec = replay.start(key)
+    interpreted = impl.name == "triton" and not x.is_cuda  # (the targets' flag is then read from stats, below)
     try:
-        loss, z, st = impl.cross_entropy(x, t, w, o, out_dtype, path, stats)
+        loss, z, st = impl.cross_entropy(x, t, w, o, out_dtype, path, stats or interpreted)
     except IndexError:  # (torch's loss on the native path found a target out of range: the library's error)
         checks.targets(t, v, ignore_index)
         raise
     finally:
         if rec is not None:
             replay.stop()
-    if impl.name == "triton" and not x.is_cuda and not st[m + 1].item():
+    if interpreted and not st[m + 1].item():
         checks.targets(t, v, ignore_index)  # (the interpreter: the flag ce_finish asserts on a GPU)
     if rec is not None:
         replay.store(key, rec, (logits, target) if w is None else (logits, target, class_weight), (loss, z, st))

@@ -48,6 +48,7 @@ class Plan:
     copied: bool = False  # an input was copied first (x; in backward y or dy) to fit one layout
     splits: int = 1  # segments per row (split path)
     skipped: int = 0  # the LM-head loss's gradient tiles skipped (skip_eps)
+    fused: bool = False  # a cross-entropy forward as one program that also finishes (one launch)
 
 
 # Test hooks: force a path or launch shape and poison outputs (process-wide: on CUDA autograd runs the

@@ -12,10 +12,24 @@ from __future__ import annotations
 BWD_SEGMENT_CHUNKS = 8
 
 
-def launch_shape(v: int, elsize: int, backward: bool) -> tuple[int, int, int, int]:
+# A forward of at most this many logits runs as one program over all its rows, which also finishes (the
+# reduction, the counts, the targets' check): one launch and no row buffers instead of two launches and two
+# buffers (as does any forward whose usual shape holds every row: one long row). Such calls are bound by
+# host time, where a launch costs about as much as torch's whole call (bench/results/h200_host.json). One
+# program holds at most ONE_ROWS rows and a tile of ONE_TILE logits (8192 spilled in fp32: test_snapshot).
+ONE_PROGRAM = 32768
+ONE_ROWS = 64
+ONE_TILE = 4096
+
+
+def launch_shape(v: int, elsize: int, backward: bool, m: int = 0) -> tuple[int, int, int, int]:
     """(ROWS, BLOCK_N, num_warps, splits): whole short rows per program, 4096-wide chunks for long ones (the
     backward of fp32 rows: 16384). Forward at 4 warps, backward at 16: best or within 3% on 19 of the 20 swept
-    cells. splits: segments per row (backward only; forward 1)."""
+    cells. splits: segments per row (backward only; forward 1). A forward of m <= ONE_ROWS rows with m x v <=
+    ONE_PROGRAM: all m rows in one program (ROWS >= m), chunks of at most ONE_TILE / ROWS, 8 warps."""
+    if not backward and 0 < m <= ONE_ROWS and m * v <= ONE_PROGRAM:
+        rows = 1 << (m - 1).bit_length()
+        return rows, min(1 << (v - 1).bit_length(), max(16, ONE_TILE // rows)), 8, 1
     block = min(1 << (v - 1).bit_length(), 16384 if backward and elsize == 4 else 4096)  # next power of two
     rows = max(1, min(16, 4096 // block))
     chunks = -(-v // block)

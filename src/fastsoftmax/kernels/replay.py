@@ -115,9 +115,11 @@ def _span(t: torch.Tensor) -> int:
     return (1 + sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride(), strict=True))) * t.element_size()
 
 
-def _maker(out: torch.Tensor, inputs):
+def _maker(out: torch.Tensor | None, inputs):
     """How a replay makes an output like ``out``: empty_like(an input) where that gives out's layout (the
-    dtype None where it is the input's: torch then parses no keyword), else empty_strided."""
+    dtype None where it is the input's: torch then parses no keyword), else empty_strided; None for None."""
+    if out is None:
+        return ("none",)
     for i, t in enumerate(inputs):
         if t.shape == out.shape and torch.empty_like(t, dtype=out.dtype, device="meta").stride() == out.stride():
             return ("like", i, None if out.dtype == t.dtype else out.dtype)
@@ -127,7 +129,7 @@ def _maker(out: torch.Tensor, inputs):
 def store(key, rec, inputs: tuple, outputs: tuple) -> None:
     """Keep the replay of the call just recorded in ``rec`` under ``key`` (the recording stops): ``inputs``
     are the tensors a replay is called with, ``outputs`` the ones the full path returned (a replay returns
-    new ones alike)."""
+    new ones alike, and None where the full path returned None)."""
     launch.abort()
     plan = heuristics.last_plan()
     if rec is None or not rec.ok or plan is None or plan.copied:
@@ -139,9 +141,9 @@ def store(key, rec, inputs: tuple, outputs: tuple) -> None:
     if not rec.launches:
         return
     scratch = list(rec.scratch.items())  # (address, (numel, dtype)) of each workspace
-    bases = [(t.data_ptr(), _span(t)) for t in (*inputs, *outputs)]
+    bases = [(t.data_ptr(), _span(t)) if t is not None else (0, 0) for t in (*inputs, *outputs)]
     bases += [(p, numel * dtype.itemsize) for p, (numel, dtype) in scratch]
-    if any(o.data_ptr() & 15 for o in outputs):
+    if any(o.data_ptr() & 15 for o in outputs if o is not None):
         return
     spans = sorted(bases[: len(inputs)])
     if any(lo + n > spans[i + 1][0] for i, (lo, n) in enumerate(spans[:-1])):
@@ -259,13 +261,15 @@ def _general(steps, makers, n_out: int, plan, index: int, dev):
     def make(m, inputs):
         if m[0] == "like":
             return empty_like(inputs[m[1]]) if m[2] is None else empty_like(inputs[m[1]], dtype=m[2])
+        if m[0] == "none":
+            return None
         return empty_strided(m[1], m[2], dtype=m[3], device=dev)
 
     def general(*inputs):
         if _held():
             return None
         made = [make(m, inputs) for m in makers]
-        ptrs = [t.data_ptr() for t in inputs] + [t.data_ptr() for t in made]
+        ptrs = [t.data_ptr() for t in inputs] + [0 if t is None else t.data_ptr() for t in made]
         s = stream(index)
         for call, pairs in calls:
             if call(s, *[ptrs[i] + off for i, off in pairs]):

@@ -29,60 +29,7 @@ from ...heuristics import poisoning
 from ...heuristics.device import selected
 from .. import launch as fastlaunch
 from .launch import launch
-from .rows import merge_stats, row_exp, safe_max
-
-LN2 = tl.constexpr(0.6931471805599453)
-
-
-@triton.jit
-def softcapped(x, cap):
-    """cap * tanh(x / cap), accurate for small |x / cap| too (1 - e^-2a cancels there: a series instead);
-    -inf maps to -cap, so callers re-mask."""
-    u = x / cap
-    a = tl.abs(u)
-    e = tl.exp(-2.0 * a)
-    u2 = u * u
-    series = a * (1.0 + u2 * (-0.3333333333333333 + u2 * (0.13333333333333333 - u2 * 0.05396825396825397)))
-    th = tl.where(a < 0.125, series, (1.0 - e) / (1.0 + e))
-    return cap * tl.where(u < 0, -th, th)
-
-
-@triton.jit
-def row_lse(
-    base,
-    row_ok,
-    v,
-    w_ptr,
-    cap,
-    ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    SMOOTH: tl.constexpr,
-    WEIGHT: tl.constexpr,
-    SOFTCAP: tl.constexpr,
-):
-    """One sweep of ROWS rows of v logits (base: each row's first element): each row's logsumexp of z (z the
-    softcapped logits with SOFTCAP), with SMOOTH its sum of w_j * z_j (w = 1 without WEIGHT), and its max z
-    (-inf for a row of -inf), fp32."""
-    c = tl.arange(0, BLOCK_N)[None, :]
-    m = tl.full([ROWS], float("-inf"), tl.float32)
-    s = tl.zeros([ROWS], tl.float32)
-    sum_z = tl.zeros([ROWS], tl.float32)
-    for j in range(0, tl.cdiv(v, BLOCK_N)):
-        cols = j * BLOCK_N + c
-        ok = row_ok[:, None] & (cols < v)
-        x = tl.load(base[:, None] + cols, mask=ok, other=float("-inf")).to(tl.float32)
-        if SOFTCAP:
-            x = tl.where(ok, softcapped(x, cap), float("-inf"))
-        m2 = tl.max(x, axis=1)
-        s2 = tl.sum(row_exp(x - safe_max(m2)[:, None]), axis=1)
-        m, s = merge_stats(m, s, m2, s2)
-        if SMOOTH:
-            if WEIGHT:
-                wj = tl.load(w_ptr + cols, mask=cols < v, other=0.0).to(tl.float32)
-                sum_z += tl.sum(tl.where(ok, x * wj, 0.0), axis=1)
-            else:
-                sum_z += tl.sum(tl.where(ok, x, 0.0), axis=1)
-    return safe_max(m) + tl.math.log2(s) * LN2, sum_z, m
+from .rows import LN2, merge_stats, row_exp, row_lse, safe_max, softcapped
 
 
 @triton.jit
@@ -114,13 +61,21 @@ def ce_fwd(
     FIRST: tl.constexpr,
     LAST: tl.constexpr,
     PART: tl.constexpr,
+    FINISH: tl.constexpr,
+    REDUCTION: tl.constexpr,
+    ZOUT: tl.constexpr,
+    STATS: tl.constexpr,
+    CHECK: tl.constexpr,
 ):
     """loss_ptr: each row's ce (fp32), z_ptr: its z-loss (ZLOSS), lse_ptr: its logsumexp; w_ptr: the class
     weights and wsum_ptr their sum (WEIGHT; the sum only read with SMOOTH). The rows' logits at x_ptr are
     the classes [col0, col0 + nc) of v: all of them (col0 = 0, nc = v, FIRST and LAST), or the LM-head loss's
     vocabulary slices, taken in order: each slice's logsumexp, target logit and (SMOOTH) sum of w_j * z_j
     merged into the running ones at run_ptr (3 x n_rows fp32; FIRST: none yet), the outputs stored at the
-    LAST slice. PART: each row's largest z on the slice stored at part_ptr (lm_head.py's skip)."""
+    LAST slice. PART: each row's largest z on the slice stored at part_ptr (lm_head.py's skip).
+    FINISH (one program holding every row, all classes): it also does ce_finish's work, with loss_ptr and
+    z_ptr as its out and zout (zout written only with ZOUT), its counts at lse_ptr + n_rows, and the rows'
+    logsumexp and the counts stored only with STATS."""
     row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     row_ok = row < n_rows
     base = x_ptr + row * sx
@@ -156,10 +111,81 @@ def ce_fwd(
             if WEIGHT:
                 wsum = tl.load(wsum_ptr)
             loss = (1.0 - smoothing) * loss + (smoothing / v) * (lse * wsum - sum_z)
-        tl.store(loss_ptr + row, tl.where(keep, loss, 0.0), mask=row_ok)
+        loss = tl.where(keep, loss, 0.0)
+        zr = tl.zeros([ROWS], tl.float32)
         if ZLOSS:
-            tl.store(z_ptr + row, tl.where(keep, zl * lse * lse, 0.0), mask=row_ok)
-        tl.store(lse_ptr + row, lse, mask=row_ok)
+            zr = tl.where(keep, zl * lse * lse, 0.0)
+        if FINISH:
+            finish_rows(loss_ptr, z_ptr, row, row_ok, loss, zr, REDUCTION, ZOUT)
+            wk = tl.zeros([ROWS], tl.float32)
+            if WEIGHT:
+                wk = w_t
+            kept, bad = keep.to(tl.int32), (keep != inside).to(tl.int32)
+            finish_total(loss_ptr, z_ptr, lse_ptr + n_rows, loss, zr, kept, bad, wk, REDUCTION, WEIGHT, True, CHECK,
+                         ZOUT, STATS)  # fmt: skip
+        else:
+            tl.store(loss_ptr + row, loss, mask=row_ok)
+            if ZLOSS:
+                tl.store(z_ptr + row, zr, mask=row_ok)
+        if STATS:
+            tl.store(lse_ptr + row, lse, mask=row_ok)
+
+
+@triton.jit
+def finish_rows(out_ptr, zout_ptr, r, ok, row_loss, zr, REDUCTION: tl.constexpr, ZOUT: tl.constexpr):
+    """REDUCTION 0: rows r's loss (ce + z-loss) in out's dtype and (ZOUT) their z-loss in zout's."""
+    if REDUCTION == 0:
+        tl.store(out_ptr + r, (row_loss + zr).to(out_ptr.dtype.element_ty), mask=ok)
+        if ZOUT:
+            tl.store(zout_ptr + r, zr.to(zout_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def finish_total(
+    out_ptr,
+    zout_ptr,
+    stats_ptr,
+    acc,
+    zacc,
+    kept,
+    bad,
+    wk,
+    REDUCTION: tl.constexpr,
+    WEIGHT: tl.constexpr,
+    REDUCE: tl.constexpr,
+    CHECK: tl.constexpr,
+    ZOUT: tl.constexpr,
+    COUNTS: tl.constexpr,
+):
+    """The reduction's end over vectors of per-lane sums of every row's terms (acc: ce, zacc: z-loss, kept:
+    rows not ignored, bad: rows kept with a target outside [0, v), wk: the kept rows' weights). With REDUCE
+    and REDUCTION 1 or 2: the sums or means into out (ce + z-loss) and zout (z-loss, with ZOUT); ce over the
+    weight of the rows kept, z-loss over their number (0 / 0 = NaN when all are ignored, as torch). COUNTS:
+    stats_ptr[0] = the number of rows not ignored, [1] = 1 if every target not ignored is in [0, v) (else
+    0), [2] = the weight of the rows kept (their number without class weights), as fp32. CHECK: a target out
+    of range stops here, at a device-side assertion (as torch's own device asserts do: the error surfaces at
+    the next synchronising call), so the caller launches no check of its own."""
+    n_kept = tl.sum(kept, axis=0).to(tl.float32)
+    w_kept = n_kept
+    if WEIGHT:
+        w_kept = tl.sum(wk, axis=0)
+    if REDUCE:
+        if REDUCTION != 0:
+            total = tl.sum(acc, axis=0)
+            ztotal = tl.sum(zacc, axis=0)
+            if REDUCTION == 2:  # (kept weights summing to 0: NaN, as torch's 0 / 0 of its nll part)
+                total = tl.where(w_kept == 0.0, float("nan"), total / w_kept)
+                ztotal = ztotal / n_kept
+            tl.store(out_ptr, (total + ztotal).to(out_ptr.dtype.element_ty))
+            if ZOUT:
+                tl.store(zout_ptr, ztotal.to(zout_ptr.dtype.element_ty))
+    n_bad = tl.sum(bad, axis=0)
+    if CHECK:
+        tl.device_assert(n_bad == 0, "cross_entropy: a target is outside [0, V) and not ignore_index")
+    if COUNTS:
+        tl.store(stats_ptr, n_kept)
+        tl.store(stats_ptr + 1, (n_bad == 0).to(tl.float32))
+        tl.store(stats_ptr + 2, w_kept)
 
 
 @triton.jit
@@ -181,14 +207,10 @@ def ce_finish(
     REDUCE: tl.constexpr,
     CHECK: tl.constexpr,
 ):
-    """One program over all rows, in a fixed order (deterministic). With REDUCE: REDUCTION 0 writes each
-    row's loss (ce + z-loss) in out's dtype and its z-loss in zout's, 1 their sums, 2 their means (ce over
-    the weight of the rows kept, z-loss over their number; 0 / 0 = NaN when all are ignored, as torch).
-    Always: stats_ptr[0] = the number of rows not ignored, [1] = 1 if every target not ignored is in
-    [0, v) (else 0), [2] = the weight of the rows kept (their number without class weights), as fp32.
-    CHECK (on CUDA, compiled with debug=True): a target out of range stops here, at a device-side assertion
-    (as torch's own device asserts do: the error surfaces at the next synchronising call), so the caller
-    launches no check of its own."""
+    """One program over all rows of ce_fwd's row buffers, in a fixed order (deterministic): with REDUCE,
+    REDUCTION 0 writes each row's loss and z-loss (finish_rows), 1 and 2 their sums or means; always the
+    counts at stats_ptr and, on CUDA (CHECK, compiled with debug=True), the targets' assertion
+    (finish_total)."""
     acc = tl.zeros([BLOCK], tl.float32)
     zacc = tl.zeros([BLOCK], tl.float32)
     wk = tl.zeros([BLOCK], tl.float32)
@@ -209,31 +231,10 @@ def ce_finish(
             zr = tl.zeros([BLOCK], tl.float32)
             if ZLOSS:
                 zr = tl.load(z_ptr + r, mask=ok, other=0.0)
-            if REDUCTION == 0:
-                tl.store(out_ptr + r, (row_loss + zr).to(out_ptr.dtype.element_ty), mask=ok)
-                tl.store(zout_ptr + r, zr.to(zout_ptr.dtype.element_ty), mask=ok)
-            else:
-                acc += row_loss
-                zacc += zr
-    n_kept = tl.sum(kept, axis=0).to(tl.float32)
-    w_kept = n_kept
-    if WEIGHT:
-        w_kept = tl.sum(wk, axis=0)
-    if REDUCE:
-        if REDUCTION != 0:
-            total = tl.sum(acc, axis=0)
-            ztotal = tl.sum(zacc, axis=0)
-            if REDUCTION == 2:  # (kept weights summing to 0: NaN, as torch's 0 / 0 of its nll part)
-                total = tl.where(w_kept == 0.0, float("nan"), total / w_kept)
-                ztotal = ztotal / n_kept
-            tl.store(out_ptr, (total + ztotal).to(out_ptr.dtype.element_ty))
-            tl.store(zout_ptr, ztotal.to(zout_ptr.dtype.element_ty))
-    n_bad = tl.sum(bad, axis=0)
-    if CHECK:
-        tl.device_assert(n_bad == 0, "cross_entropy: a target is outside [0, V) and not ignore_index")
-    tl.store(stats_ptr, n_kept)
-    tl.store(stats_ptr + 1, (n_bad == 0).to(tl.float32))
-    tl.store(stats_ptr + 2, w_kept)
+            finish_rows(out_ptr, zout_ptr, r, ok, row_loss, zr, REDUCTION, True)
+            acc += row_loss
+            zacc += zr
+    finish_total(out_ptr, zout_ptr, stats_ptr, acc, zacc, kept, bad, wk, REDUCTION, WEIGHT, REDUCE, CHECK, True, True)
 
 
 @triton.jit
@@ -363,7 +364,26 @@ def rows_forward(x, t, w, wsum, o, rows_loss, rows_z, lse, shape, col0=0, v=None
     args = (x, t, w if w is not None else x, wsum, run, part if part is not None else run, rows_loss, rows_z, lse)
     args += (m, v, nc, col0, x.stride(0), o.ignore_index, eps, cap, zl)
     meta = dict(ROWS=rows, BLOCK_N=block, num_warps=warps, FIRST=col0 == 0, LAST=col0 + nc == v, PART=part is not None)
+    meta |= dict(FINISH=False, REDUCTION=0, ZOUT=True, STATS=True, CHECK=False)
     launch(ce_fwd, (-(-m // rows),), args, meta | _flags(o, w))
+
+
+def one_program(x, t, w, wsum, o, out, zout, st, shape, check: bool) -> None:
+    """ce_fwd as one program over all rows of (M, V) logits x that also finishes (ce_finish's work): the loss
+    into out, the z-loss into zout (None: not written), each row's logsumexp and the counts into st (None:
+    not written). ``check``: finish()'s."""
+    m, v = x.shape
+    rows, block, warps, _ = shape
+    eps, cap, zl = _scalars(o)
+    zo = zout if zout is not None else out  # (placeholders: never written)
+    lse = st if st is not None else out
+    args = (x, t, w if w is not None else x, wsum, out, out, out, zo, lse, m, v, v, 0, x.stride(0), o.ignore_index)
+    args += (eps, cap, zl)
+    meta = dict(ROWS=rows, BLOCK_N=block, num_warps=warps, FIRST=True, LAST=True, PART=False, FINISH=True)
+    meta |= dict(REDUCTION=REDUCTIONS[o.reduction], ZOUT=zout is not None, STATS=st is not None, CHECK=check)
+    if check:  # (as finish())
+        meta |= dict(debug=True, sanitize_overflow=False)
+    launch(ce_fwd, (1,), args, meta | _flags(o, w))
 
 
 def finish(rows_loss, rows_z, t, w, out, zout, tail, v: int, o, reduce: bool = True, check: bool | None = None):
@@ -400,11 +420,12 @@ def rows_backward(x, t, w, wsum, lse, tail, g, o, dx, shape, col0: int = 0, v: i
     launch(ce_bwd, (-(-m // rows), -(-chunks // per)), args, meta)
 
 
-def shape(v: int, elsize: int, backward: bool) -> tuple[int, int, int, int]:
-    """(ROWS, BLOCK_N, num_warps, splits) of the kernels for rows of v classes: the rule
+def shape(v: int, elsize: int, backward: bool, m: int = 0) -> tuple[int, int, int, int]:
+    """(ROWS, BLOCK_N, num_warps, splits) of the kernels for m rows of v classes: the rule
     (heuristics/cross_entropy.py), or what heuristics.force() sets (rows=, block_n=, num_warps=, splits=:
-    segments per row, backward only); recorded as the call's plan."""
-    rows, block, warps, splits = rules.launch_shape(v, elsize, backward)
+    segments per row, backward only); recorded as the call's plan. A forward whose ROWS hold all m rows runs
+    as one program (one_program: the plan's ``fused``)."""
+    rows, block, warps, splits = rules.launch_shape(v, elsize, backward, m)
     f = heuristics.forced()
     if f:
         rows, block, warps = f.get("rows", rows), f.get("block_n", block), f.get("num_warps", warps)
@@ -412,7 +433,7 @@ def shape(v: int, elsize: int, backward: bool) -> tuple[int, int, int, int]:
     chunks = -(-v // block)
     splits = -(-chunks // -(-chunks // splits))  # as many as rows_backward launches: none empty
     heuristics.record(heuristics.Plan("triton", "cross_entropy", block_n=block, rows=rows, num_warps=warps,
-                                      splits=splits))  # fmt: skip
+                                      splits=splits, fused=not backward and 0 < m <= rows))  # fmt: skip
     return rows, block, warps, splits
 
 
@@ -420,13 +441,25 @@ def forward(x, t, w, o, out_dtype, path=None, stats=True, check: bool | None = N
     """(loss, z-loss, stats) of (M, V) logits x (unit stride along V) and (M,) targets: loss and z-loss as
     the reduction asks (rows, or scalars) in out_dtype; stats (M + 3,) fp32: each row's logsumexp, then the
     rows not ignored, 1.0 if every target not ignored is in [0, V) (else 0.0), the weight of the rows kept.
-    ``w``: the class weights or None; ``o``: the loss options; ``path`` and ``stats``: unused (the backend
-    interface; the kernels always write stats); ``check``: finish()'s."""
+    ``w``: the class weights or None; ``o``: the loss options; ``path``: unused (the backend interface);
+    ``check``: finish()'s. ``stats`` False (a plain call: no backward) lets the one-program forward (rows
+    that fit one program, shape()) write no stats, nor a z-loss without one: both are then None."""
     import torch
 
     m, v = x.shape
     with selected(x):
-        launch_shape = shape(v, x.element_size(), False)
+        launch_shape = shape(v, x.element_size(), False, m)
+        if 0 < m <= launch_shape[0]:  # one program: one launch and no row buffers (small calls: host time)
+            out = torch.empty(m if o.reduction == "none" else (), dtype=out_dtype, device=x.device)
+            zout = torch.empty_like(out) if stats or o.z_loss else None
+            st = torch.empty(m + 3, dtype=torch.float32, device=x.device) if stats else None
+            if poisoning():
+                for b in (out, zout, st):
+                    if b is not None:
+                        b.fill_(float("nan"))
+            check = x.is_cuda if check is None else check
+            one_program(x, t, w, weight_sum(o, w, out), o, out, zout, st, launch_shape, check)
+            return out, zout, st
         rows_loss = torch.empty(m, dtype=torch.float32, device=x.device)
         rows_z = torch.empty(m, dtype=torch.float32, device=x.device) if o.z_loss else rows_loss
         st = torch.empty(m + 3, dtype=torch.float32, device=x.device)

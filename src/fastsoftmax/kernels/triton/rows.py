@@ -1,6 +1,7 @@
 """What the softmax kernels share (kernels/triton/softmax_fwd.py, softmax_bwd.py, and the loss kernels): a
-program's rows and their addressing, 16-byte access with scalar edges, the mask's load, and the running
-(max, sum) of a row read in chunks.
+program's rows and their addressing, 16-byte access with scalar edges, the mask's load, the running
+(max, sum) of a row read in chunks, and the loss kernels' (cross_entropy.py, shard.py) softcap and row
+logsumexp.
 
 Rows: (b, i) x N with strides from core/layout.py, an anchor input x (forward: x; backward: y) and an
 output. 16-byte access for any N: a row that does not start on a 16-byte boundary (N = 513, a sliced view)
@@ -244,6 +245,57 @@ def merge_stats(m, s, m2, s2):
     m_new = tl.maximum(m, m2)
     ms = safe_max(m_new)
     return m_new, s * row_exp(m - ms) + s2 * row_exp(m2 - ms)
+
+
+@triton.jit
+def softcapped(x, cap):
+    """cap * tanh(x / cap), accurate for small |x / cap| too (1 - e^-2a cancels there: a series instead);
+    -inf maps to -cap, so callers re-mask."""
+    u = x / cap
+    a = tl.abs(u)
+    e = tl.exp(-2.0 * a)
+    u2 = u * u
+    series = a * (1.0 + u2 * (-0.3333333333333333 + u2 * (0.13333333333333333 - u2 * 0.05396825396825397)))
+    th = tl.where(a < 0.125, series, (1.0 - e) / (1.0 + e))
+    return cap * tl.where(u < 0, -th, th)
+
+
+@triton.jit
+def row_lse(
+    base,
+    row_ok,
+    v,
+    w_ptr,
+    cap,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SMOOTH: tl.constexpr,
+    WEIGHT: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+):
+    """One sweep of ROWS rows of v logits (base: each row's first element): each row's logsumexp of z (z the
+    softcapped logits with SOFTCAP), with SMOOTH its sum of w_j * z_j (w = 1 without WEIGHT), and its max z
+    (-inf for a row of -inf), fp32."""
+    c = tl.arange(0, BLOCK_N)[None, :]
+    m = tl.full([ROWS], float("-inf"), tl.float32)
+    s = tl.zeros([ROWS], tl.float32)
+    sum_z = tl.zeros([ROWS], tl.float32)
+    for j in range(0, tl.cdiv(v, BLOCK_N)):
+        cols = j * BLOCK_N + c
+        ok = row_ok[:, None] & (cols < v)
+        x = tl.load(base[:, None] + cols, mask=ok, other=float("-inf")).to(tl.float32)
+        if SOFTCAP:
+            x = tl.where(ok, softcapped(x, cap), float("-inf"))
+        m2 = tl.max(x, axis=1)
+        s2 = tl.sum(row_exp(x - safe_max(m2)[:, None]), axis=1)
+        m, s = merge_stats(m, s, m2, s2)
+        if SMOOTH:
+            if WEIGHT:
+                wj = tl.load(w_ptr + cols, mask=cols < v, other=0.0).to(tl.float32)
+                sum_z += tl.sum(tl.where(ok, x * wj, 0.0), axis=1)
+            else:
+                sum_z += tl.sum(tl.where(ok, x, 0.0), axis=1)
+    return safe_max(m) + tl.math.log2(s) * LN2, sum_z, m
 
 
 @triton.jit

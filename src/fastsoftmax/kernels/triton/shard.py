@@ -23,9 +23,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .cross_entropy import row_lse, softcapped
 from .launch import launch
-from .rows import row_exp, safe_max
+from .rows import row_exp, row_lse, safe_max, softcapped
 
 
 @triton.jit
