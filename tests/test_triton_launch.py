@@ -177,7 +177,8 @@ with heuristics.force(path="split"):
 with heuristics.force(path="rowblock"):
     softmax_bwd.backward(torch.randn(64, 1000), torch.randn(64, 1000), 1, torch.float32, True)
 x, t, o = torch.randn(16, 1000), torch.randint(0, 1000, (16,)), Loss(-100, "mean", 0.1, 30.0, 1e-4)
-cross_entropy.forward(x, t, None, o, torch.float32, check=True)
+cross_entropy.forward(x, t, None, o, torch.float32, check=True)  # (one program, with the debug finish)
+cross_entropy.forward(torch.randn(40, 1000), torch.randint(0, 1000, (40,)), None, o, torch.float32, check=True)
 cross_entropy.backward(x, t, None, torch.zeros(19), torch.ones(()), o, torch.float32)
 for kernel, grid, args, kwargs in captured:
     try:  # the JIT's own binder and signature, as kernel[grid](...) makes them, without a GPU
@@ -198,8 +199,9 @@ print("OK", len(captured) + 1)
 def test_compiled_kernels_take_the_parameters_packed(tmp_path):
     """Kernels compiled for sm_90 by the installed Triton (its own binder and compiler, no GPU): a kernel of
     every scalar type the plan packs, and the library's at their launches (the split forward's two, the
-    rowblock backward with its register cap, the loss's three with the debug finish): each packed parameter
-    list matches the PTX's (see check in the script)."""
+    rowblock backward with its register cap, the loss's: its one-program forward with the debug finish, its
+    rows and debug finish, its backward): each packed parameter list matches the PTX's (see check in the
+    script)."""
     script = tmp_path / "compiled_params.py"  # (a file: Triton's JIT reads its kernels' source)
     script.write_text(_COMPILED_PARAMS)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -209,7 +211,7 @@ def test_compiled_kernels_take_the_parameters_packed(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     if out.stdout.startswith("SKIP"):
         pytest.skip(f"this Triton's binder cannot be driven without a GPU: {out.stdout.strip()}")
-    assert out.stdout.strip() == "OK 7", out.stdout
+    assert out.stdout.strip() == "OK 8", out.stdout
 
 
 def test_the_interpreter_keeps_tritons_own_launch(monkeypatch, device):
