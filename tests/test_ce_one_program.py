@@ -103,10 +103,19 @@ def test_a_plain_forward_makes_no_stats(device, z_loss, reduction):
     torch.testing.assert_close(loss.double(), ref, rtol=1e-5, atol=1e-5)
 
 
-def test_a_plain_call_returns_zeros_for_its_z_loss(device):
-    """fs.cross_entropy(return_z_loss=True) without a z-loss on the one-program path: zeros (made by the
-    public function where the forward made none), the loss the reference's."""
+@pytest.mark.parametrize("backend", ["auto", "triton", "torch"])
+def test_a_plain_calls_z_loss_term(device, backend):
+    """fs.cross_entropy(return_z_loss=True) without a z-loss, no autograd (a plain call), every reduction,
+    also replayed: the z term as the reference reduces it (zeros; 0 / 0 = NaN for the mean of all rows
+    ignored, as the loss), on every path (a regression test: the plain one-program forward made no z term
+    and the public function returned zeros for it)."""
     x, t = data(device, torch.float32, 4, 100)
-    loss, z = fs.cross_entropy(x, t, return_z_loss=True, backend="triton")
-    assert heuristics.last_plan().fused and z.shape == loss.shape and (z == 0).all()
-    torch.testing.assert_close(loss.double(), ref_loss(x, t)[0], rtol=1e-5, atol=1e-6)
+    for ignored in (False, True):
+        tt = torch.full_like(t, -100) if ignored else t
+        for reduction in ("none", "sum", "mean"):
+            ref, zref = ref_loss(x, tt, reduction=reduction)
+            for _ in range(2):  # (the second call replayed where the path records)
+                loss, z = fs.cross_entropy(x, tt, reduction=reduction, return_z_loss=True, backend=backend)
+                assert z.shape == zref.shape and z.dtype == loss.dtype, (ignored, reduction)
+                assert (z.isnan() == zref.isnan()).all() and (z[~z.isnan()] == 0).all(), (ignored, reduction, z)
+                torch.testing.assert_close(loss.double(), ref, rtol=1e-5, atol=1e-6, equal_nan=True)

@@ -50,18 +50,18 @@ def _count_interpreted_launches():
 
 
 def _count_gpu_launches(stack):
-    """Counts every kernel launched on the GPU from now on in this (child) process through the library's one
-    launcher: launch.recorded, which the full path calls after each launch it made (not Triton's launch hook,
-    which would send the kernels through Triton's own launcher instead)."""
-    from fastsoftmax.kernels import launch
+    """Counts every Triton kernel launched on the GPU from now on in this (child) process, by name: the
+    library's one launcher (triton/launch.launch) compiles or looks up each kernel through compiled() before
+    it launches (not Triton's launch hook, which would send the kernels through Triton's own launcher)."""
+    from fastsoftmax.kernels.triton import launch as tlaunch
 
-    launches, recorded = [], launch.recorded
+    launches, compiled = [], tlaunch.compiled
 
-    def counted(ln, values):
-        launches.append(ln.function)
-        return recorded(ln, values)
+    def counted(kernel, *args, **kwargs):
+        launches.append(getattr(getattr(kernel, "fn", None), "__name__", "?"))
+        return compiled(kernel, *args, **kwargs)
 
-    stack.enter_context(mock.patch.object(launch, "recorded", counted))
+    stack.enter_context(mock.patch.object(tlaunch, "compiled", counted))
     return launches
 
 

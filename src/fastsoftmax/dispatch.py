@@ -31,6 +31,7 @@ from .core.options import Loss
 from .heuristics import device, tables
 from .kernels import replay, torch_native
 from .kernels.cuda.backend import CudaBackend
+from .kernels.torch_loss import no_z_term
 from .kernels.torch_ops import TorchBackend
 from .kernels.triton.backend import TritonBackend
 
@@ -359,7 +360,7 @@ def cross_entropy_graph(logits, target, class_weight, ignore_index, reduction, l
     heuristics.record(torch_native.NATIVE_GRAPH)
     if reduction == "none":
         loss = loss.reshape(target.shape)
-    return loss, torch.zeros_like(loss, requires_grad=False)
+    return loss, no_z_term(loss.detach(), target, ignore_index, reduction)
 
 
 def cross_entropy_backward(logits, target, class_weight, stats, grad, ignore_index, reduction, label_smoothing,

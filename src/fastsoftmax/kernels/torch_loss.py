@@ -50,6 +50,13 @@ def kept_rows(t, ignore_index: int, w, v: int, dtype):
     return kept, torch.where(keep, w_t, 0.0).sum()
 
 
+def no_z_term(loss, t, ignore_index: int, reduction: str):
+    """The z-loss term of a loss that has none (z_loss 0), as the reduction gives it: zeros like the loss,
+    and the mean over no kept rows 0 / 0 = NaN (as the loss's own mean and the kernels' term)."""
+    z = torch.zeros_like(loss)
+    return z / (t != ignore_index).sum() if reduction == "mean" else z
+
+
 def reduce_terms(ce, zr, kept, w_kept, reduction: str, out_dtype):
     """(loss, z-loss) as the reduction asks: the mean divides ce by the rows' weight and z-loss by their
     number (as Liger's lse_square_scale; the same without class weights). zr None: no z-loss term (the

@@ -14,7 +14,7 @@ from ..core.layout import alloc
 from ..core.reference import grad_torch, softmax_torch
 from . import launch
 from . import torch_native as native
-from .torch_loss import dlogits_options, kept_rows, loss_rows_torch, reduce_terms, row_grads
+from .torch_loss import dlogits_options, kept_rows, loss_rows_torch, no_z_term, reduce_terms, row_grads
 
 REFERENCE = heuristics.Plan("torch", "reference")
 _record, _NATIVE = heuristics.record, native.NATIVE
@@ -64,7 +64,7 @@ class TorchBackend:
                 _recorded_call(native.plain_loss, opts if w is not None else (None, *opts))  # (for the replay)
                 return native.native_cross_entropy(x, t, w, *opts), None, None
             loss, st = native.native_loss_stats(x, t, w, o.ignore_index, o.reduction, o.smoothing, out_dtype)
-            return loss, torch.zeros_like(loss), st
+            return loss, no_z_term(loss, t, o.ignore_index, o.reduction), st
         if m:
             heuristics.record(CROSS_ENTROPY)
         ce, zr, lse = loss_rows_torch(x, t, o, w)

@@ -25,7 +25,15 @@ from ..core import checks, compose
 from ..core.layout import flat
 from ..core.options import Loss
 from ..core.reference import logsumexp_torch
-from ..kernels.torch_loss import capped, dlogits_options, kept_rows, loss_rows_torch, reduce_terms, row_grads
+from ..kernels.torch_loss import (
+    capped,
+    dlogits_options,
+    kept_rows,
+    loss_rows_torch,
+    no_z_term,
+    reduce_terms,
+    row_grads,
+)
 
 _PLAIN = compose.PLAIN_TYPES
 _replayed = dispatch.replayed_loss
@@ -61,7 +69,7 @@ def cross_entropy(
     ):  # fmt: skip
         if not return_z_loss:
             return out[0]
-        return out[0], (out[1] if out[1] is not None else torch.zeros_like(out[0]))  # (a CPU call makes none)
+        return out[0], (out[1] if out[1] is not None else no_z_term(out[0], target, ignore_index, reduction))
     if type(logits) not in _PLAIN and compose.is_dtensor(logits):  # sharded on the classes: distributed
         from ..distributed import dtensor
 
@@ -75,8 +83,8 @@ def cross_entropy(
     route = compose.route(logits, target, class_weight)
     if route == "plain":
         loss, z, _ = dispatch.cross_entropy(*args, stats=False)
-        if z is None and return_z_loss:
-            z = torch.zeros_like(loss)  # (the native path's plain call: no z-loss)
+        if z is None and return_z_loss:  # (a plain call's forward made none: no z-loss asked for)
+            z = no_z_term(loss, target, ignore_index, reduction)
     elif route == "function":  # (eager autograd: torch's own nodes where they hold, else the Function)
         loss, z, *_ = dispatch.cross_entropy_graph(*args) or CROSS_ENTROPY.eager.apply(*args)
     else:
