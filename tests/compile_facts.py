@@ -87,9 +87,10 @@ def main():
     json.dump(out, sys.stdout)
 
 
-def _sm90_facts(kernel, sig: dict, consts: dict, div16: list, warps: int):
-    """(facts, the compiled kernel) of kernel compiled for sm_90a with this signature, these constexprs and
-    16-divisible arguments: its global loads and stores, and ptxas -v's registers, stack and spills."""
+def _sm90_facts(kernel, sig: dict, consts: dict, div16: list, warps: int, options: dict | None = None):
+    """(facts, the compiled kernel) of kernel compiled for sm_90a with this signature, these constexprs,
+    16-divisible arguments and compile options: its global loads and stores, and ptxas -v's registers,
+    stack and spills."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -101,7 +102,7 @@ def _sm90_facts(kernel, sig: dict, consts: dict, div16: list, warps: int):
         constexprs={(names.index(k),): c for k, c in consts.items() if k in names},
         attrs={(names.index(k),): [["tt.divisibility", 16]] for k in div16},
     )
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, **(options or {})})
     ptx = k.asm["ptx"]
     rep = ptxas_report(ptx, "sm_90a")
     facts = {
@@ -143,8 +144,9 @@ def ce_facts():
                 consts = {"ROWS": rows, "BLOCK_N": block, "SMOOTH": True, "MEAN": True}
                 consts |= {"WEIGHT": False, "SOFTCAP": False, "ZLOSS": False}
                 ints = {"v": v, "nc": v, "sx": v, "sdx": v, "span": block * ce_rules.BWD_SEGMENT_CHUNKS}
-                if not backward:  # ce_fwd over whole rows; finishing as one program where m is given
-                    consts |= {"FIRST": True, "LAST": True, "PART": False, "FINISH": bool(m), "CHECK": False}
+                if not backward:  # ce_fwd over whole rows; finishing as one program where m is given, with
+                    # the targets' device assertion, compiled in debug mode, as it is launched on CUDA
+                    consts |= {"FIRST": True, "LAST": True, "PART": False, "FINISH": bool(m), "CHECK": bool(m)}
                     consts |= {"REDUCTION": 2 if m else 0, "ZOUT": True, "STATS": True}
                 names = kernel.arg_names
                 sig = {
@@ -160,7 +162,8 @@ def ce_facts():
                 div16 = [k for k in names if k in ptrs or (k in ints and ints[k] % 16 == 0)]
                 name = kernel.__name__ + ("_one" if m else "")
                 row = dict(kernel=name, dtype=dtype, v=v, block_n=block, num_warps=warps)
-                out.append(row | _sm90_facts(kernel, sig, consts, div16, warps)[0])
+                debug = {"debug": True, "sanitize_overflow": False} if m else None
+                out.append(row | _sm90_facts(kernel, sig, consts, div16, warps, debug)[0])
     json.dump(out, sys.stdout)
 
 

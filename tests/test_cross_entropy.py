@@ -123,10 +123,10 @@ def test_custom_ignore_index_and_int32_targets(device):
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_out_of_range_target_raises(device, backend):
-    """On the CPU at once (the Triton path: from its finishing kernel's flag, the kernels having read
-    nothing at the bad index). On a GPU the finishing kernel asserts on the device, which ends the process's
-    CUDA context (test_gpu.py checks that in a process of its own): here the test reads the flag the Triton
-    kernels leave, with the assertion left out."""
+    """On the CPU at once (the Triton path: the host's check before any launch; the kernels' own flag is
+    test_ce_one_program's). On a GPU the forward's last program asserts on the device, which ends the
+    process's CUDA context (test_gpu.py checks that in a process of its own): here the test reads the flag
+    the Triton kernels leave, with the assertion left out."""
     x, t = data(device, torch.float32, (4,), 9)
     t[2] = 9
     if device == "cuda":

@@ -275,6 +275,27 @@ def test_torch_func_and_fake_tensors_are_refused_clearly(one_rank):
             call(mode.from_tensor(x))
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_z_loss_term_without_a_z_loss_as_fs_cross_entropys(one_rank, backend):
+    """return_z_loss=True without a z-loss: the term fs.cross_entropy and fs.linear_cross_entropy give (zeros;
+    the mean over no kept row 0 / 0 = NaN, as the loss), from both distributed losses (a regression test:
+    they gave 0 for an all-ignored mean)."""
+    import fastsoftmax as fs
+    import fastsoftmax.distributed as fsd
+
+    x, w = torch.randn(4, 10), torch.randn(10, 3)
+    for t in (torch.randint(0, 10, (4,)), torch.full((4,), -100)):
+        for reduction in ("none", "sum", "mean"):
+            _, want = fs.cross_entropy(x, t, reduction=reduction, return_z_loss=True, backend=backend)
+            got = (
+                fsd.cross_entropy(x, t, reduction=reduction, return_z_loss=True, backend=backend)[1],
+                fsd.linear_cross_entropy(x[:, :3], w, t, reduction=reduction, return_z_loss=True, backend=backend)[1],
+            )
+            for z in got:
+                assert z.shape == want.shape and (z.isnan() == want.isnan()).all(), (reduction, t, z, want)
+                assert (z[~z.isnan()] == 0).all()
+
+
 @pytest.mark.parametrize("wide", [torch.float32, torch.float64])
 def test_merge_of_the_ranks_logsumexps(wide):
     """merge_lse, the one merge every distributed forward makes, against the logsumexp of the whole row (in

@@ -190,14 +190,15 @@ _BAD_TARGET = r"""
 import sys, torch, fastsoftmax as fs
 from fastsoftmax.kernels import replay
 how = sys.argv[1]
-x = torch.randn(8, 100, device="cuda")
-t = torch.randint(0, 100, (8,), device="cuda")
+m, v = (64, 1000) if how == "two" else (8, 100)  # (64 rows of 1000: rows, then ce_finish; else one program)
+x = torch.randn(m, v, device="cuda")
+t = torch.randint(0, v, (m,), device="cuda")
 if how == "replay":
     for _ in range(2):
         fs.cross_entropy(x, t)  # recorded, then replayed
     torch.cuda.synchronize()
     assert len(replay.entries()) == 1
-t[3] = 100
+t[3] = v
 if how == "lce":
     loss = fs.linear_cross_entropy(torch.randn(8, 16, device="cuda"), torch.randn(100, 16, device="cuda"), t)
 else:
@@ -207,12 +208,13 @@ print("NO ERROR", float(loss))
 """
 
 
-@pytest.mark.parametrize("how", ["full", "replay", "lce"])
+@pytest.mark.parametrize("how", ["full", "replay", "two", "lce"])
 def test_bad_target_stops_at_a_device_assertion(how):
-    """A target outside [0, V) on CUDA stops at ce_finish's device-side assertion (in a process of its own:
-    the CUDA context does not survive it): on the full path, in a replayed call, in the LM-head loss (before
-    its first GEMM); the device prints the library's message, and the next CUDA call that reports fails
-    (a synchronisation: 'device-side assert triggered'; cuBLAS's handle: its own error)."""
+    """A target outside [0, V) on CUDA stops at the forward's last program's device-side assertion (in a
+    process of its own: the CUDA context does not survive it): the one-program forward on the full path and
+    in a replayed call, ce_finish after the rows (``two``), in the LM-head loss (before its first GEMM); the
+    device prints the library's message, and the next CUDA call that reports fails (a synchronisation:
+    'device-side assert triggered'; cuBLAS's handle: its own error)."""
     import subprocess
     import sys
 

@@ -31,7 +31,6 @@ from .core.options import Loss
 from .heuristics import device, tables
 from .kernels import replay, torch_native
 from .kernels.cuda.backend import CudaBackend
-from .kernels.torch_loss import no_z_term
 from .kernels.torch_ops import TorchBackend
 from .kernels.triton.backend import TritonBackend
 
@@ -314,24 +313,21 @@ def cross_entropy(logits, target, class_weight, ignore_index, reduction, label_s
     if why := storage_problem(logits, target, class_weight):
         raise RuntimeError(f"cross_entropy: {why}")
     o = Loss(ignore_index, reduction, label_smoothing, softcap, z_loss)
-    m, v = x.shape
+    v = x.shape[1]
     impl, path = select_loss(backend, x, o)
     if w is not None and not w.is_contiguous():
         w = w.contiguous()
-    if impl.name == "torch" and path is None:
-        checks.targets(t, v, ignore_index)
+    if (impl.name == "torch" and path is None) or (impl.name == "triton" and not x.is_cuda):
+        checks.targets(t, v, ignore_index)  # (on a GPU the Triton forward's last program asserts on the device)
     rec = replay.start(key)
-    interpreted = impl.name == "triton" and not x.is_cuda  # (the targets' flag is then read from stats, below)
     try:
-        loss, z, st = impl.cross_entropy(x, t, w, o, out_dtype, path, stats or interpreted)
+        loss, z, st = impl.cross_entropy(x, t, w, o, out_dtype, path, stats)
     except IndexError:  # (torch's loss on the native path found a target out of range: the library's error)
         checks.targets(t, v, ignore_index)
         raise
     finally:
         if rec is not None:
             replay.stop()
-    if interpreted and not st[m + 1].item():
-        checks.targets(t, v, ignore_index)  # (the interpreter: the flag ce_finish asserts on a GPU)
     if rec is not None:
         replay.store(key, rec, (logits, target) if w is None else (logits, target, class_weight), (loss, z, st))
     return _shaped((loss, z, st), target, reduction)
@@ -339,10 +335,10 @@ def cross_entropy(logits, target, class_weight, ignore_index, reduction, label_s
 
 def cross_entropy_graph(logits, target, class_weight, ignore_index, reduction, label_smoothing, softcap, z_loss,
                         backend, out_dtype):  # fmt: skip
-    """(loss, z-loss) of logits that require grad with torch's own autograd nodes, where the backend is the
-    torch backend's native path and they compute the library's gradient (no smoothing, no softcap or z-loss,
-    within one chunk: kernels/torch_native.py's cross_entropy_graph); None otherwise: the caller runs its
-    autograd Function."""
+    """(loss, None: no z-loss) of logits that require grad with torch's own autograd nodes, where the backend
+    is the torch backend's native path and they compute the library's gradient (no smoothing, no softcap or
+    z-loss, within one chunk: kernels/torch_native.py's cross_entropy_graph); None otherwise: the caller runs
+    its autograd Function."""
     if logits.is_cuda or label_smoothing or storage_problem(logits, target, class_weight):
         return None
     x, t = flat(logits, target)
@@ -360,7 +356,7 @@ def cross_entropy_graph(logits, target, class_weight, ignore_index, reduction, l
     heuristics.record(torch_native.NATIVE_GRAPH)
     if reduction == "none":
         loss = loss.reshape(target.shape)
-    return loss, no_z_term(loss.detach(), target, ignore_index, reduction)
+    return loss, None  # (no z-loss here: the public function makes its term where it is returned)
 
 
 def cross_entropy_backward(logits, target, class_weight, stats, grad, ignore_index, reduction, label_smoothing,

@@ -37,7 +37,7 @@ from .. import heuristics
 from ..core import checks, compose, options
 from ..core.layout import flat_target
 from ..heuristics import lm_head as rules
-from ..kernels.torch_loss import chunk_logits, reduce_terms, tile_grads
+from ..kernels.torch_loss import chunk_logits, no_z_term, reduce_terms, tile_grads
 from . import merge as shard_merge
 
 
@@ -142,7 +142,7 @@ def log_softmax(
 
 def _loss_out(rows: shard_merge.Rows, ce, zr, out_dtype):
     loss, z = reduce_terms(ce, zr, rows.kept, rows.w_kept, rows.o.reduction, out_dtype)
-    return loss, (z if z is not None else torch.zeros_like(loss))
+    return loss, (z if z is not None else no_z_term(loss.detach(), rows.t, rows.o.ignore_index, rows.o.reduction))
 
 
 def _options_key(o, w, extra=()) -> tuple:

@@ -16,9 +16,9 @@ BWD_SEGMENT_CHUNKS = 8
 # reduction, the counts, the targets' check): one launch and no row buffers instead of two launches and two
 # buffers (as does any forward whose usual shape holds every row: one long row). Such calls are bound by
 # host time (bench/results/h100_host.json). One program holds at most ONE_TILE logits at a time (8192 spill
-# in fp32: test_snapshot) and ONE_ROWS rows: its GPU time (a CUDA graph) is level with two launches' in
-# bf16 and a little over in fp32 (bench/results/checks/ce_one_program.json), but 1.7x theirs for 64 fp32
-# rows of 512 (checks/ce_one_program-3919065.json, at ONE_ROWS 64).
+# in fp32: test_snapshot) and ONE_ROWS rows. Its GPU time alone (a CUDA graph: checks/ce_one_program.json)
+# is level with the two launches' in bf16, and above it in fp32 past one row (by less than the host time
+# it saves an eager call); 64 fp32 rows of 512 took 1.7x theirs (checks/ce_one_program-3919065.json).
 ONE_PROGRAM = 32768
 ONE_ROWS = 16
 ONE_TILE = 4096

@@ -83,13 +83,13 @@ def cross_entropy(
     route = compose.route(logits, target, class_weight)
     if route == "plain":
         loss, z, _ = dispatch.cross_entropy(*args, stats=False)
-        if z is None and return_z_loss:  # (a plain call's forward made none: no z-loss asked for)
-            z = no_z_term(loss, target, ignore_index, reduction)
     elif route == "function":  # (eager autograd: torch's own nodes where they hold, else the Function)
         loss, z, *_ = dispatch.cross_entropy_graph(*args) or CROSS_ENTROPY.eager.apply(*args)
     else:
         loss, z, _ = CROSS_ENTROPY.call(route, *args)
-    return (loss, z) if return_z_loss else loss
+    if not return_z_loss:
+        return loss
+    return loss, (z if z is not None else no_z_term(loss.detach(), target, ignore_index, reduction))  # (none made)
 
 
 # ---- the custom ops ----------------------------------------------------------------------------------------

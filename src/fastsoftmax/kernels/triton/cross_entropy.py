@@ -1,5 +1,6 @@
 """Cross-entropy over rows of logits in Triton: the forward reads each row once and writes one loss and one
-logsumexp per row; the backward reads each row once more and writes dlogits once, from the saved logsumexp.
+logsumexp per row (a plain call's one program: the loss alone); the backward reads each row once more and
+writes dlogits once, from the saved logsumexp.
 
 Per row i with target t, V classes, label smoothing e, class weights w (1 without), softcap c and z-loss
 coefficient k, on z = c * tanh(x / c) (z = x without a softcap):
@@ -13,9 +14,11 @@ number. Rows are (M, V) with unit stride along V; programs take ROWS rows and sw
 
 A forward is two launches: ce_fwd (the rows), then ce_finish (one program: the reduction over rows, the
 rows kept and their weight, and whether every target is in range, which on CUDA it asserts on the device);
-a backward is one (ce_bwd reads the upstream gradient and the mean's divisors from
-device memory). A target outside [0, V) never addresses memory (its row's z_t is taken as 0); the caller
-raises from ce_finish's flag. The LM-head loss (ops/lm_head.py) runs the same kernels on chunks of rows.
+or one, where one ce_fwd program holds every row (heuristics/cross_entropy.ONE_PROGRAM) and does both
+(FINISH). A backward is one (ce_bwd reads the upstream gradient and the mean's divisors from device
+memory). A target outside [0, V) never addresses memory (its row's z_t is taken as 0); the forward's last
+program counts it (the flag in the stats, the assertion on CUDA). The LM-head loss (ops/lm_head.py) runs
+the same kernels on chunks of rows.
 """
 
 from __future__ import annotations
@@ -84,7 +87,7 @@ def ce_fwd(
         tl.store(part_ptr + row, top, mask=row_ok)
     t = tl.load(t_ptr + row, mask=row_ok, other=ignore_index).to(tl.int64)
     keep = row_ok & (t != ignore_index)
-    inside = keep & (t >= 0) & (t < v)  # an out-of-range target reads nothing (ce_finish flags it)
+    inside = keep & (t >= 0) & (t < v)  # an out-of-range target reads nothing (the finish flags it)
     here = inside & (t >= col0) & (t < col0 + nc)
     z_t = tl.load(base + tl.where(here, t - col0, 0), mask=here, other=0.0).to(tl.float32)
     if SOFTCAP:
@@ -268,7 +271,7 @@ def ce_bwd(
     ZLOSS: tl.constexpr,
 ):
     """g_ptr: the upstream gradient, per row (g_stride 1) or one for all rows (g_stride 0); MEAN divides it by
-    the weight of the rows kept (ce) and their number (z-loss), which ce_finish left at cnt_ptr[2] and
+    the weight of the rows kept (ce) and their number (z-loss), which the forward left at cnt_ptr[2] and
     cnt_ptr[0]. The rows' logits at x_ptr are the classes [col0, col0 + nc) of v (all: col0 = 0, nc = v; the
     LM-head loss's vocabulary slices). dx_ptr may be x_ptr (in place: each element is read, then written, by
     one program). The second
