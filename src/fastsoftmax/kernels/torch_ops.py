@@ -18,7 +18,6 @@ from .torch_loss import dlogits_options, kept_rows, loss_rows_torch, no_z_term, 
 
 REFERENCE = heuristics.Plan("torch", "reference")
 _record, _NATIVE = heuristics.record, native.NATIVE
-_native_softmax, _native_softmax_backward = native.native_softmax, native.native_softmax_backward
 _recorded_call = launch.recorded_call
 CROSS_ENTROPY = heuristics.Plan("torch", "cross_entropy")
 
@@ -34,8 +33,9 @@ class TorchBackend:
     def forward(self, x, dim, out_dtype, log, want_lse, path=None, spec=masking.NONE):
         if path == "native":
             _record(_NATIVE)
-            _recorded_call(*native.softmax_call(x, dim, log, out_dtype))  # (for the replay)
-            return _native_softmax(x, dim, log, out_dtype), None
+            fn, args = native.softmax_call(x, dim, log, out_dtype)  # (the call the replay makes again)
+            _recorded_call(fn, args)
+            return fn(x, *args), None
         heuristics.record(REFERENCE)
         if spec.active:
             wide = torch.float64 in (x.dtype, out_dtype)
@@ -47,8 +47,9 @@ class TorchBackend:
     def backward(self, dy, y, dim, out_dtype, log, path=None, spec=masking.NONE):
         if path == "native":
             _record(_NATIVE)
-            _recorded_call(*native.softmax_backward_call(dy, y, dim, log, out_dtype), swap=True)
-            return _native_softmax_backward(dy, y, dim, log, out_dtype)
+            fn, args = native.softmax_backward_call(dy, y, dim, log, out_dtype)
+            _recorded_call(fn, args, swap=True)
+            return fn(dy, y, *args)
         heuristics.record(REFERENCE)
         return alloc(y, out_dtype).copy_(grad_torch(dy, y, dim, log, out_dtype, spec.mask, spec.scale, spec.causal))
 

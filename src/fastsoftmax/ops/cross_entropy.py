@@ -4,11 +4,11 @@ logsumexp per row) and one read + one write backward (dlogits from the saved log
 
 Targets outside [0, V) that are not ignore_index raise: on a GPU at a device-side assertion (no host
 synchronisation: the error surfaces at the next synchronising call, as CUDA's own asserts do); on the CPU
-at once. On the Triton path the check is the forward's last kernel's (ce_finish asserts on CUDA), so a
-forward is two launches (rows, finish; one where a program holds every row, which then finishes too) and a
-backward one; the kernels never address memory with a bad
-target. reduction='mean' divides by the number of rows not ignored (all ignored:
-NaN, as torch). Label smoothing e: loss = (1 - e) * nll + e * mean_j(-log p_j), as torch.
+at once. On the Triton path on a GPU the check is the forward's last program's (it asserts on the device),
+so a forward is two launches (rows, then ce_finish; one where a program holds every row and finishes too)
+and a backward one; the kernels never address memory with a bad target. reduction='mean' divides by the
+number of rows not ignored (all ignored: NaN, as torch). Label smoothing e: loss = (1 - e) * nll +
+e * mean_j(-log p_j), as torch.
 
 A call: the arguments checked once, autocast's loss dtype, the route; a plain call goes straight to
 dispatch.cross_entropy, the others through the custom ops below (core/compose.Op), whose implementations are

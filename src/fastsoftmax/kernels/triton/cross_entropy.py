@@ -355,10 +355,13 @@ def weight_sum(o, w, like):
     return like
 
 
-def rows_forward(x, t, w, wsum, o, rows_loss, rows_z, lse, shape, col0=0, v=None, run=None, part=None) -> None:
+def rows_forward(x, t, w, wsum, o, rows_loss, rows_z, lse, shape, col0=0, v=None, run=None, part=None,
+                 finish=None) -> None:  # fmt: skip
     """ce_fwd over (M, nc) logits x into the (M,) buffers: each row's ce, z-loss and logsumexp. x holds the
     classes [col0, col0 + nc) of v (default: all); slices are taken in order, the running numbers in run (3,
-    M) until the last slice; each row's largest z on the slice into part (M,) where given."""
+    M) until the last slice; each row's largest z on the slice into part (M,) where given. ``finish``: the
+    constexprs of one program over every row that also finishes (forward()'s; the loss into rows_loss, the
+    z-loss into rows_z, the counts behind the logsumexp in lse), else none."""
     m, nc = x.shape
     v = nc if v is None else v
     rows, block, warps, _ = shape
@@ -367,26 +370,14 @@ def rows_forward(x, t, w, wsum, o, rows_loss, rows_z, lse, shape, col0=0, v=None
     args = (x, t, w if w is not None else x, wsum, run, part if part is not None else run, rows_loss, rows_z, lse)
     args += (m, v, nc, col0, x.stride(0), o.ignore_index, eps, cap, zl)
     meta = dict(ROWS=rows, BLOCK_N=block, num_warps=warps, FIRST=col0 == 0, LAST=col0 + nc == v, PART=part is not None)
-    meta |= dict(FINISH=False, REDUCTION=0, ZOUT=True, STATS=True, CHECK=False)
+    meta |= finish or dict(FINISH=False, REDUCTION=0, ZOUT=True, STATS=True, CHECK=False)
     launch(ce_fwd, (-(-m // rows),), args, meta | _flags(o, w))
 
 
-def one_program(x, t, w, wsum, o, out, zout, st, shape, check: bool) -> None:
-    """ce_fwd as one program over all rows of (M, V) logits x that also finishes (ce_finish's work): the loss
-    into out, the z-loss into zout (None: not written), each row's logsumexp and the counts into st (None:
-    not written). ``check``: finish()'s."""
-    m, v = x.shape
-    rows, block, warps, _ = shape
-    eps, cap, zl = _scalars(o)
-    zo = zout if zout is not None else out  # (placeholders: never written)
-    lse = st if st is not None else out
-    args = (x, t, w if w is not None else x, wsum, out, out, out, zo, lse, m, v, v, 0, x.stride(0), o.ignore_index)
-    args += (eps, cap, zl)
-    meta = dict(ROWS=rows, BLOCK_N=block, num_warps=warps, FIRST=True, LAST=True, PART=False, FINISH=True)
-    meta |= dict(REDUCTION=REDUCTIONS[o.reduction], ZOUT=zout is not None, STATS=st is not None, CHECK=check)
-    if check:  # (as finish())
-        meta |= dict(debug=True, sanitize_overflow=False)
-    launch(ce_fwd, (1,), args, meta | _flags(o, w))
+def _checked(check: bool) -> dict:
+    """The constexpr and compile options of the targets' device assertion (Triton compiles device_assert
+    only into debug kernels; no overflow checks wanted)."""
+    return dict(CHECK=True, debug=True, sanitize_overflow=False) if check else dict(CHECK=False)
 
 
 def finish(rows_loss, rows_z, t, w, out, zout, tail, v: int, o, reduce: bool = True, check: bool | None = None):
@@ -396,9 +387,7 @@ def finish(rows_loss, rows_z, t, w, out, zout, tail, v: int, o, reduce: bool = T
     flags = _flags(o, w)
     check = t.is_cuda if check is None else check
     meta = dict(REDUCTION=REDUCTIONS[o.reduction], BLOCK=FINISH_BLOCK, WEIGHT=flags["WEIGHT"], ZLOSS=flags["ZLOSS"])
-    meta |= dict(REDUCE=reduce, CHECK=check, num_warps=4)
-    if check:  # (Triton compiles device_assert only into debug kernels; no overflow checks wanted)
-        meta |= dict(debug=True, sanitize_overflow=False)
+    meta |= dict(REDUCE=reduce, num_warps=4) | _checked(check)
     launch(
         ce_finish,
         (1,),
@@ -427,7 +416,7 @@ def shape(v: int, elsize: int, backward: bool, m: int = 0) -> tuple[int, int, in
     """(ROWS, BLOCK_N, num_warps, splits) of the kernels for m rows of v classes: the rule
     (heuristics/cross_entropy.py), or what heuristics.force() sets (rows=, block_n=, num_warps=, splits=:
     segments per row, backward only); recorded as the call's plan. A forward whose ROWS hold all m rows runs
-    as one program (one_program: the plan's ``fused``)."""
+    as one program that also finishes (the plan's ``fused``)."""
     rows, block, warps, splits = rules.launch_shape(v, elsize, backward, m)
     f = heuristics.forced()
     if f:
@@ -452,29 +441,26 @@ def forward(x, t, w, o, out_dtype, path=None, stats=True, check: bool | None = N
     m, v = x.shape
     with selected(x):
         launch_shape = shape(v, x.element_size(), False, m)
-        if 0 < m <= launch_shape[0]:  # one program: one launch and no row buffers (small calls: host time)
-            out = torch.empty(m if o.reduction == "none" else (), dtype=out_dtype, device=x.device)
-            zout = torch.empty_like(out) if stats or o.z_loss else None
-            st = torch.empty(m + 3, dtype=torch.float32, device=x.device) if stats else None
-            if poisoning():
-                for b in (out, zout, st):
-                    if b is not None:
-                        b.fill_(float("nan"))
-            check = x.is_cuda if check is None else check
-            one_program(x, t, w, weight_sum(o, w, out), o, out, zout, st, launch_shape, check)
-            return out, zout, st
-        rows_loss = torch.empty(m, dtype=torch.float32, device=x.device)
-        rows_z = torch.empty(m, dtype=torch.float32, device=x.device) if o.z_loss else rows_loss
-        st = torch.empty(m + 3, dtype=torch.float32, device=x.device)
+        one = 0 < m <= launch_shape[0]  # one program: one launch and no row buffers (small calls: host time)
         out = torch.empty(m if o.reduction == "none" else (), dtype=out_dtype, device=x.device)
-        zout = torch.empty_like(out)
+        zout = torch.empty_like(out) if stats or o.z_loss or not one else None
+        st = torch.empty(m + 3, dtype=torch.float32, device=x.device) if stats or not one else None
+        rows_loss = rows_z = None
+        if not one:  # (workspaces the kernels write first: a replay allocates its own)
+            rows_loss = fastlaunch.scratch(torch.empty(m, dtype=torch.float32, device=x.device))
+            rows_z = fastlaunch.scratch(torch.empty_like(rows_loss)) if o.z_loss else rows_loss
         if poisoning():  # tests: every output element must be written by the kernels
             for b in (rows_loss, rows_z, st, out, zout):
-                b.fill_(float("nan"))
-        fastlaunch.scratch(rows_loss)  # (workspaces the kernels write first: a replay allocates its own)
-        fastlaunch.scratch(rows_z)
-        rows_forward(x, t, w, weight_sum(o, w, st), o, rows_loss, rows_z, st, launch_shape)
-        finish(rows_loss, rows_z, t, w, out, zout, st[m:], v, o, check=check)
+                if b is not None:
+                    b.fill_(float("nan"))
+        check = x.is_cuda if check is None else check
+        if one:  # (ce_fwd that also finishes; zout and st None: not written, placeholders)
+            fin = dict(FINISH=True, REDUCTION=REDUCTIONS[o.reduction], ZOUT=zout is not None, STATS=st is not None)
+            z_, st_ = (b if b is not None else out for b in (zout, st))
+            rows_forward(x, t, w, weight_sum(o, w, out), o, out, z_, st_, launch_shape, finish=fin | _checked(check))
+        else:
+            rows_forward(x, t, w, weight_sum(o, w, st), o, rows_loss, rows_z, st, launch_shape)
+            finish(rows_loss, rows_z, t, w, out, zout, st[m:], v, o, check=check)
     return out, zout, st
 
 
