@@ -21,6 +21,7 @@ much of the step's peak is the loss's.
 
     python dev/train_step.py OUT.json                 # on the GPU: 1x4096, 1x8192 and 8x1024 tokens
     python dev/train_step.py OUT.json --tiny          # on the CPU: a 2-layer model, the code paths only
+    python dev/train_step.py OUT.json --merge A.json B.json   # runs of one shape each, joined
     PYTHONPATH=/tmp/site:$PWD/src python dev/train_step.py bench/results/h200_train_step.json   (dev/peers.sh)
 """
 
@@ -66,6 +67,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=5, help="timed steps; tokens/s from their median")
     p.add_argument("--timeout", type=int, default=240, help="seconds one variant may take")
     p.add_argument("--tiny", action="store_true", help="a 2-layer model on the CPU: checks the code paths")
+    p.add_argument("--merge", nargs="+", metavar="PART", help="join earlier runs' files (one per shape, say) into OUT")
     p.add_argument("--worker", help=argparse.SUPPRESS)  # VARIANT:SEQ, in the subprocess
     return p
 
@@ -283,6 +285,29 @@ def _environment(args) -> dict:
     return env
 
 
+def _merge(out: str, parts: list[str]) -> int:
+    """One file from runs of the same tree and versions (one per batch shape: each fits a device call),
+    their records in order and the summary made again; each part's environment is kept."""
+    docs = [json.load(open(p)) for p in parts]
+    if any((d["model"], d["versions"]) != (docs[0]["model"], docs[0]["versions"]) for d in docs):
+        raise SystemExit("train_step: the parts differ in model or versions")
+    records = [r for d in docs for r in d["records"]]
+    result = dict(
+        what=docs[0]["what"],
+        model=docs[0]["model"],
+        environment=docs[0]["environment"],
+        parts=[d["environment"] for d in docs],
+        versions=docs[0]["versions"],
+        records=records,
+        summary=_summary(records),
+    )
+    with open(out, "w") as f:
+        json.dump(result, f, indent=1)
+    for line in result["summary"]:
+        print(json.dumps(line))
+    return 0
+
+
 def _shape(text: str) -> tuple[int, int]:
     """'8x1024' -> (8, 1024): rows of tokens."""
     try:
@@ -301,6 +326,8 @@ def main(argv=None) -> int:
         batch, seq = _shape(shape)
         print(json.dumps(run_variant(variant, batch, seq, args)))
         return 0
+    if args.merge:
+        return _merge(args.out, args.merge)
     shapes = [_shape(v) for v in args.shapes]
     if args.steps < 1 or args.warmup < 0 or min(s for _, s in shapes) < 2:
         raise SystemExit("train_step: --steps at least 1, --warmup at least 0, at least 2 tokens a row")
