@@ -228,6 +228,9 @@ def test_import_does_no_work():
         ((2, 32 * softmax_triton.ONLINE_BLOCK + 1), -1, "split", {"rows": 1, "splits": 65}),  # few, long: split
         ((8, softmax_triton.ROWBLOCK_MAX_N + 1), -1, "split", {"rows": 1, "splits": 9}),
         ((64, 256), -1, "rowblock", {"rows": 8}),  # short rows packed several per program
+        # N = 513: rows off 16-byte boundaries; the tile holds the 512-element aligned body, edges the rest
+        ((64, 513), -1, "rowblock", {"rows": 4, "block_n": 512, "vec": 8, "edges": True}),
+        ((64, 1024), -1, "rowblock", {"rows": 2, "block_n": 1024, "vec": 8, "edges": False}),
         ((64, 40), 0, "rowblock", {"rows": 64}),  # strided dim, adjacent rows
         ((5000, 3), 0, "online", {"rows": 4}),  # rows capped at the rows there are
     ],
@@ -241,7 +244,9 @@ def test_heuristics_table_branches(device, shape, dim, path, flags):
         got = softmax_triton.launch_shape(n, shape[0], 2, False, 132)
         assert (got.path, got.rows) == (path, flags["rows"])
         return
-    x = torch.randn(shape, generator=gen, dtype=torch.bfloat16).to(device)
+    x = torch.randn(shape, generator=gen, dtype=torch.bfloat16)
+    x[:, 1] = 30.0  # an outlier in every row's head (an edge element where the row is not aligned)
+    x = x.to(device)
     with heuristics.force(poison=True):
         y = fs.softmax(x, dim, backend="triton")
     plan = heuristics.last_plan()

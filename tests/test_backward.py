@@ -46,6 +46,8 @@ def test_paths_against_oracle(device, path, force, n, dtype, log):
     dy = random_logits(x.shape, dtype, gen, scale=1.0).to(device)
     y, dx, plan = forward_backward(x, dy, -1, log, path=path, **force)
     assert (plan.backend, plan.path) == ("triton", path)
+    if path == "rowblock":  # the tile holds the aligned body: 513 = 512 + edges; 7 is scalar code
+        assert plan.block_n == {7: 8, 513: 512, 1000: 1024}[n] and plan.edges == (n != 7), plan
     assert dx.dtype == dtype
     assert_grad(dx, dy, y, -1, log)
     assert (dx[5] == 0).all() and dx[9].isnan().all()  # special rows: 0 fully masked, 4 NaN among -inf

@@ -64,9 +64,21 @@ def test_rows_per_program_partial_last_tile(device, path):
 
 
 def test_rowblock_refuses_short_block(device):
+    """A rowblock tile must hold the row's 16-byte-aligned body (the edge code holds the rest): N = 513 fits
+    a 512-wide tile, a strided row (scalar code) needs all of N."""
     x = torch.randn(2, 100, device=device)
-    with pytest.raises(ValueError, match="block_n >= N"):
+    with pytest.raises(ValueError, match=r"block_n >= N's aligned body \(100 of N=100\)"):
         run(x, path="rowblock", block_n=64)
+    gen = torch.Generator().manual_seed(513)
+    x = random_logits((3, 513), torch.float32, gen)
+    x[:, [0, 1, 2, 512]] = 40.0  # outliers in the edges
+    y, plan = run(x.to(device), path="rowblock", block_n=512)
+    assert (plan.block_n, plan.vec, plan.edges) == (512, 4, True)
+    assert_close(y, x.to(device), -1, False)
+    with pytest.raises(ValueError, match=r"aligned body \(512 of N=513\); got 256"):
+        run(x.to(device), path="rowblock", block_n=256)
+    with pytest.raises(ValueError, match=r"aligned body \(513 of N=513\); got 512"):  # a strided row
+        run(x.t().contiguous().t().to(device), path="rowblock", block_n=512)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

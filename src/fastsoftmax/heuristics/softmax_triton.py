@@ -73,11 +73,21 @@ class TritonShape(NamedTuple):
 
 
 def launch_shape(
-    n: int, n_rows: int, elsize: int, rows_contiguous: bool, sm_count: int, path: str | None = None, inputs: int = 1
+    n: int,
+    n_rows: int,
+    elsize: int,
+    rows_contiguous: bool,
+    sm_count: int,
+    path: str | None = None,
+    inputs: int = 1,
+    vec: int = 1,
 ) -> TritonShape:
     """The launch shape for n_rows rows of n elements of elsize bytes on a GPU of sm_count SMs; ``path``
     forces the path. ``inputs``: tensors a kernel holds per element (forward 1: x; backward 2: y and dy),
-    which divides the row a rowblock program can hold in registers."""
+    which divides the row a rowblock program can hold in registers. ``vec``: the elements per 16-byte
+    vector of the launch's vector plan (triton/launch.vector_plan; 1 for scalar rows): a rowblock tile then
+    holds the row's aligned body, at most n // vec * vec elements, and the edge code the rest (N = 513 in
+    bf16: a 512-wide tile, where a 1024-wide one left half its lanes idle)."""
     if rows_contiguous:
         # The softmax dim is strided and rows are adjacent: a program takes many rows so that each load
         # instruction covers a contiguous run of rows.
@@ -100,11 +110,12 @@ def launch_shape(
         block = min(SPLIT_BLOCK, _pow2(n))
         return TritonShape(path, block, 1, SPLIT_WARPS, split_count(n, block, n_rows, sm_count, path))
     per_warp = 32 * BYTES_PER_THREAD // (elsize * inputs)  # row elements one warp holds
-    rows = min(_pow2(n_rows), 1 << (max(1, per_warp // n).bit_length() - 1))
-    warps = min(32, _pow2_near(max(1.0, n * rows / per_warp)))
-    if inputs > 1 and n > BWD_LONG_N:
+    body = n // vec * vec or n  # (vec > 1 only where n >= 4 * vec)
+    rows = min(_pow2(n_rows), 1 << (max(1, per_warp // body).bit_length() - 1))
+    warps = min(32, _pow2_near(max(1.0, body * rows / per_warp)))
+    if inputs > 1 and body > BWD_LONG_N:
         warps = BWD_LONG_WARPS
-    return TritonShape(path, _pow2(n), rows, warps)
+    return TritonShape(path, _pow2(body), rows, warps)
 
 
 def max_registers(n: int, num_warps: int, inputs: int) -> int | None:

@@ -40,9 +40,9 @@ def compile_forward(
     (rows, 1, n) read along rows of 8 (strides n, 0; unit column stride). ``sm_count``: the GPU's SMs, which
     the split path's segments depend on (default: INTERPRETER's)."""
     sms = device.INTERPRETER.sm_count if sm_count is None else sm_count
-    shape = softmax_triton.launch_shape(n, n_rows, _SIZE[dtype], False, sms, path, inputs=2 if backward else 1)
     lay = Layout(n_rows, 1, n, (n, 1, 0), (n, 1, 0), (1,), False)
     vec, edges, y_vec, _ = vector_plan(_SIZE[dtype], 0, 0, lay)  # torch allocations are aligned
+    shape = softmax_triton.launch_shape(n, n_rows, _SIZE[dtype], False, sms, path, 2 if backward else 1, vec)
     chunks_per_split = triton.cdiv(triton.cdiv(n, shape.block_n), shape.splits)
     ints = dict(
         n_b=n_rows,

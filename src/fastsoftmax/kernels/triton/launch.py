@@ -110,16 +110,16 @@ def _plan(lay: Layout, elsize: int, sms: int, inputs: int, overrides: tuple, x_m
         raise ValueError(
             f"the Triton backend has no path {overrides['path']!r}; its paths: {', '.join(heuristics.PATHS)}"
         )
-    shape = rules.launch_shape(n, n_rows, elsize, rows_contiguous, sms, overrides.get("path"), inputs=inputs)
-    path, block, rows, warps, splits = (overrides.get(k, v) for k, v in zip(shape._fields, shape, strict=True))
-    if "block_n" in overrides and "splits" not in overrides:
-        splits = rules.split_count(n, block, n_rows, sms, path)
-    if path == "rowblock" and block < n:
-        raise ValueError(f"rowblock needs block_n >= N; got block_n={block}, N={n}")
-
     vec, edges, y_vec, x_mis = vector_plan(elsize, x_mod, y_mod, lay)
     if x_mis and st:
         vec, edges, y_vec, x_mis = 1, False, False, 0  # the storage itself is unaligned: scalar code
+    path = overrides.get("path")
+    shape = rules.launch_shape(n, n_rows, elsize, rows_contiguous, sms, path, inputs=inputs, vec=vec)
+    path, block, rows, warps, splits = (overrides.get(k, v) for k, v in zip(shape._fields, shape, strict=True))
+    if "block_n" in overrides and "splits" not in overrides:
+        splits = rules.split_count(n, block, n_rows, sms, path)
+    if path == "rowblock" and block < (n // vec * vec or n):  # (the edge code holds the rest of the row)
+        raise ValueError(f"rowblock needs block_n >= N's aligned body ({n // vec * vec or n} of N={n}); got {block}")
     # Offsets within a program are 32-bit unless its rows and columns could reach 2^31 elements.
     row_stride = max(abs(sxi), abs(syi)) if inner else max(abs(sxb), abs(syb))
     idx64 = rows * row_stride + max(abs(sxn), abs(syn)) * (n + block) + 16 > _INT32_MAX

@@ -165,7 +165,8 @@ def softmax_bwd_rowblock(
     SCALED: tl.constexpr,
 ):
     """ROWS rows per program, y and dy held whole in registers. Strides: sx* of y and dy, sy* of dx.
-    Precondition: BLOCK_N >= n."""
+    Precondition: BLOCK_N >= the body's length (n, or at most n // VEC * VEC with EDGES; the edges
+    hold the rest)."""
     bx, by, ox, oy, xs, ys, h, length, c, row, row_ok = prologue(
         n_b, n, n_i, tiles_i, sxb, sxi, syb, syi, x_mis, ROWS, BLOCK_N, VEC, INNER, EDGES, Y_VEC, IDX64
     )

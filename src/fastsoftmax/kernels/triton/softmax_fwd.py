@@ -73,7 +73,8 @@ def softmax_fwd_rowblock(
     SCALED: tl.constexpr,
     WRITE_LSE: tl.constexpr,
 ):
-    """ROWS rows per program, each held whole in registers. Precondition: BLOCK_N >= n."""
+    """ROWS rows per program, each held whole in registers. Precondition: BLOCK_N >= the body's
+    length (n, or at most n // VEC * VEC with EDGES; the edges hold the rest)."""
     bx, by, ox, oy, xs, ys, h, length, c, row, row_ok = prologue(
         n_b, n, n_i, tiles_i, sxb, sxi, syb, syi, x_mis, ROWS, BLOCK_N, VEC, INNER, EDGES, Y_VEC, IDX64
     )
