@@ -15,6 +15,7 @@ from triton.testing import do_bench
 
 import fastsoftmax as fs
 from fastsoftmax import heuristics
+from fastsoftmax.core.reference import compare, compare_grad
 from fastsoftmax.heuristics import softmax_triton as rules
 
 ROUNDS = 3
@@ -47,9 +48,10 @@ def measure(m: int, n: int, dtype: torch.dtype, pass_: str, sms: int) -> dict:
     def copy():  # the same bytes: one read and one write (forward), two reads and one write (backward)
         return dst.copy_(src) if inputs == 1 else torch.add(src[: m * n], src[m * n :], out=dst)
 
-    ref = fs.softmax(x) if pass_ == "fwd" else fs.softmax_backward(dy, y)
-    for shape in (new, old):
-        torch.testing.assert_close(call(shape), ref, rtol=0, atol=0)
+    for shape in (new, old):  # both right against the float64 oracle (sums differ in order: not bitwise)
+        got = call(shape)
+        problem = compare(got, x, -1, False)[1] if pass_ == "fwd" else compare_grad(got, dy, y, -1, False)[1]
+        assert problem is None, (shape, problem)
     fns = {"new": lambda: call(new), "old": lambda: call(old), "copy": copy}
     best = dict.fromkeys(fns, float("inf"))
     for _ in range(ROUNDS):

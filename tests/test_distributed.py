@@ -276,15 +276,16 @@ def test_torch_func_and_fake_tensors_are_refused_clearly(one_rank):
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_z_loss_term_without_a_z_loss_as_fs_cross_entropys(one_rank, backend):
+def test_z_loss_term_without_a_z_loss_as_fs_cross_entropys(one_rank, backend, device):
     """return_z_loss=True without a z-loss: the term fs.cross_entropy and fs.linear_cross_entropy give (zeros;
     the mean over no kept row 0 / 0 = NaN, as the loss), from both distributed losses (a regression test:
-    they gave 0 for an all-ignored mean)."""
+    they gave 0 for an all-ignored mean). Tensors on the test's device (Triton on CPU tensors: the
+    interpreter, which --device cuda runs do not set)."""
     import fastsoftmax as fs
     import fastsoftmax.distributed as fsd
 
-    x, w = torch.randn(4, 10), torch.randn(10, 3)
-    for t in (torch.randint(0, 10, (4,)), torch.full((4,), -100)):
+    x, w = torch.randn(4, 10, device=device), torch.randn(10, 3, device=device)
+    for t in (torch.randint(0, 10, (4,), device=device), torch.full((4,), -100, device=device)):
         for reduction in ("none", "sum", "mean"):
             _, want = fs.cross_entropy(x, t, reduction=reduction, return_z_loss=True, backend=backend)
             got = (
