@@ -43,7 +43,7 @@ def measure(m: int, n: int, dtype: torch.dtype, pass_: str, sms: int) -> dict:
     def call(shape):
         force = dict(path="rowblock", block_n=shape.block_n, rows=shape.rows, num_warps=shape.num_warps)
         with heuristics.force(**force):
-            return fs.softmax(x) if pass_ == "fwd" else fs.softmax_backward(dy, y)
+            return fs.softmax(x, backend="triton") if pass_ == "fwd" else fs.softmax_backward(dy, y, backend="triton")
 
     def copy():  # the same bytes: one read and one write (forward), two reads and one write (backward)
         return dst.copy_(src) if inputs == 1 else torch.add(src[: m * n], src[m * n :], out=dst)
