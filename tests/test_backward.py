@@ -71,6 +71,21 @@ def test_long_rows_take_rowblock_with_more_warps(device, dtype, log):
     assert (dx[1] == 0).all()  # the fully masked row
 
 
+@pytest.mark.parametrize("vec", [1, 8])
+@pytest.mark.parametrize("extra", [1, 7, 8])
+def test_long_row_rule_and_register_cap_agree(vec, extra):
+    """The long-row warps (launch_shape) and the register cap (max_registers) follow one rule, on the body a
+    tile holds: N = BWD_LONG_N + 1..7 in bf16 vectors has a BWD_LONG_N body (edges hold the rest), so no
+    cap and a BWD_LONG_N tile; a scalar row of that N, or a body past BWD_LONG_N, gets the long rows' warps,
+    the cap and a tile twice as wide."""
+    n = softmax_triton.BWD_LONG_N + extra
+    shape = softmax_triton.launch_shape(n, 4096, 2, False, 132, "rowblock", inputs=2, vec=vec)
+    long = vec == 1 or extra >= vec
+    assert shape.num_warps == softmax_triton.BWD_LONG_WARPS or not long, shape
+    assert (softmax_triton.max_registers(n, shape.num_warps, 2, vec) is not None) == long
+    assert shape.block_n == (2 * softmax_triton.BWD_LONG_N if long else softmax_triton.BWD_LONG_N)
+
+
 @pytest.mark.parametrize("log", [False, True])
 @pytest.mark.parametrize("path,force", PATHS, ids=[p for p, _ in PATHS])
 def test_nan_in_dy(device, path, force, log):

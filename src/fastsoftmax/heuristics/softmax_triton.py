@@ -64,6 +64,13 @@ def _pow2_near(v: float) -> int:
     return lo * 2 if v / lo > 1.5 else lo
 
 
+def row_body(n: int, vec: int) -> int:
+    """Elements of an N-element row a rowblock tile must hold: its 16-byte-aligned body, at most
+    n // vec * vec where rows are read in vectors of ``vec`` (triton/launch.vector_plan; vec > 1 only where
+    n >= 4 * vec), the edge code holding the rest; the whole row for scalar rows (vec 1)."""
+    return n // vec * vec
+
+
 class TritonShape(NamedTuple):
     path: str
     block_n: int
@@ -110,7 +117,7 @@ def launch_shape(
         block = min(SPLIT_BLOCK, _pow2(n))
         return TritonShape(path, block, 1, SPLIT_WARPS, split_count(n, block, n_rows, sm_count, path))
     per_warp = 32 * BYTES_PER_THREAD // (elsize * inputs)  # row elements one warp holds
-    body = n // vec * vec or n  # (vec > 1 only where n >= 4 * vec)
+    body = row_body(n, vec)
     rows = min(_pow2(n_rows), 1 << (max(1, per_warp // body).bit_length() - 1))
     warps = min(32, _pow2_near(max(1.0, body * rows / per_warp)))
     if inputs > 1 and body > BWD_LONG_N:
@@ -118,14 +125,14 @@ def launch_shape(
     return TritonShape(path, _pow2(body), rows, warps)
 
 
-def max_registers(n: int, num_warps: int, inputs: int) -> int | None:
+def max_registers(n: int, num_warps: int, inputs: int, vec: int = 1) -> int | None:
     """The register cap (Triton's maxnreg) for a rowblock program, or None to leave ptxas its own choice.
     Backward rows past BWD_LONG_N: every register a thread may have at that block size. Without the cap
     ptxas (Triton 3.6's) chose 32 registers and 1,520 bytes of spills for fp32 softmax rows that are not a
     multiple of 4 elements (the edge code), 128 and 136 bytes with it, as for even rows
     (tests/test_snapshot.py): without it the odd rows ran 3-5x slower. 8 warps, faster for fp32 softmax,
     would spill 572 bytes in fp32 log_softmax, so these rows keep 16 until a tune times log_softmax too."""
-    if inputs > 1 and n > BWD_LONG_N:
+    if inputs > 1 and row_body(n, vec) > BWD_LONG_N:  # (launch_shape's rule for BWD_LONG_WARPS)
         return min(255, REGS_PER_BLOCK // (32 * num_warps))
     return None
 

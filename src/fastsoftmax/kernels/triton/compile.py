@@ -109,7 +109,9 @@ def compile_forward(
         cons = {(names.index(k),): v for k, v in consts.items() if k in names}
         src = ASTSource(fn=kernel, signature=sig, constexprs=cons, attrs=attrs)
         options = {"num_warps": shape.num_warps}
-        cap = softmax_triton.max_registers(n, shape.num_warps, 2 if backward else 1) if path == "rowblock" else None
+        cap = None
+        if path == "rowblock":
+            cap = softmax_triton.max_registers(n, shape.num_warps, 2 if backward else 1, vec)
         if cap is not None:
             options["maxnreg"] = cap  # as the launcher asks (softmax_bwd.backward)
         out.append(triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options))

@@ -118,8 +118,8 @@ def _plan(lay: Layout, elsize: int, sms: int, inputs: int, overrides: tuple, x_m
     path, block, rows, warps, splits = (overrides.get(k, v) for k, v in zip(shape._fields, shape, strict=True))
     if "block_n" in overrides and "splits" not in overrides:
         splits = rules.split_count(n, block, n_rows, sms, path)
-    if path == "rowblock" and block < (n // vec * vec or n):  # (the edge code holds the rest of the row)
-        raise ValueError(f"rowblock needs block_n >= N's aligned body ({n // vec * vec or n} of N={n}); got {block}")
+    if path == "rowblock" and block < rules.row_body(n, vec):  # (the edge code holds the rest of the row)
+        raise ValueError(f"rowblock needs block_n >= N's aligned body ({rules.row_body(n, vec)} of N={n}); got {block}")
     # Offsets within a program are 32-bit unless its rows and columns could reach 2^31 elements.
     row_stride = max(abs(sxi), abs(syi)) if inner else max(abs(sxb), abs(syb))
     idx64 = rows * row_stride + max(abs(sxn), abs(syn)) * (n + block) + 16 > _INT32_MAX
