@@ -68,7 +68,8 @@ def main():
         out += facts("rowblock", dtype, 1024, 80)
         out += facts("online", dtype, 50257, 80)
         out += facts("split", dtype, 50257, 80)
-        for n in (256, 513, 4096, softmax_triton.BWD_LONG_N, 20481, 32000, softmax_triton.ROWBLOCK_MAX_N):
+        long_n = softmax_triton.BWD_LONG_N
+        for n in (256, 513, 4096, long_n, long_n + 1, 20481, 32000, softmax_triton.ROWBLOCK_MAX_N):
             for log in (False, True):
                 out += facts("rowblock", dtype, n, 90, log=log, backward=True)
         for path in ("online", "split"):

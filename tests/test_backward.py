@@ -86,6 +86,33 @@ def test_long_row_rule_and_register_cap_agree(vec, extra):
     assert shape.block_n == (2 * softmax_triton.BWD_LONG_N if long else softmax_triton.BWD_LONG_N)
 
 
+@pytest.mark.parametrize("dtype,extra", [(torch.bfloat16, 7), (torch.bfloat16, 8), (torch.float32, 3)], ids=str)
+def test_the_launch_asks_for_the_cap_of_its_tile(device, monkeypatch, dtype, extra):
+    """The backward launch asks for the register cap (maxnreg) only where its tile's body is a long row:
+    N = BWD_LONG_N + 7 in bf16 (+ 3 in fp32) holds a BWD_LONG_N body, + 8 in bf16 one past it."""
+    from fastsoftmax.kernels.triton import softmax_bwd
+
+    asked = []
+
+    def launch(kernel, grid, args, options):
+        asked.append(dict(options))
+        return real(kernel, grid, args, options)
+
+    real = softmax_bwd.launch
+    monkeypatch.setattr(softmax_bwd, "launch", launch)
+    n = softmax_triton.BWD_LONG_N + extra
+    gen = torch.Generator().manual_seed(n)
+    y = torch.softmax(random_logits((2, n), dtype, gen).double(), -1).to(dtype).to(device)
+    dy = random_logits((2, n), dtype, gen, scale=1.0).to(device)
+    with heuristics.force(poison=True):
+        dx = fs.softmax_backward(dy, y, backend="triton")
+    assert heuristics.last_plan().path == "rowblock" and len(asked) == 1
+    long = extra >= 16 // y.element_size()
+    assert ("maxnreg" in asked[0]) == long, asked
+    assert heuristics.last_plan().block_n == softmax_triton.BWD_LONG_N * (2 if long else 1)
+    assert_grad(dx, dy, y, -1, False)
+
+
 @pytest.mark.parametrize("log", [False, True])
 @pytest.mark.parametrize("path,force", PATHS, ids=[p for p, _ in PATHS])
 def test_nan_in_dy(device, path, force, log):

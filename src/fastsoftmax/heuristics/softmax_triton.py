@@ -68,7 +68,7 @@ def row_body(n: int, vec: int) -> int:
     """Elements of an N-element row a rowblock tile must hold: its 16-byte-aligned body, at most
     n // vec * vec where rows are read in vectors of ``vec`` (triton/launch.vector_plan; vec > 1 only where
     n >= 4 * vec), the edge code holding the rest; the whole row for scalar rows (vec 1)."""
-    return n // vec * vec
+    return n // vec * vec or n  # (n < vec: no vectors, the row is scalar code)
 
 
 class TritonShape(NamedTuple):
