@@ -11,6 +11,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from host_calls import host_us  # (dev/ is the script's path)
 
 import fastsoftmax as fs
 from fastsoftmax import heuristics
@@ -43,18 +44,6 @@ def graph_us(fn) -> float:
     return best
 
 
-def host_us(fn) -> float:
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(CALLS):
-        fn()
-    wall = time.perf_counter() - t
-    torch.cuda.synchronize()
-    return wall / CALLS * 1e6
-
-
 def main() -> None:
     records = []
     for m, v in SHAPES:
@@ -83,7 +72,7 @@ def main() -> None:
             host = {"one": [], "two": [], "torch": []}
             for _ in range(ROUNDS):
                 for k, f in (("one", one), ("two", two), ("torch", torchs)):
-                    host[k].append(host_us(f))
+                    host[k].append(host_us(f, CALLS))
             rec = dict(shape=f"{m}x{v}", dtype=str(dtype).split(".")[-1])
             rec |= {f"gpu_us_{k}": round(u, 2) for k, u in gpu.items()}
             rec |= {f"host_us_{k}": round(min(u), 2) for k, u in host.items()}

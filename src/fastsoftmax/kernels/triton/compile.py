@@ -42,7 +42,8 @@ def compile_forward(
     sms = device.INTERPRETER.sm_count if sm_count is None else sm_count
     lay = Layout(n_rows, 1, n, (n, 1, 0), (n, 1, 0), (1,), False)
     vec, edges, y_vec, _ = vector_plan(_SIZE[dtype], 0, 0, lay)  # torch allocations are aligned
-    shape = softmax_triton.launch_shape(n, n_rows, _SIZE[dtype], False, sms, path, 2 if backward else 1, vec)
+    inputs = 2 if backward else 1
+    shape = softmax_triton.launch_shape(n, n_rows, _SIZE[dtype], False, sms, path, inputs, vec)
     chunks_per_split = triton.cdiv(triton.cdiv(n, shape.block_n), shape.splits)
     ints = dict(
         n_b=n_rows,
@@ -109,10 +110,7 @@ def compile_forward(
         cons = {(names.index(k),): v for k, v in consts.items() if k in names}
         src = ASTSource(fn=kernel, signature=sig, constexprs=cons, attrs=attrs)
         options = {"num_warps": shape.num_warps}
-        cap = None
-        if path == "rowblock":
-            cap = softmax_triton.max_registers(n, shape.num_warps, 2 if backward else 1, vec)
-        if cap is not None:
+        if path == "rowblock" and (cap := softmax_triton.max_registers(shape.block_n, shape.num_warps, inputs)):
             options["maxnreg"] = cap  # as the launcher asks (softmax_bwd.backward)
         out.append(triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options))
     return out

@@ -113,13 +113,12 @@ def _plan(lay: Layout, elsize: int, sms: int, inputs: int, overrides: tuple, x_m
     vec, edges, y_vec, x_mis = vector_plan(elsize, x_mod, y_mod, lay)
     if x_mis and st:
         vec, edges, y_vec, x_mis = 1, False, False, 0  # the storage itself is unaligned: scalar code
-    path = overrides.get("path")
-    shape = rules.launch_shape(n, n_rows, elsize, rows_contiguous, sms, path, inputs=inputs, vec=vec)
+    shape = rules.launch_shape(n, n_rows, elsize, rows_contiguous, sms, overrides.get("path"), inputs, vec)
     path, block, rows, warps, splits = (overrides.get(k, v) for k, v in zip(shape._fields, shape, strict=True))
     if "block_n" in overrides and "splits" not in overrides:
         splits = rules.split_count(n, block, n_rows, sms, path)
-    if path == "rowblock" and block < rules.row_body(n, vec):  # (the edge code holds the rest of the row)
-        raise ValueError(f"rowblock needs block_n >= N's aligned body ({rules.row_body(n, vec)} of N={n}); got {block}")
+    if path == "rowblock" and block < (body := rules.row_body(n, vec)):  # (the edge code holds the rest)
+        raise ValueError(f"rowblock needs block_n >= N's aligned body ({body} of N={n}); got {block}")
     # Offsets within a program are 32-bit unless its rows and columns could reach 2^31 elements.
     row_stride = max(abs(sxi), abs(syi)) if inner else max(abs(sxb), abs(syb))
     idx64 = rows * row_stride + max(abs(sxn), abs(syn)) * (n + block) + 16 > _INT32_MAX
