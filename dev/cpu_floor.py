@@ -1,7 +1,9 @@
 """What a small CPU call costs above torch's own kernel, piece by piece, in one process and one thread: for
 fs.softmax and fs.softmax_backward of 1x4096 fp32 (both replayed: kernels/replay.py), torch's kernel alone,
 the whole fs call, the replay's closure (the leaf: torch's kernel and the masked-row test), the route
-(core/compose.route), the key (replay.softmax_key) and the dict lookup. The CPU counterpart of
+(core/compose.route), the key (replay.softmax_key) and the dict lookup; and the floor of trimming Python
+frames: the forward's whole replay (the checks dispatch.replayed makes, the route, the output dtype, the key,
+the lookup and the closure) written out in one function (inline_us). The CPU counterpart of
 dev/host_floor.py. Two rounds, each the best of 7 batches of 20000 calls.
 Usage: taskset -c 1 python dev/cpu_floor.py OUT.json"""
 
@@ -13,6 +15,7 @@ import time
 import timeit
 
 import torch
+from torch.autograd import forward_ad as fwad
 
 import fastsoftmax as fs
 from fastsoftmax.core import compose
@@ -23,6 +26,31 @@ def t(f, n=20000) -> float:
     for _ in range(200):
         f()
     return min(timeit.repeat(f, number=n, repeat=7)) / n * 1e6
+
+
+def inline_forward(x, dim: int = -1, dtype=None, backend: str = "auto", log: bool = False):
+    """fs.softmax's replay in one frame: every rule of dispatch.replayed, compose.route, compose.softmax_dtype
+    and replay.softmax_key copied inline (a measurement only: the library keeps each in its one home)."""
+    if type(x) is not Tensor or type(dim) is not int:
+        return None
+    nd = x.dim()
+    if not -nd <= dim < nd:
+        return None
+    if compiling() or transforms() or fwad._current_level >= 0 or modes() or tracing() is not None:
+        return None
+    if x.is_meta or (x.requires_grad and grad()):
+        return None
+    p = x.data_ptr() & 15
+    if p:
+        p = (p, x.untyped_storage().data_ptr() & 15)
+    out = dtype or (compose.softmax_dtype(x) if autocast() else x.dtype)
+    r = lookup(((x.shape, x.stride(), x.dtype, x.is_neg(), p), x.get_device(), dim % nd, out, log, backend))
+    return None if r is None else r(x)
+
+
+Tensor, lookup, compiling, grad = torch.Tensor, replay.lookup, compose.compiling, torch.is_grad_enabled
+transforms, modes, tracing, autocast = (compose.transforms_active, compose.dispatch_modes, compose.tracing,
+                                        compose.any_autocast)  # fmt: skip
 
 
 def main() -> int:
@@ -38,6 +66,7 @@ def main() -> int:
     fkey = replay.softmax_key(x, None, 1, torch.float32, False, "auto")
     bkey = replay.softmax_key(y, dy, 1, torch.float32, False, "auto")
     assert replay.lookup(fkey) is forward and replay.lookup(bkey) is backward
+    assert torch.equal(inline_forward(x), fs.softmax(x))  # (the inline copy finds the same replay)
     rounds = []
     for _ in range(2):
         r = {
@@ -48,6 +77,7 @@ def main() -> int:
                 "route_us": t(lambda: compose.route(x)),
                 "key_us": t(lambda: replay.softmax_key(x, None, 1, torch.float32, False, "auto")),
                 "lookup_us": t(lambda: replay.lookup(fkey)),
+                "inline_us": t(lambda: inline_forward(x)),
             },
             "softmax_backward": {
                 "torch_kernel_us": t(lambda: torch._softmax_backward_data(dy, y, -1, torch.float32)),
