@@ -3,7 +3,7 @@ beside torch's own ops, single-threaded, in one process: softmax, log_softmax, s
 (autograd), fs.softmax_backward and fs.log_softmax_backward, cross_entropy forward and forward + backward,
 fp32 and bf16, from 1x4096 to 4096x4096.
 Each repetition times fastsoftmax and torch back to back (the order alternating), so both see the same
-machine; the figure is the median of each. ``chunks`` adds the sweep behind backends/torch.py's CHUNK
+machine; the figure is the median of each. ``chunks`` adds the sweep behind kernels/torch_native.CHUNK
 (rows computed a chunk at a time: cross-entropy, 16-bit log_softmax).
 Usage: python dev/cpu_speed.py OUT.json [MxN ...] [chunks] (pin it: taskset -c 1 ...)."""
 

@@ -330,6 +330,16 @@ def test_options_are_checked_before_any_collective():
         fsd.linear_cross_entropy(xl, w, t, torch.randn(4))
     with pytest.raises(ValueError, match="backend"):
         fsd.softmax(x, backend="bogus")
+    # the shard's checks (core/checks.shard): the CUDA backend has no distributed kernels
+    for fn in (fsd.softmax, fsd.log_softmax):
+        with pytest.raises(ValueError, match="backend must be 'auto', 'triton' or 'torch'"):
+            fn(x, backend="cuda")
+        with pytest.raises(TypeError, match="floating-point torch.Tensor shard"):
+            fn(t)
+        with pytest.raises(ValueError, match="split class dim"):
+            fn(torch.tensor(1.0))
+    with pytest.raises(TypeError, match="floating-point torch.Tensor shard"):
+        fsd.cross_entropy(t, t)
 
 
 def test_float64_output_of_a_float32_shard(one_rank):

@@ -1,6 +1,7 @@
 """The one dispatch point: every call that runs kernels or torch ops comes here with its arguments checked
 (core/checks.py, once, by the public function), and select() and select_loss() are the only places that
-choose a backend and its path, each with its reason:
+choose a backend and its path, each with its reason (one exception: a mask over more than 4 row dims, which
+the kernels cannot address, goes to torch ops in _masked, under 'auto'; a named kernel backend refuses it):
 
   backend='auto', CUDA tensor   what the GPU's tuning table names for the problem, when that backend can
                                 run it; else the Triton kernels, when they can; else torch ops

@@ -122,10 +122,28 @@ def target(fn: str, logits, target) -> None:
         )
 
 
-def cross_entropy_options(fn: str, ignore_index, reduction, label_smoothing, backend) -> None:
-    loss_options(fn, ignore_index, reduction, label_smoothing)
+def loss_backend(fn: str, backend) -> None:
+    """backend= of the losses and of the distributed functions (no CUDA-backend kernels for them)."""
     if backend not in LOSS_BACKENDS:
         raise ValueError(f"{fn}: backend must be 'auto', 'triton' or 'torch', got {backend!r}")
+
+
+def cross_entropy_options(fn: str, ignore_index, reduction, label_smoothing, backend) -> None:
+    loss_options(fn, ignore_index, reduction, label_smoothing)
+    loss_backend(fn, backend)
+
+
+def shard(fn: str, x, backend=None, tgt=None) -> None:
+    """fastsoftmax.distributed's checks of this rank's slice of the classes (and of a softmax's backend, and
+    the loss's target): what can fail before a collective."""
+    if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point:
+        raise TypeError(f"{fn}: expected a floating-point torch.Tensor shard")
+    if x.dim() < 1:
+        raise ValueError(f"{fn}: the shard needs the split class dim (the last)")
+    if backend is not None:
+        loss_backend(fn, backend)
+    if tgt is not None:
+        target(fn, x, tgt)
 
 
 _TARGETS, _REDUCTIONS, _LOSS_BACKENDS = frozenset(dtypes.TARGETS), frozenset(REDUCTIONS), frozenset(LOSS_BACKENDS)

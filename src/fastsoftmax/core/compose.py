@@ -1,7 +1,7 @@
 """How a public call composes with PyTorch's machinery: the route it takes, torch's autocast policy, and Op,
 the one helper that makes an implementation a custom op with its fake, its autograd and its eager Functions.
 
-Routes (route() decides, in this order):
+Routes:
   op        the torch.library custom op (its fake implementation where there is no data): torch.compile
             tracing, torch.jit.trace, a TorchDispatchMode (FakeTensorMode, make_fx, FlopCounterMode, ...),
             fake, meta and other subclass tensors
@@ -9,6 +9,8 @@ Routes (route() decides, in this order):
             Function with vmap and jvp rules (softmax, log_softmax), or torch ops (masked softmax, losses)
   function  eager autograd (an input requires grad): the op's eager autograd Function
   plain     everything else: dispatch.py directly
+route() asks in this order: torch.compile (op), then torch.func and forward-mode AD (func), then torch.jit.trace,
+a dispatch mode and the tensors' types (op), then autograd (function); plain otherwise.
 """
 
 from __future__ import annotations

@@ -86,19 +86,6 @@ class _Softmax(torch.autograd.Function):
         return dx.reshape(dy.shape), None, None, None, None
 
 
-def _check_shard(fn, x, backend=None, target=None):
-    """The shard's (and the target's, and a softmax's backend) checks: what can fail before a collective,
-    with _need_group. (The losses' backend: checks.cross_entropy_options, in _loss_checks.)"""
-    if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point:
-        raise TypeError(f"{fn}: expected a floating-point torch.Tensor shard")
-    if x.dim() < 1:
-        raise ValueError(f"{fn}: the shard needs the split class dim (the last)")
-    if backend is not None and backend not in checks.LOSS_BACKENDS:
-        raise ValueError(f"{fn}: backend must be 'auto', 'triton' or 'torch', got {backend!r}")
-    if target is not None:
-        checks.target(fn, x, target)
-
-
 def _need_group(fn: str) -> None:
     """An initialised process group, and no torch.func transform or dispatch mode (fake tensors): the
     statistics cross ranks through collectives, which neither can carry."""
@@ -119,7 +106,7 @@ def softmax(
     backend: str = "auto",
 ) -> torch.Tensor:
     """Softmax along the last dim of logits whose last dim is split across ``group`` (this rank's slice)."""
-    _check_shard("distributed.softmax", x, backend)
+    checks.shard("distributed.softmax", x, backend)
     _need_group("distributed.softmax")
     return _Softmax.apply(x, False, group, dtype, backend)
 
@@ -132,7 +119,7 @@ def log_softmax(
     backend: str = "auto",
 ) -> torch.Tensor:
     """Log-softmax along the last dim of logits whose last dim is split across ``group``."""
-    _check_shard("distributed.log_softmax", x, backend)
+    checks.shard("distributed.log_softmax", x, backend)
     _need_group("distributed.log_softmax")
     return _Softmax.apply(x, True, group, dtype, backend)
 
@@ -212,7 +199,7 @@ def cross_entropy(
     is this rank's slice and ``class_weight`` its slice of the class weights) with global class indices as
     targets, on every rank."""
     fn = "distributed.cross_entropy"
-    _check_shard(fn, logits, target=target)
+    checks.shard(fn, logits, tgt=target)
     v_device = (logits.shape[-1], logits.device)
     o = _loss_checks(
         fn, ignore_index, reduction, label_smoothing, backend, v_device, class_weight, softcap, z_loss, return_z_loss

@@ -1,4 +1,5 @@
-"""The one table that chooses a kernel path and its launch shape. No autotuning at call time.
+"""Launch rules of the Triton softmax paths: the default path (where no tuning table entry names one:
+heuristics/tables.py) and every launch's shape. No autotuning at call time.
 
 Paths (forward):
   rowblock  the row tile is held in registers: 1 read + 1 write of x/y. Short rows are packed several to a

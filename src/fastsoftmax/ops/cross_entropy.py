@@ -53,7 +53,7 @@ def cross_entropy(
     backend: str = "auto",
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """torch.nn.functional.cross_entropy for logits with the classes along the last dim; see the module.
-    Under torch.autocast the loss is float32 (as torch's); target: any integer dtype, any strides.
+    Under torch.autocast the loss is float32 (as torch's); target: int64, int32, int16, int8 or uint8, any strides.
     class_weight: torch's ``weight=``; softcap: logits become softcap * tanh(logits / softcap) first;
     z_loss: adds z_loss * logsumexp^2 per kept row. return_z_loss=True returns (loss, the z-loss term alone,
     reduced the same way; it carries no gradient)."""

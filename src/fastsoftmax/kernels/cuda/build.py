@@ -92,8 +92,8 @@ def nvrtc():
         from cuda.bindings import nvrtc as mod
     except ImportError as e:
         raise ImportError(
-            f"the CUDA backend needs cuda-python's bindings and NVRTC ({e}); pip install 'cuda-bindings>=13' "
-            "'nvidia-cuda-nvrtc>=13' (fastsoftmax's default dependencies on Linux x86_64)"
+            f"the CUDA backend needs cuda-python's bindings and NVRTC ({e}): the extras of "
+            "pip install 'fastsoftmax[cu13]' (or [cu12])"
         ) from e
     return mod
 
