@@ -132,3 +132,24 @@ def test_cli_help_names_nothing_outside_the_repository():
     paths = re.findall(r"[\w.<>-]+(?:/[\w.<>-]+)+\.\w+", text)
     bad += [f"a path not in the repository: {p!r}" for p in paths if not _inside(p)]
     assert not bad, "the command's help:\n" + "\n".join(bad) + "\n\n" + text
+
+
+def indexed(readme: str) -> set[str]:
+    """The result files bench/results/README.md's tables give a row to (named in each row's first cell)."""
+    cells = re.findall(r"^\| ([^|]*) \|", readme, re.M)
+    return {name for cell in cells for name in re.findall(r"`([^`]+\.json)`", cell)}
+
+
+def test_every_result_file_has_its_row_and_every_row_its_file():
+    """bench/results/README.md indexes every committed result file (what it holds, the command, the date, the
+    commit) and names none that is gone: three cited files once had no row."""
+    on_disk = {p.relative_to(RESULTS).as_posix() for p in RESULTS.rglob("*.json")}
+    rows = indexed((RESULTS / "README.md").read_text())
+    assert on_disk - rows == set(), "result files without a row in bench/results/README.md"
+    assert rows - on_disk == set(), "rows in bench/results/README.md naming no file"
+
+
+def test_the_index_check_sees_a_missing_row():
+    readme = "| file | what |\n|---|---|\n| `a.json` | one |\n| `checks/b.json`, `.png`, `c.json` | two, `d.json` |\n"
+    assert indexed(readme) == {"a.json", "checks/b.json", "c.json"}
+    assert indexed(readme.replace("| `a.json` | one |\n", "")) == {"checks/b.json", "c.json"}
