@@ -10,6 +10,9 @@
 #   ce       cross-entropy against torch, torch.compile, Liger and QuACK: $OUT/h200_ce.{json,txt}
 #   dist     the vocabulary-parallel run on every GPU of the host (NCCL; nvidia-h200-x2): $OUT/h200x2_dist.json
 #   cuda     every CUDA variant beside the Triton backend and torch eager (dev/bench_cuda.py all)
+#   train    the Hugging Face training step at 1x4096, 1x8192 and 8x1024, every variant (about 6 minutes on an
+#            H200; eager attention at 8192 needs more than an H100's memory): $OUT/ts_<shape>.json, one per
+#            shape, joined here by `python dev/train_step.py bench/results/h200_train_step.json --merge ts_*.json`
 set -u
 step=$1
 out=$2
@@ -50,8 +53,16 @@ cuda)
     timeout 500 python3 dev/bench_cuda.py all > "$out/bench_cuda.txt" 2>&1
     echo "bench_cuda rc=$?" >> "$out/bench_cuda.txt"
     ;;
+train)
+    for s in 1x4096 1x8192 8x1024; do  # (a shape a run: each file is kept even when a later shape times out)
+        timeout 175 python3 dev/train_step.py "$out/ts_$s.json" --shapes "$s" --timeout 80 \
+            --variants unpatched fastsoftmax liger cce liger_all fastsoftmax_eager > "$out/ts_$s.txt" 2>&1
+        echo "train $s rc=$?" >> "$out/ts_$s.txt"
+        tail -n 3 "$out/ts_$s.txt"
+    done
+    ;;
 *)
-    echo "usage: $0 tune|suite|ce|dist|cuda OUT" >&2
+    echo "usage: $0 tune|suite|ce|dist|cuda|train OUT" >&2
     exit 2
     ;;
 esac
