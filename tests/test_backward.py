@@ -82,7 +82,7 @@ def test_long_row_rule_and_register_cap_agree(vec, extra):
     shape = softmax_triton.launch_shape(n, 4096, 2, False, 132, "rowblock", inputs=2, vec=vec)
     long = vec == 1 or extra >= vec
     assert shape.num_warps == softmax_triton.BWD_LONG_WARPS or not long, shape
-    assert (softmax_triton.max_registers(shape.block_n, shape.num_warps, 2) is not None) == long
+    assert (softmax_triton.max_registers(shape, 2) is not None) == long
     assert shape.block_n == (2 * softmax_triton.BWD_LONG_N if long else softmax_triton.BWD_LONG_N)
 
 

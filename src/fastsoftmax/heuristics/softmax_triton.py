@@ -126,16 +126,17 @@ def launch_shape(
     return TritonShape(path, _pow2(body), rows, warps)
 
 
-def max_registers(block_n: int, num_warps: int, inputs: int) -> int | None:
-    """The register cap (Triton's maxnreg) for a rowblock program of a block_n-wide tile, or None to leave
-    ptxas its own choice. Backward tiles past BWD_LONG_N (those of rows whose body is past it: launch_shape's
-    long rows): every register a thread may have at that block size. Without the cap
+def max_registers(shape, inputs: int) -> int | None:
+    """The register cap (Triton's maxnreg) of a launch whose ``shape`` (a TritonShape, or the Plan recorded
+    from one: its path, block_n and num_warps) runs a rowblock program, or None to leave ptxas its own choice
+    (every other path, and short rows). Backward tiles past BWD_LONG_N (those of rows whose body is past
+    it: launch_shape's long rows): every register a thread may have at that block size. Without the cap
     ptxas (Triton 3.6's) chose 32 registers and 1,520 bytes of spills for fp32 softmax rows that are not a
     multiple of 4 elements (the edge code), 128 and 136 bytes with it, as for even rows
     (tests/test_snapshot.py): without it the odd rows ran 3-5x slower. 8 warps, faster for fp32 softmax,
     would spill 572 bytes in fp32 log_softmax, so these rows keep 16 until a tune times log_softmax too."""
-    if inputs > 1 and block_n > BWD_LONG_N:
-        return min(255, REGS_PER_BLOCK // (32 * num_warps))
+    if shape.path == "rowblock" and inputs > 1 and shape.block_n > BWD_LONG_N:
+        return min(255, REGS_PER_BLOCK // (32 * shape.num_warps))
     return None
 
 

@@ -110,7 +110,7 @@ def compile_forward(
         cons = {(names.index(k),): v for k, v in consts.items() if k in names}
         src = ASTSource(fn=kernel, signature=sig, constexprs=cons, attrs=attrs)
         options = {"num_warps": shape.num_warps}
-        if path == "rowblock" and (cap := softmax_triton.max_registers(shape.block_n, shape.num_warps, inputs)):
+        if cap := softmax_triton.max_registers(shape, inputs):
             options["maxnreg"] = cap  # as the launcher asks (softmax_bwd.backward)
         out.append(triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options))
     return out

@@ -485,7 +485,7 @@ def backward(
             args = (L.x_arg, dx, dy_arg, ws, *L.rows_args, *sx, *sy, L.x_mis, L.chunks_per_split, L.plan.splits, *margs)
             launch(write, L.grid, args, dict(**tail, SPLITS=triton.next_power_of_2(L.plan.splits)))
         else:
-            if L.plan.path == "rowblock" and (cap := softmax_triton.max_registers(L.plan.block_n, L.plan.num_warps, 2)):
+            if cap := softmax_triton.max_registers(L.plan, 2):
                 tail["maxnreg"] = cap
             launch(KERNELS[L.plan.path], L.grid, (L.x_arg, dx, dy_arg, *L.rows_args, *sx, *sy, L.x_mis, *margs), tail)
     return dx
