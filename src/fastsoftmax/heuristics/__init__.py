@@ -13,11 +13,11 @@ import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from .lm_head import DESIGNS, SLICED
+from .lm_head import DESIGNS, FUSED, SLICED
 from .softmax_cuda import VARIANTS as CUDA_PATHS
 from .softmax_triton import PATHS
 
-LCE_DESIGNS = DESIGNS + (SLICED,)
+LCE_DESIGNS = DESIGNS + (SLICED, FUSED)
 
 __all__ = [
     "CUDA_PATHS",

@@ -5,8 +5,11 @@ Measurements: bench/results/h200_lce.json.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 DESIGNS = ("lce_chunked", "lce_recompute")  # when the gradients are computed: in the forward, in the backward
 SLICED = "lce_sliced"  # the layout for small budgets: row groups x vocabulary slices (heuristics.force path=)
+FUSED = "lce_fused"  # lce_sliced with its forward in one GEMM launch that keeps no logits (triton/lm_head.py)
 MIN_ROWS = 2048  # fewer rows cost a read and write of dW per chunk more often: 1.12x the GEMMs at 1024 rows,
 # 1.06x at 2048, 1.05x at 4096 (8192 x 4096 x 128256 bf16; bench/results/sweeps/lce_chunk_rows.json)
 
@@ -43,8 +46,8 @@ def sliced(
     lce_recompute and the tensor-parallel head do) but read and write all of dW once a chunk; slices do 4
     GEMMs and pass over dW once a group. Each side's time is its GPU work or its host's, the larger (small
     budgets make many small tiles, and the host cannot keep the GPU busy)."""
-    if forced is not None and forced in DESIGNS + (SLICED,):
-        return forced == SLICED
+    if forced is not None and forced in DESIGNS + (SLICED, FUSED):
+        return forced in (SLICED, FUSED)
     rows = memory // max(v * elsize, 1) if memory else n
     if rows >= n and not skip:
         return False
@@ -80,6 +83,43 @@ def slice_plan(n: int, d: int, v: int, elsize: int, memory: int | None, skip: bo
         per = -(-n // -(-n // rows))  # the groups evened out
         rows = min(rows, -(-per // ROW_ALIGN) * ROW_ALIGN)
     return rows, cols
+
+
+def fused(forced: str | None) -> bool:
+    """Whether lce_sliced's forward runs as lce_fused (one GEMM launch over every row and class, its loss in
+    the GEMM's epilogue: no logits in memory, no slice's launches) rather than a GEMM and a loss kernel a
+    tile: where forced. Not yet the default anywhere: its speed against cuBLAS's GEMM is unmeasured
+    (dev/lce_gemm_lse.py is the measurement)."""
+    return forced == FUSED
+
+
+class FusedShape(NamedTuple):
+    bm: int  # rows a program
+    bn: int  # classes a block of its sweep
+    bk: int  # features a step of each block's GEMM
+    per: int  # classes a split (a program's sweep): a multiple of bn, of the skip's slice where it has one
+    splits: int
+    warps: int
+    stages: int
+
+
+FUSED_TILE = {2: (128, 128, 64), 4: (128, 64, 32)}  # (BM, BN, BK) by element size: the largest tiles whose
+# epilogue spills nothing on sm_90a with every option (tests/test_snapshot.py; 16-bit 128 x 256 spills, and
+# 4 warps; fp32, whose tl.dot runs on FMA units in full precision, spills at 128 x 128 and at BK 64)
+FUSED_WARPS, FUSED_STAGES = 8, 3
+FUSED_WAVES = 2  # programs enough for this many per SM
+
+
+def fused_shape(n: int, v: int, elsize: int, cols: int, sms: int) -> FusedShape:
+    """lse_gemm's launch shape for n rows, v classes: FUSED_TILE's tile, the classes split into ranges enough
+    for FUSED_WAVES programs an SM; ``cols`` > 0 (the skip's slices of cols classes, a multiple of 128 or
+    all v): each range whole slices, so that one program finds each slice's largest logit."""
+    bm, bn, bk = FUSED_TILE[4 if elsize == 4 else 2]
+    unit = -(-max(cols, bn) // bn) * bn  # (a slice not a multiple of 128 is all v classes: one split)
+    want = max(1, -(-FUSED_WAVES * sms // -(-n // bm)))  # splits wanted
+    per = -(-v // want)
+    per = max(unit, -(-per // unit) * unit)
+    return FusedShape(bm, bn, bk, per, -(-v // per), FUSED_WARPS, FUSED_STAGES)
 
 
 STEP_SHARE = 4  # a training step's LM-head loss (integrations' apply): logits of at most dW's bytes / this at a

@@ -53,9 +53,17 @@ class TritonSteps:
 
         return loss, grads
 
+    def fused(self, x, weight, bias, stats, rows_loss, rows_z, n: int, tops=None, cols: int = 0):
+        """The loss over every row and class with no logits in memory (lce_fused: triton/lm_head.py): the
+        rows' ce, z-loss and logsumexp, as the slices' loss steps leave them; ``tops`` as their part."""
+        from .triton.backend import kernels
+
+        lse = stats[:n]
+        kernels("lm_head").loss_forward(x, weight, bias, self.t, self.w, self.o, rows_loss, rows_z, lse, tops, cols)
+
     def group(self, r0, r1, stats, rows_loss, rows_z, run, g, n: int):
         """Rows r0 to r1's views the slice steps take, made once a group."""
-        fwd = rows_loss is not None
+        fwd = run is not None  # (the slices' loss steps run: not fused)
         t, lse, tail = self.t[r0:r1], stats[r0:r1], stats[n:]
         loss, z, run = (rows_loss[r0:r1], rows_z[r0:r1], run[: 3 * (r1 - r0)]) if fwd else (None, None, None)
         return t, loss, z, lse, run, tail, (g[r0:r1] if g is not None and g.dim() else g)

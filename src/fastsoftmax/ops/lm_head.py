@@ -124,9 +124,10 @@ def _slices(x, weight, bias, k, stats, rows_loss, rows_z, g, forward, grads, wan
     n, d = x.shape
     v = weight.shape[0]
     rows, cols = rules.slice_plan(n, d, v, x.element_size(), memory, skip > 0)
+    fused = forward and rules.fused((heuristics.forced() or {}).get("path"))
     loss_step, grads_step = k.slices(cols, x.element_size())
-    buf = torch.empty(rows * cols, dtype=x.dtype, device=x.device)
-    run = torch.empty(3 * rows, dtype=stats.dtype, device=x.device) if forward else None
+    buf = torch.empty(rows * cols, dtype=x.dtype, device=x.device) if grads or not fused else None
+    run = torch.empty(3 * rows, dtype=stats.dtype, device=x.device) if forward and not fused else None
     acc = torch.empty((rows, d), dtype=stats.dtype, device=x.device) if grads and wants[0] else None
     dw = torch.empty(weight.shape, dtype=weight.dtype, device=x.device) if grads and wants[1] else None  # (n > 0)
     if heuristics.poisoning():  # (tests: every element must be written before it is read)
@@ -140,8 +141,10 @@ def _slices(x, weight, bias, k, stats, rows_loss, rows_z, g, forward, grads, wan
          dw[v0 : v0 + cols] if dw is not None else None)
         for v0 in range(0, v, cols)
     ]  # fmt: skip
-    sweeps = ("loss", "grads") if forward and grads else ("loss",) if forward else ("grads",)
-    tops = torch.empty((len(parts), rows), dtype=torch.float32, device=x.device) if skip else None
+    sweeps = ("loss",) * (forward and not fused) + ("grads",) * grads
+    tops = torch.empty((len(parts), n if fused else rows), dtype=torch.float32, device=x.device) if skip else None
+    if fused:  # the loss of every row and class at once (the tops of every row)
+        k.fused(x, weight, bias, stats, rows_loss, rows_z, n, tops, cols)
     tiles = skipped = 0
     for r0 in range(0, n, rows):
         r1 = min(r0 + rows, n)
@@ -151,9 +154,8 @@ def _slices(x, weight, bias, k, stats, rows_loss, rows_z, g, forward, grads, wan
         if skip and acc_g is not None:
             acc_g.zero_()
         for sweep in sweeps:
-            live, kept = (
-                _live(tops[:, :m], stats[r0:r1], k.t[r0:r1], k.o, skip) if sweep == "grads" and skip else (None, None)
-            )
+            top = (tops[:, r0:r1] if fused else tops[:, :m]) if sweep == "grads" and skip else None
+            live, kept = _live(top, stats[r0:r1], k.t[r0:r1], k.o, skip) if top is not None else (None, None)
             for i, (v0, w_s, b_s, dw_s) in enumerate(parts):
                 if kept is not None and not kept[i]:
                     skipped += 1
@@ -168,10 +170,11 @@ def _slices(x, weight, bias, k, stats, rows_loss, rows_z, g, forward, grads, wan
                 tile_grads(logits, xg, w_s, dw_s, acc_g, db_s, add_dw=r0 > 0 or bool(skip), add_dx=v0 > 0 or bool(skip))
             if kept is not None and not all(kept):
                 _targets(xg, weight, bias, k, stats, g, r0, r1, live, cols, acc_g, dw, db)
-        tiles += len(parts)
+        tiles += len(parts) if sweeps else 0
         if acc_g is not None:
             dx[r0:r1].copy_(acc_g)
-    heuristics.record(heuristics.Plan(k.name, rules.SLICED, block_n=cols, rows=rows, splits=tiles, skipped=skipped))
+    plan = dict(block_n=cols, rows=rows, splits=tiles, skipped=skipped, fused=fused)
+    heuristics.record(heuristics.Plan(k.name, rules.FUSED if fused else rules.SLICED, **plan))
     return dw
 
 

@@ -105,19 +105,8 @@ def ce_fwd(
         if SMOOTH:
             tl.store(run_ptr + 2 * n_rows + row, sum_z, mask=row_ok)
     else:
-        w_t = 1.0
-        if WEIGHT:
-            w_t = tl.load(w_ptr + tl.where(inside, t, 0), mask=inside, other=0.0).to(tl.float32)
-        loss = w_t * (lse - z_t)
-        if SMOOTH:
-            wsum = v * 1.0  # (v == 1 arrives as a constexpr)
-            if WEIGHT:
-                wsum = tl.load(wsum_ptr)
-            loss = (1.0 - smoothing) * loss + (smoothing / v) * (lse * wsum - sum_z)
-        loss = tl.where(keep, loss, 0.0)
-        zr = tl.zeros([ROWS], tl.float32)
-        if ZLOSS:
-            zr = tl.where(keep, zl * lse * lse, 0.0)
+        loss, zr, w_t = row_terms(lse, z_t, sum_z, t, keep, inside, w_ptr, wsum_ptr, v, smoothing, zl, SMOOTH, WEIGHT,
+                                  ZLOSS)  # fmt: skip
         if FINISH:
             finish_rows(loss_ptr, z_ptr, row, row_ok, loss, zr, REDUCTION, ZOUT)
             wk = tl.zeros([ROWS], tl.float32)
@@ -132,6 +121,27 @@ def ce_fwd(
                 tl.store(z_ptr + row, zr, mask=row_ok)
         if STATS:
             tl.store(lse_ptr + row, lse, mask=row_ok)
+
+
+@triton.jit
+def row_terms(lse, z_t, sum_z, t, keep, inside, w_ptr, wsum_ptr, v, smoothing, zl, SMOOTH: tl.constexpr,
+              WEIGHT: tl.constexpr, ZLOSS: tl.constexpr):  # fmt: skip
+    """Each row's (ce, z-loss, w_t) from its logsumexp, target logit and (SMOOTH) sum of w_j * z_j, by the
+    module's formulas; 0 for rows not kept (ignored, or past the end)."""
+    w_t = 1.0
+    if WEIGHT:
+        w_t = tl.load(w_ptr + tl.where(inside, t, 0), mask=inside, other=0.0).to(tl.float32)
+    loss = w_t * (lse - z_t)
+    if SMOOTH:
+        wsum = v * 1.0  # (v == 1 arrives as a constexpr)
+        if WEIGHT:
+            wsum = tl.load(wsum_ptr)
+        loss = (1.0 - smoothing) * loss + (smoothing / v) * (lse * wsum - sum_z)
+    loss = tl.where(keep, loss, 0.0)
+    zr = tl.zeros_like(lse)
+    if ZLOSS:
+        zr = tl.where(keep, zl * lse * lse, 0.0)
+    return loss, zr, w_t
 
 
 @triton.jit

@@ -1,12 +1,189 @@
-"""The LM-head loss's own Triton kernel (ops/lm_head.py), beside the cross-entropy kernels it runs on its
-chunks and slices of logits (cross_entropy.py): the backward's scaling by the upstream gradient."""
+"""The LM-head loss's own Triton kernels (ops/lm_head.py), beside the cross-entropy kernels it runs on its
+chunks and slices of logits (cross_entropy.py): the loss's forward with no logits in memory (lse_gemm, then
+lse_merge: lce_fused), and the backward's scaling by the upstream gradient."""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
+from ...heuristics import lm_head as rules
+from ...heuristics.device import of_tensor
+from .cross_entropy import row_terms, weight_sum
 from .launch import launch
+from .rows import LN2, merge_stats, row_exp, safe_max, softcapped
+
+
+@triton.jit
+def lse_gemm(
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    t_ptr,
+    cw_ptr,
+    part_ptr,
+    top_ptr,
+    n,
+    v,
+    d,
+    sxn,
+    sxk,
+    swv,
+    swk,
+    per,
+    cols,
+    splits,
+    ignore_index,
+    cap,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    BIAS: tl.constexpr,
+    SMOOTH: tl.constexpr,
+    WEIGHT: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    TOPS: tl.constexpr,
+    PRECISION: tl.constexpr,
+    WIDEN: tl.constexpr,
+):
+    """BM rows of x against the classes [s * per, s * per + per) of W (s: the program's split): the logits
+    z = x @ W^T (+ b) made BN classes at a time by tl.dot in fp32, rounded to x's dtype as F.linear rounds
+    them (then softcapped with SOFTCAP), each block folded into the rows' running max and sum of exponentials,
+    their target's z and (SMOOTH) their sum of w_j * z_j (w = 1 without WEIGHT); the four stored per split
+    at part_ptr (4, splits, n) for lse_merge. TOPS (the skip): each row's largest z on each slice of
+    ``cols`` classes into top_ptr (slices, n), per a multiple of cols. WIDEN (Triton's interpreter, whose
+    16-bit tl.dot returns garbage): the operands widened to fp32 first, the same products and fp32 sums."""
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    row_ok = rows < n
+    r64 = rows.to(tl.int64)
+    ks = tl.arange(0, BK)
+    cs = tl.arange(0, BN)
+    t = tl.load(t_ptr + rows, mask=row_ok, other=ignore_index).to(tl.int64)
+    m = tl.full([BM], float("-inf"), tl.float32)
+    s = tl.zeros([BM], tl.float32)
+    z_t = tl.zeros([BM], tl.float32)
+    sum_z = tl.zeros([BM], tl.float32)
+    top = tl.full([BM], float("-inf"), tl.float32)
+    split = tl.program_id(1)
+    v_lo = split * per
+    v_hi = tl.minimum(v_lo + per, v)
+    for v0 in range(v_lo, v_hi, BN):
+        c = v0 + cs
+        c_ok = c < v_hi
+        c64 = c.to(tl.int64)
+        acc = tl.zeros([BM, BN], tl.float32)
+        for k0 in range(0, d, BK):
+            k = k0 + ks
+            k_ok = k < d
+            a = tl.load(x_ptr + r64[:, None] * sxn + k[None, :] * sxk, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(w_ptr + c64[None, :] * swv + k[:, None] * swk, mask=c_ok[None, :] & k_ok[:, None], other=0.0)
+            if WIDEN:
+                a, b = a.to(tl.float32), b.to(tl.float32)
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        if BIAS:
+            acc += tl.load(b_ptr + c, mask=c_ok, other=0.0).to(tl.float32)[None, :]
+        z = acc.to(x_ptr.dtype.element_ty).to(tl.float32)
+        if SOFTCAP:
+            z = softcapped(z, cap)
+        z = tl.where(c_ok[None, :], z, float("-inf"))
+        z_t += tl.sum(tl.where(c[None, :] == t[:, None], z, 0.0), axis=1)
+        if SMOOTH:
+            if WEIGHT:
+                wj = tl.load(cw_ptr + c, mask=c_ok, other=0.0).to(tl.float32)
+                sum_z += tl.sum(tl.where(c_ok[None, :], z * wj[None, :], 0.0), axis=1)
+            else:
+                sum_z += tl.sum(tl.where(c_ok[None, :], z, 0.0), axis=1)
+        m2 = tl.max(z, axis=1)
+        m, s = merge_stats(m, s, m2, tl.sum(row_exp(z - safe_max(m2)[:, None]), axis=1))
+        if TOPS:
+            top = tl.maximum(top, m2)
+            if (v0 + BN - v_lo) % cols == 0 or v0 + BN >= v_hi:  # the slice's last block
+                tl.store(top_ptr + (v0 // cols) * n + r64, top, mask=row_ok)
+                top = tl.full([BM], float("-inf"), tl.float32)
+    out = part_ptr + split * n + r64
+    tl.store(out, m, mask=row_ok)
+    tl.store(out + splits * n, s, mask=row_ok)
+    tl.store(out + 2 * splits * n, z_t, mask=row_ok)
+    if SMOOTH:
+        tl.store(out + 3 * splits * n, sum_z, mask=row_ok)
+
+
+@triton.jit
+def lse_merge(
+    part_ptr,
+    t_ptr,
+    cw_ptr,
+    wsum_ptr,
+    loss_ptr,
+    z_ptr,
+    lse_ptr,
+    n,
+    v,
+    splits,
+    ignore_index,
+    smoothing,
+    zl,
+    ROWS: tl.constexpr,
+    SMOOTH: tl.constexpr,
+    WEIGHT: tl.constexpr,
+    ZLOSS: tl.constexpr,
+):
+    """lse_gemm's splits merged per row, then each row's ce (loss_ptr), z-loss (z_ptr, with ZLOSS) and
+    logsumexp (lse_ptr), as ce_fwd's last slice writes them."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    row_ok = rows < n
+    r64 = rows.to(tl.int64)
+    m = tl.full([ROWS], float("-inf"), tl.float32)
+    s = tl.zeros([ROWS], tl.float32)
+    z_t = tl.zeros([ROWS], tl.float32)
+    sum_z = tl.zeros([ROWS], tl.float32)
+    for j in range(0, splits):
+        at = part_ptr + j * n + r64
+        m2 = tl.load(at, mask=row_ok, other=float("-inf"))
+        s2 = tl.load(at + splits * n, mask=row_ok, other=0.0)
+        m, s = merge_stats(m, s, m2, s2)
+        z_t += tl.load(at + 2 * splits * n, mask=row_ok, other=0.0)
+        if SMOOTH:
+            sum_z += tl.load(at + 3 * splits * n, mask=row_ok, other=0.0)
+    lse = safe_max(m) + tl.math.log2(s) * LN2
+    t = tl.load(t_ptr + rows, mask=row_ok, other=ignore_index).to(tl.int64)
+    keep = row_ok & (t != ignore_index)
+    inside = keep & (t >= 0) & (t < v)
+    loss, zr, _ = row_terms(lse, z_t, sum_z, t, keep, inside, cw_ptr, wsum_ptr, v, smoothing, zl, SMOOTH, WEIGHT, ZLOSS)
+    tl.store(loss_ptr + rows, loss, mask=row_ok)
+    if ZLOSS:
+        tl.store(z_ptr + rows, zr, mask=row_ok)
+    tl.store(lse_ptr + rows, lse, mask=row_ok)
+
+
+MERGE_ROWS = 256
+
+
+def loss_forward(x, weight, bias, t, cw, o, rows_loss, rows_z, lse, tops=None, cols: int = 0) -> None:
+    """The LM-head loss's forward over every row and class in two launches, no logits in memory: each row's
+    ce into rows_loss, z-loss into rows_z (with a z-loss), logsumexp into lse; with ``tops`` (slices, n),
+    each row's largest z on each slice of ``cols`` classes (the skip)."""
+    import torch
+
+    n, d = x.shape
+    v = weight.shape[0]
+    shape = rules.fused_shape(n, v, x.element_size(), cols if tops is not None else 0, of_tensor(x).sm_count)
+    part = torch.empty((4, shape.splits, n), dtype=torch.float32, device=x.device)
+    smooth, weighted = o.smoothing != 0.0, cw is not None
+    meta = dict(BM=shape.bm, BN=shape.bn, BK=shape.bk, num_warps=shape.warps, num_stages=shape.stages)
+    meta |= dict(BIAS=bias is not None, SMOOTH=smooth, WEIGHT=weighted, SOFTCAP=o.softcap is not None)
+    widen = not x.is_cuda
+    precision = "ieee" if widen or x.dtype == torch.float32 else "tf32"  # (16-bit operands: unused)
+    meta |= dict(TOPS=tops is not None, PRECISION=precision, WIDEN=widen)
+    args = (x, weight, bias if bias is not None else x, t, cw if weighted else x, part)
+    args += (tops if tops is not None else part,)
+    args += (n, v, d, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), shape.per, max(cols, 1))
+    args += (shape.splits, o.ignore_index, float(o.softcap or 1.0))
+    launch(lse_gemm, (-(-n // shape.bm), shape.splits), args, meta)
+    wsum = weight_sum(o, cw, part)
+    meta = dict(ROWS=MERGE_ROWS, SMOOTH=smooth, WEIGHT=weighted, ZLOSS=o.z_loss != 0.0, num_warps=4)
+    args = (part, t, cw if weighted else part, wsum, rows_loss, rows_z, lse, n, v, shape.splits, o.ignore_index)
+    launch(lse_merge, (-(-n // MERGE_ROWS),), args + (float(o.smoothing), float(o.z_loss)), meta)
 
 
 @triton.jit
