@@ -19,11 +19,9 @@ from fastsoftmax.kernels.triton import lm_head
 VARIANTS = [  # (BM, BN, BK, warps, stages, waves); None: the rule's own
     None,
     (128, 128, 64, 8, 4, 2),
-    (128, 128, 64, 8, 3, 4),
     (128, 128, 64, 8, 3, 1),
     (128, 256, 64, 8, 3, 2),
     (64, 128, 64, 4, 4, 2),
-    (128, 64, 64, 4, 4, 2),
 ]
 
 
