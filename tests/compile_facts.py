@@ -203,41 +203,41 @@ def shard_facts():
 
 
 def lm_head_facts():
-    """The LM-head loss's fused forward (triton/lm_head.py: lse_gemm) at heuristics/lm_head.fused_shape's
-    launch shapes, bf16 and fp32, with and without the skip's tops and the options' code (bias, smoothing
-    with class weights, softcap), sm_90a: registers, spills and the MMA instructions its GEMM uses."""
+    """The LM-head loss's fused kernels (triton/lm_head.py: lse_gemm, dlogits_gemm) at
+    heuristics/lm_head.fused_shape's launch shapes, bf16 and fp32, without and with every option's code
+    (bias, smoothing with class weights, softcap, z-loss; the forward's skip tops), sm_90a: registers,
+    spills and the warpgroup MMA instructions their GEMMs use."""
     from fastsoftmax.heuristics import lm_head as rules
     from fastsoftmax.kernels.triton import lm_head
 
     ty = {"bfloat16": "bf16", "float32": "fp32"}
+    data = ("x_ptr", "w_ptr", "b_ptr", "dl_ptr")
     out = []
-    for dtype in ("bfloat16", "float32"):
-        for options, cols in ((False, 0), (True, 4096)):
-            shape = rules.fused_shape(8192, 128256, 4 if dtype == "float32" else 2, cols, 132)
-            kernel = lm_head.lse_gemm
-            consts = {"BM": shape.bm, "BN": shape.bn, "BK": shape.bk, "BIAS": options, "SMOOTH": options}
-            consts |= {"WEIGHT": options, "SOFTCAP": options, "TOPS": bool(cols), "WIDEN": False}
-            consts |= {"PRECISION": "ieee" if dtype == "float32" else "tf32"}
-            names = kernel.arg_names
+    for kernel in (lm_head.lse_gemm, lm_head.dlogits_gemm):
+        for dtype in ("bfloat16", "float32"):
+            for options in (False, True):
+                shape = rules.fused_shape(8192, 128256, 4 if dtype == "float32" else 2, 4096 * options, 132)
+                consts = {"BM": shape.bm, "BN": shape.bn, "BK": shape.bk, "BIAS": options, "SMOOTH": options}
+                consts |= {"WEIGHT": options, "SOFTCAP": options, "TOPS": options, "WIDEN": False}
+                consts |= {"MEAN": True, "ZLOSS": options, "PRECISION": "ieee" if dtype == "float32" else "tf32"}
+                consts |= {"sxk": 1, "swk": 1}  # (unit strides: Triton specialises an int argument equal to 1)
+                names = kernel.arg_names
 
-            def arg(k, consts=consts, dtype=dtype):
-                if k in consts:
-                    return "constexpr"
-                if k.endswith("_ptr"):
-                    return "*i64" if k == "t_ptr" else f"*{ty[dtype]}" if k in ("x_ptr", "w_ptr", "b_ptr") else "*fp32"
-                return "fp32" if k == "cap" else "i32"
+                def arg(k, consts=consts, dtype=dtype):
+                    if k in consts:
+                        return "constexpr"
+                    if k.endswith("_ptr"):
+                        return "*i64" if k == "t_ptr" else f"*{ty[dtype]}" if k in data else "*fp32"
+                    return "fp32" if k in ("cap", "smoothing", "zl") else "i32"
 
-            ints = {"d": 4096, "sxn": 4096, "swv": 4096, "sxk": 1, "swk": 1, "per": shape.per}
-            div16 = [k for k in names if k.endswith("_ptr") or (k in ints and ints[k] % 16 == 0)]
-            sig = {k: arg(k) for k in names}
-            for k in ("sxk", "swk"):  # (unit strides: Triton specialises an int argument equal to 1)
-                sig[k], consts[k] = "constexpr", 1
-            facts, compiled = _sm90_facts(kernel, sig, consts, div16, shape.warps, {"num_stages": shape.stages})
-            ptx = compiled.asm["ptx"]
-            row = dict(kernel=kernel.__name__, dtype=dtype, options=options, tops=bool(cols), bm=shape.bm)
-            row |= dict(bn=shape.bn, bk=shape.bk, warps=shape.warps, stages=shape.stages)
-            row |= dict(wgmma="wgmma.mma_async" in ptx, mma=sorted(set(re.findall(r"wgmma\.mma_async[.\w]*", ptx))))
-            out.append(row | facts)
+                ints = {"d": 4096, "sxn": 4096, "swv": 4096, "sdl": 4096, "per": shape.per, "nc": 4096}
+                div16 = [k for k in names if k.endswith("_ptr") or (k in ints and ints[k] % 16 == 0)]
+                sig = {k: arg(k) for k in names}
+                facts, compiled = _sm90_facts(kernel, sig, consts, div16, shape.warps, {"num_stages": shape.stages})
+                row = dict(kernel=kernel.__name__, dtype=dtype, options=options, bm=shape.bm, bn=shape.bn)
+                row |= dict(bk=shape.bk, warps=shape.warps, stages=shape.stages)
+                row["mma"] = sorted(set(re.findall(r"wgmma\.mma_async[.\w]*", compiled.asm["ptx"])))
+                out.append(row | facts)
     json.dump(out, sys.stdout)
 
 

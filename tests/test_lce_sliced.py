@@ -31,25 +31,33 @@ def _opts(i, v, device):
     return opts
 
 
-def _plan(n, d, v, dtype, memory):
-    """The plan lce_sliced recorded: rules.slice_plan's for this budget; returns (rows, cols)."""
+def _plan(n, d, v, dtype, memory, path="lce_sliced", grads=True):
+    """The plan lce_sliced (or lce_fused: its forward fused) recorded: rules.slice_plan's for this budget, the
+    tiles of one sweep (none where lce_fused's forward computes no gradients); returns (rows, cols)."""
     rows, cols = rules.slice_plan(n, d, v, torch.empty((), dtype=dtype).element_size(), memory)
     plan = heuristics.last_plan()
-    assert (plan.backend, plan.path, plan.rows, plan.block_n) == ("triton", "lce_sliced", rows, cols), plan
-    assert plan.splits == math.ceil(n / rows) * math.ceil(v / cols), plan  # the tiles one sweep took
+    assert (plan.backend, plan.path, plan.rows, plan.block_n) == ("triton", path, rows, cols), plan
+    assert plan.fused == (path == "lce_fused"), plan
+    tiles = math.ceil(n / rows) * math.ceil(v / cols) if grads or path == "lce_sliced" else 0
+    assert plan.splits == tiles, plan  # the tiles one sweep took
     return rows, cols
+
+
+LAYOUTS = ["lce_sliced", "lce_fused"]  # (lce_fused: lce_sliced with the forward in one fused GEMM launch)
 
 
 MEMORY = 2304  # 18 x 16 x 513: groups of 4 rows (fp32; 7 in 16-bit), slices of 128 classes, both ragged
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("opt", range(len(OPTIONS)))
-def test_sliced_matches_reference(device, dtype, reduction, opt):
+def test_sliced_matches_reference(device, dtype, reduction, opt, layout):
     """18 rows in groups (the last shorter), 513 classes in slices of 128 (the last of 1): loss, dx, dW and
     db against float64, outputs poisoned (stats, the logits buffer, the dx sums, dW); the plan after the
-    forward and (for 'none') after the backward."""
+    forward and (for 'none') after the backward. lce_fused: every option in the GEMMs' epilogues, the
+    forward's splits merged, the backward's logits made as the forward's."""
     v = 513
     x, w, t, b = problem(device, dtype, (18,), 16, v, seed=21 + opt)
     opts = _opts(opt, v, device)
@@ -59,14 +67,14 @@ def test_sliced_matches_reference(device, dtype, reduction, opt):
     # 20x), so their rounding (fp32's ulp at 100: 7.6e-6) exceeds the 1e-6 atol
     scale = 10.0 if dtype == torch.float32 else 1.0
     fs_opts = {"backend": "triton", "memory": MEMORY}
-    with heuristics.force(path="lce_sliced", poison=True):
+    with heuristics.force(path=layout, poison=True):
         check(x, w, t, b, reduction=reduction, fs_opts=fs_opts, grad_atol_scale=scale, **opts)
         xg = x.clone().requires_grad_()
         loss = fs.linear_cross_entropy(xg, w, t, b, reduction=reduction, **fs_opts, **opts)
-        rows, cols = _plan(18, 16, v, dtype, MEMORY)
+        rows, cols = _plan(18, 16, v, dtype, MEMORY, layout, grads=reduction != "none")
         assert 18 % rows and v % cols == 1 and rows < 18
         torch.autograd.grad(loss, xg, upstream(loss))
-        _plan(18, 16, v, dtype, MEMORY)
+        _plan(18, 16, v, dtype, MEMORY, layout)
 
 
 def test_one_group_and_one_slice(device):
@@ -115,6 +123,28 @@ def test_the_rule(shape, sliced):
     assert rules.sliced(n, d, v, elsize, memory, None) is sliced
     assert rules.sliced(n, d, v, elsize, memory, "lce_chunked") is False
     assert rules.sliced(n, d, v, elsize, memory, "lce_sliced") is True
+    assert rules.sliced(n, d, v, elsize, memory, "lce_fused") is True
+
+
+@pytest.mark.parametrize("elsize", [2, 4])
+@pytest.mark.parametrize(
+    "n,v,cols,sms",
+    [(8192, 128256, 0, 132), (8192, 128256, 4096, 132), (18, 513, 0, 4), (18, 513, 128, 4), (18, 513, 513, 4),
+     (1, 300, 0, 132), (100000, 32000, 4096, 132), (16, 50257, 384, 132)],
+)  # fmt: skip
+def test_fused_shape(n, v, cols, sms, elsize):
+    """lce_fused's launch shape: the tile of its element size; its splits cover the classes exactly (the last
+    one non-empty); a split holds whole blocks and, with the skip's slices, whole slices (or every class,
+    where a slice is all of them); splits as narrow as whole units allow, up to FUSED_WAVES programs an SM."""
+    shape = rules.fused_shape(n, v, elsize, cols, sms)
+    assert (shape.bm, shape.bn, shape.bk) == rules.FUSED_TILE[elsize]
+    assert shape.per % shape.bn == 0 and (shape.splits - 1) * shape.per < v <= shape.splits * shape.per
+    if cols:
+        assert shape.per % cols == 0 or shape.splits == 1
+    unit = -(-max(cols, shape.bn) // shape.bn) * shape.bn  # (whole blocks, whole slices)
+    want = -(-rules.FUSED_WAVES * sms // -(-n // shape.bm))  # splits for FUSED_WAVES programs an SM
+    assert shape.per == unit or (shape.per - unit) * want < v  # the narrowest whole-unit split within want
+    assert rules.fused(None) is False and rules.fused("lce_sliced") is False and rules.fused("lce_fused") is True
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
@@ -210,13 +240,15 @@ def _skippable(device, dtype, seed):
     return x, w, t, b
 
 
+@pytest.mark.parametrize("layout", [None, "lce_fused"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize("opt", range(len(SKIP_OPTIONS)))
-def test_skip_drops_negligible_tiles(free_tiles, device, dtype, reduction, opt):
+def test_skip_drops_negligible_tiles(free_tiles, device, dtype, reduction, opt, layout):
     """skip_eps=1e-6: every group skips the 3 negligible slices (the plan counts them), the loss and every
     gradient still within the float64 reference's tolerance (the dropped terms are ~e^-200), the targets in
-    skipped slices included; on the ordinary problem with skip_eps=1e-30 nothing is skipped."""
+    skipped slices included; on the ordinary problem with skip_eps=1e-30 nothing is skipped. lce_fused: the
+    slices' largest logits come from the fused forward (each split whole slices)."""
     opts = dict(SKIP_OPTIONS[opt])
     if "class_weight" in opts:
         opts["class_weight"] = class_weights(513, device)
@@ -224,10 +256,11 @@ def test_skip_drops_negligible_tiles(free_tiles, device, dtype, reduction, opt):
     for skipped in (True, False):
         x, w, t, b = _skippable(device, dtype, 40 + opt) if skipped else problem(device, dtype, (18,), 16, 513)
         fs_opts = {"backend": "triton", "memory": MEMORY, "skip_eps": 1e-6 if skipped else 1e-30}
-        check(x, w, t, b, reduction=reduction, fs_opts=fs_opts, grad_atol_scale=scale, **opts)
+        with heuristics.force(**({"path": layout} if layout else {})):
+            check(x, w, t, b, reduction=reduction, fs_opts=fs_opts, grad_atol_scale=scale, **opts)
         plan = heuristics.last_plan()
         rows, cols = rules.slice_plan(18, 16, 513, x.element_size(), MEMORY)
-        assert (plan.path, plan.rows, plan.block_n) == ("lce_sliced", rows, cols), plan
+        assert (plan.path, plan.rows, plan.block_n) == (layout or "lce_sliced", rows, cols), plan
         assert plan.skipped == (3 * math.ceil(18 / rows) if skipped else 0), plan
 
 

@@ -57,6 +57,22 @@ def test_cross_entropy_kernels():
             assert "ld.global.v4.b32" not in f["loads"], f
 
 
+def test_lm_head_fused_kernels():
+    """The LM-head loss's fused GEMMs (lce_fused: lse_gemm, dlogits_gemm) at heuristics/lm_head.fused_shape's
+    tiles compile for sm_90a with no spills, with and without every option's epilogue code; their 16-bit
+    GEMMs run on warpgroup MMA (wgmma, bf16 in, fp32 sums), fp32's on FMA units (full precision)."""
+    facts = _compile_facts("lm_head")
+    assert {(f["kernel"], f["dtype"], f["options"]) for f in facts} == {
+        (k, d, o) for k in ("lse_gemm", "dlogits_gemm") for d in ("bfloat16", "float32") for o in (False, True)
+    }
+    for f in facts:
+        assert f["registers"] > 0 and not (f["spill_stores"] or f["spill_loads"] or f["stack_bytes"]), f
+        if f["dtype"] == "bfloat16":
+            assert f["mma"] == [f"wgmma.mma_async.sync.aligned.m64n{f['bn']}k16.f32.bf16.bf16"], f
+        else:
+            assert not f["mma"], f
+
+
 def test_shard_kernels():
     """The tensor-parallel slice's kernels (triton/shard.py) at their launch shapes compile for sm_90a with no
     spills and no reordering reshape on multi-row tiles; aligned slices (64128, 128000 classes) are read,

@@ -61,6 +61,14 @@ class TritonSteps:
         lse = stats[:n]
         kernels("lm_head").loss_forward(x, weight, bias, self.t, self.w, self.o, rows_loss, rows_z, lse, tops, cols)
 
+    def fused_grads(self, xg, w_s, b_s, dl, v0: int, v: int, grp):
+        """lce_fused's gradient step on a tile: its dlogits into dl from the logits made again in the GEMM (as
+        fused() made them), none in memory before."""
+        from .triton.backend import kernels
+
+        t, _, _, lse, _, tail, g = grp
+        kernels("lm_head").slice_dlogits(xg, w_s, b_s, t, self.w, self.wsum, self.o, lse, tail, g, dl, v0, v)
+
     def group(self, r0, r1, stats, rows_loss, rows_z, run, g, n: int):
         """Rows r0 to r1's views the slice steps take, made once a group."""
         fwd = run is not None  # (the slices' loss steps run: not fused)

@@ -124,7 +124,7 @@ def _slices(x, weight, bias, k, stats, rows_loss, rows_z, g, forward, grads, wan
     n, d = x.shape
     v = weight.shape[0]
     rows, cols = rules.slice_plan(n, d, v, x.element_size(), memory, skip > 0)
-    fused = forward and rules.fused((heuristics.forced() or {}).get("path"))
+    fused = rules.fused((heuristics.forced() or {}).get("path"))  # (both sweeps: the logits made alike)
     loss_step, grads_step = k.slices(cols, x.element_size())
     buf = torch.empty(rows * cols, dtype=x.dtype, device=x.device) if grads or not fused else None
     run = torch.empty(3 * rows, dtype=stats.dtype, device=x.device) if forward and not fused else None
@@ -143,7 +143,7 @@ def _slices(x, weight, bias, k, stats, rows_loss, rows_z, g, forward, grads, wan
     ]  # fmt: skip
     sweeps = ("loss",) * (forward and not fused) + ("grads",) * grads
     tops = torch.empty((len(parts), n if fused else rows), dtype=torch.float32, device=x.device) if skip else None
-    if fused:  # the loss of every row and class at once (the tops of every row)
+    if fused and forward:  # the loss of every row and class at once (the tops of every row)
         k.fused(x, weight, bias, stats, rows_loss, rows_z, n, tops, cols)
     tiles = skipped = 0
     for r0 in range(0, n, rows):
@@ -161,11 +161,15 @@ def _slices(x, weight, bias, k, stats, rows_loss, rows_z, g, forward, grads, wan
                     skipped += 1
                     continue
                 logits = buf[: m * w_s.shape[0]].view(m, w_s.shape[0])
-                chunk_logits(xg, w_s, b_s, logits)
+                if fused:  # (the grads sweep: the dlogits straight from the GEMM)
+                    k.fused_grads(xg, w_s, b_s, logits, v0, v, grp)
+                else:
+                    chunk_logits(xg, w_s, b_s, logits)
                 if sweep == "loss":
                     loss_step(logits, v0, v, grp, tops[i, :m] if skip else None)
                     continue
-                grads_step(logits, v0, v, grp)  # logits -> dlogits, in place
+                if not fused:
+                    grads_step(logits, v0, v, grp)  # logits -> dlogits, in place
                 db_s = db[v0 : v0 + cols] if db is not None else None
                 tile_grads(logits, xg, w_s, dw_s, acc_g, db_s, add_dw=r0 > 0 or bool(skip), add_dx=v0 > 0 or bool(skip))
             if kept is not None and not all(kept):

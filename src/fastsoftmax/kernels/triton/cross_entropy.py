@@ -289,32 +289,8 @@ def ce_bwd(
     dlogits need no reduction along the row, so few long rows still fill the GPU."""
     row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     row_ok = row < n_rows
-    t = tl.load(t_ptr + row, mask=row_ok, other=ignore_index).to(tl.int64)
-    keep = row_ok & (t != ignore_index)
-    inside = keep & (t >= 0) & (t < v)
-    lse = tl.load(lse_ptr + row, mask=row_ok, other=0.0)
-    g = tl.where(keep, tl.load(g_ptr + row * g_stride, mask=keep, other=0.0).to(tl.float32), 0.0)
-    g_ce = g
-    g_z = g
-    if MEAN:
-        g_ce = g / tl.load(cnt_ptr + 2)
-        g_z = g / tl.load(cnt_ptr)
-    w_t = 1.0
-    if WEIGHT:
-        w_t = tl.load(w_ptr + tl.where(inside, t, 0), mask=inside, other=0.0).to(tl.float32)
-    # dz_j = a * p_j - b * [j == t] - cc * w_j: three numbers per row
-    b = g_ce * w_t
-    a = b
-    cc = g_ce * 0.0
-    if SMOOTH:
-        wsum = v * 1.0  # (v == 1 arrives as a constexpr)
-        if WEIGHT:
-            wsum = tl.load(wsum_ptr)
-        b = (1.0 - smoothing) * b
-        cc = g_ce * (smoothing / v)
-        a = b + cc * wsum
-    if ZLOSS:
-        a += g_z * 2.0 * zl * lse
+    t, keep, inside, lse, a, b, cc = row_grads(row, row_ok, t_ptr, lse_ptr, g_ptr, g_stride, cnt_ptr, w_ptr, wsum_ptr,
+                                               ignore_index, v, smoothing, zl, MEAN, SMOOTH, WEIGHT, ZLOSS)  # fmt: skip
     lse_safe = safe_max(lse)  # an all -inf row: exp(-inf - 0) = 0
     seg0 = tl.program_id(1).to(tl.int64) * span  # this segment's first column (a scalar: columns stay int32)
     width = tl.minimum(span, nc - seg0).to(tl.int32)
@@ -329,20 +305,62 @@ def ce_bwd(
         z = tl.load(xs + cols, mask=ok, other=float("-inf")).to(tl.float32)
         if SOFTCAP:
             z = tl.where(ok, softcapped(z, cap), float("-inf"))
-        p = row_exp(z - lse_safe[:, None])
-        hot = (cols == t_here[:, None]).to(tl.float32)
-        d = a[:, None] * p - b[:, None] * hot
-        if SMOOTH:
-            if WEIGHT:
-                wj = tl.load(w_ptr + col0 + seg0 + cols, mask=cols < width, other=0.0).to(tl.float32)
-                d -= cc[:, None] * wj
-            else:
-                d -= cc[:, None]
-        if SOFTCAP:
-            r = z / cap
-            d = d * (1.0 - r * r)
-        d = tl.where(keep[:, None], d, 0.0)
+        wj = 0.0
+        if SMOOTH and WEIGHT:
+            wj = tl.load(w_ptr + col0 + seg0 + cols, mask=cols < width, other=0.0).to(tl.float32)
+        d = dlogits(z, cols == t_here[:, None], lse_safe, a, b, cc, wj, keep, cap, SMOOTH, WEIGHT, SOFTCAP)
         tl.store(dxs + cols, d.to(dx_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def row_grads(row, row_ok, t_ptr, lse_ptr, g_ptr, g_stride, cnt_ptr, w_ptr, wsum_ptr, ignore_index, v, smoothing, zl,
+              MEAN: tl.constexpr, SMOOTH: tl.constexpr, WEIGHT: tl.constexpr, ZLOSS: tl.constexpr):  # fmt: skip
+    """The backward's numbers of each row: (t, keep, inside, lse, a, b, cc), dz_j = a p_j - b [j == t] - cc w_j
+    (the module's formula; g_ce and g_z divided for the mean by cnt_ptr[2] and cnt_ptr[0])."""
+    t = tl.load(t_ptr + row, mask=row_ok, other=ignore_index).to(tl.int64)
+    keep = row_ok & (t != ignore_index)
+    inside = keep & (t >= 0) & (t < v)
+    lse = tl.load(lse_ptr + row, mask=row_ok, other=0.0)
+    g = tl.where(keep, tl.load(g_ptr + row * g_stride, mask=keep, other=0.0).to(tl.float32), 0.0)
+    g_ce = g
+    g_z = g
+    if MEAN:
+        g_ce = g / tl.load(cnt_ptr + 2)
+        g_z = g / tl.load(cnt_ptr)
+    w_t = 1.0
+    if WEIGHT:
+        w_t = tl.load(w_ptr + tl.where(inside, t, 0), mask=inside, other=0.0).to(tl.float32)
+    b = g_ce * w_t
+    a = b
+    cc = g_ce * 0.0
+    if SMOOTH:
+        wsum = v * 1.0  # (v == 1 arrives as a constexpr)
+        if WEIGHT:
+            wsum = tl.load(wsum_ptr)
+        b = (1.0 - smoothing) * b
+        cc = g_ce * (smoothing / v)
+        a = b + cc * wsum
+    if ZLOSS:
+        a += g_z * 2.0 * zl * lse
+    return t, keep, inside, lse, a, b, cc
+
+
+@triton.jit
+def dlogits(z, hot, lse_safe, a, b, cc, wj, keep, cap, SMOOTH: tl.constexpr, WEIGHT: tl.constexpr,
+            SOFTCAP: tl.constexpr):  # fmt: skip
+    """A block's dlogits from its (softcapped) logits z, where each row's target is (hot), the rows' numbers
+    (row_grads) and the classes' weights wj (SMOOTH and WEIGHT; a row of them); 0 in rows not kept."""
+    p = row_exp(z - lse_safe[:, None])
+    d = a[:, None] * p - b[:, None] * hot.to(tl.float32)
+    if SMOOTH:
+        if WEIGHT:
+            d -= cc[:, None] * wj
+        else:
+            d -= cc[:, None]
+    if SOFTCAP:
+        r = z / cap
+        d = d * (1.0 - r * r)
+    return tl.where(keep[:, None], d, 0.0)
 
 
 FINISH_BLOCK = 1024
