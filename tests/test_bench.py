@@ -466,21 +466,23 @@ def test_cpu_lce_smoke_run(tmp_path, monkeypatch):
 
 
 def test_check_loss_rows(device, monkeypatch):
-    """`fastsoftmax check`'s loss rows: cross-entropy with every option and the LM-head loss's three designs
+    """`fastsoftmax check`'s loss rows: cross-entropy with every option and the LM-head loss's four designs
     pass against float64 torch, and a gradient 1% off (the backward scaling of the designs that compute the
-    gradients in the forward: chunked, and sliced for a scalar loss) fails them."""
+    gradients in the forward: chunked, and sliced or fused for a scalar loss) fails them."""
     import torch
 
     from fastsoftmax import cli
     from fastsoftmax.ops import lm_head
 
     rows = cli._loss_rows(device, [torch.float32, torch.bfloat16], torch.Generator().manual_seed(0))
-    assert len(rows) == 2 * (2 + 3 * 3)
+    assert len(rows) == 2 * (2 + 4 * 3)
     assert all(r[5] for r in rows), [r for r in rows if not r[5]]
     paths = {"triton/cross_entropy", "triton/lce_chunked", "triton/lce_recompute", "triton/lce_sliced"}
+    paths.add("triton/lce_fused")
     assert {r[0] for r in rows} == paths
     scaled = lm_head._scaled
     monkeypatch.setattr(lm_head, "_scaled", lambda ctx, g, b, *gr: tuple(t * 1.01 for t in scaled(ctx, g, b, *gr)))
     rows = cli._loss_rows(device, [torch.float32], torch.Generator().manual_seed(0))
     bad = {(r[0], r[3]) for r in rows if not r[5]}
-    assert bad == {(f"triton/{p}", g) for p in ("lce_chunked", "lce_sliced") for g in ("lce_dx", "lce_dw")}, bad
+    bad_paths = ("lce_chunked", "lce_sliced", "lce_fused")
+    assert bad == {(f"triton/{p}", g) for p in bad_paths for g in ("lce_dx", "lce_dw")}, bad

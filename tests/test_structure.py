@@ -203,6 +203,24 @@ def test_cycle_finder_finds_a_circle():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
+def _kernel_uses(text: str) -> set:
+    """(module, name) of each kernels("module").name in the text (triton/backend.kernels' lazy imports)."""
+    return set(re.findall(r'kernels\("(\w+)"\)\.(\w+)', text))
+
+
+def test_every_kernel_function_called_by_name_exists():
+    """Each kernels("module").name in the package names something that module has: the calls that reach the
+    Triton modules by name run on CUDA only in places (lm_head's scale_ did, and went missing unnoticed on
+    the CPU; a regression)."""
+    from fastsoftmax.kernels.triton.backend import kernels
+
+    uses = set().union(*(_kernel_uses(p.read_text()) for p in PKG.rglob("*.py")))
+    assert ("lm_head", "scale_") in uses and len(uses) >= 3  # (the check can fail)
+    missing = sorted((m, name) for m, name in uses if not hasattr(kernels(m), name))
+    assert missing == []
+    assert _kernel_uses('kernels("lm_head").nothing_here(x)') == {("lm_head", "nothing_here")}
+
+
 def test_no_python_file_over_500_lines():
     files = [p for d in ("src", "tests", "dev") for p in (ROOT / d).rglob("*.py")]
     assert len(files) > 50

@@ -126,7 +126,7 @@ def check(args) -> int:
 
 
 # The loss kernels' cases, (N, d, V): cross-entropy with every option on logits, and the LM-head loss in its
-# three designs (heuristics.LCE_DESIGNS) over several chunks (an odd V)
+# four designs (heuristics.LCE_DESIGNS) over several chunks (an odd V)
 LOSS_CASE = {"cuda": (4096, 256, 50257), "cpu": (24, 16, 1031)}
 
 
