@@ -86,10 +86,11 @@ def slice_plan(n: int, d: int, v: int, elsize: int, memory: int | None, skip: bo
 
 
 def fused(forced: str | None) -> bool:
-    """Whether lce_sliced's forward runs as lce_fused (one GEMM launch over every row and class, its loss in
-    the GEMM's epilogue: no logits in memory, no slice's launches) rather than a GEMM and a loss kernel a
-    tile: where forced. Not yet the default anywhere: its speed against cuBLAS's GEMM is unmeasured
-    (dev/lce_gemm_lse.py is the measurement)."""
+    """Whether lce_sliced runs as lce_fused (its forward one GEMM launch over every row and class, the loss in
+    the GEMM's epilogue, and each tile's dlogits straight from a GEMM: no logits in memory, half the
+    launches) rather than cuBLAS GEMMs and loss kernels a tile: where forced only. Its Triton GEMM took
+    1.4-2.2x cuBLAS's time on an H100 (bench/results/investigations/h100_lce_fused_gemm.json), more than the
+    logits passes it saves."""
     return forced == FUSED
 
 
