@@ -10,9 +10,9 @@ import triton.language as tl
 from ...heuristics import lm_head as rules
 from ...heuristics import poisoning
 from ...heuristics.device import of_tensor
-from .cross_entropy import dlogits, row_grads, row_terms, weight_sum
+from .cross_entropy import weight_sum
 from .launch import launch
-from .rows import LN2, merge_stats, row_exp, safe_max, softcapped
+from .rows import LN2, dlogits, merge_stats, row_exp, row_grads, row_terms, safe_max, softcapped
 
 
 @triton.jit

@@ -1,7 +1,7 @@
 """What the softmax kernels share (kernels/triton/softmax_fwd.py, softmax_bwd.py, and the loss kernels): a
 program's rows and their addressing, 16-byte access with scalar edges, the mask's load, the running
-(max, sum) of a row read in chunks, and the loss kernels' (cross_entropy.py, shard.py) softcap and row
-logsumexp.
+(max, sum) of a row read in chunks, and the loss kernels' (cross_entropy.py, shard.py, lm_head.py) softcap,
+row logsumexp and per-row terms: the loss (row_terms), the backward's numbers (row_grads) and dlogits.
 
 Rows: (b, i) x N with strides from core/layout.py, an anchor input x (forward: x; backward: y) and an
 output. 16-byte access for any N: a row that does not start on a 16-byte boundary (N = 513, a sliced view)
@@ -409,3 +409,75 @@ def mask_args(spec, x: torch.Tensor) -> tuple[tuple, dict]:
         spec.causal_offset,
     )
     return args, dict(MASK=spec.kind, CAUSAL=spec.causal, SCALED=spec.scale is not None)
+
+
+@triton.jit
+def row_terms(lse, z_t, sum_z, t, keep, inside, w_ptr, wsum_ptr, v, smoothing, zl, SMOOTH: tl.constexpr,
+              WEIGHT: tl.constexpr, ZLOSS: tl.constexpr):  # fmt: skip
+    """Each row's (ce, z-loss, w_t) from its logsumexp, target logit and (SMOOTH) sum of w_j * z_j, by the
+    module's formulas; 0 for rows not kept (ignored, or past the end)."""
+    w_t = 1.0
+    if WEIGHT:
+        w_t = tl.load(w_ptr + tl.where(inside, t, 0), mask=inside, other=0.0).to(tl.float32)
+    loss = w_t * (lse - z_t)
+    if SMOOTH:
+        wsum = v * 1.0  # (v == 1 arrives as a constexpr)
+        if WEIGHT:
+            wsum = tl.load(wsum_ptr)
+        loss = (1.0 - smoothing) * loss + (smoothing / v) * (lse * wsum - sum_z)
+    loss = tl.where(keep, loss, 0.0)
+    zr = tl.zeros_like(lse)
+    if ZLOSS:
+        zr = tl.where(keep, zl * lse * lse, 0.0)
+    return loss, zr, w_t
+
+
+@triton.jit
+def row_grads(row, row_ok, t_ptr, lse_ptr, g_ptr, g_stride, cnt_ptr, w_ptr, wsum_ptr, ignore_index, v, smoothing, zl,
+              MEAN: tl.constexpr, SMOOTH: tl.constexpr, WEIGHT: tl.constexpr, ZLOSS: tl.constexpr):  # fmt: skip
+    """The backward's numbers of each row: (t, keep, inside, lse, a, b, cc), dz_j = a p_j - b [j == t] - cc w_j
+    (the module's formula; g_ce and g_z divided for the mean by cnt_ptr[2] and cnt_ptr[0])."""
+    t = tl.load(t_ptr + row, mask=row_ok, other=ignore_index).to(tl.int64)
+    keep = row_ok & (t != ignore_index)
+    inside = keep & (t >= 0) & (t < v)
+    lse = tl.load(lse_ptr + row, mask=row_ok, other=0.0)
+    g = tl.where(keep, tl.load(g_ptr + row * g_stride, mask=keep, other=0.0).to(tl.float32), 0.0)
+    g_ce = g
+    g_z = g
+    if MEAN:
+        g_ce = g / tl.load(cnt_ptr + 2)
+        g_z = g / tl.load(cnt_ptr)
+    w_t = 1.0
+    if WEIGHT:
+        w_t = tl.load(w_ptr + tl.where(inside, t, 0), mask=inside, other=0.0).to(tl.float32)
+    b = g_ce * w_t
+    a = b
+    cc = g_ce * 0.0
+    if SMOOTH:
+        wsum = v * 1.0  # (v == 1 arrives as a constexpr)
+        if WEIGHT:
+            wsum = tl.load(wsum_ptr)
+        b = (1.0 - smoothing) * b
+        cc = g_ce * (smoothing / v)
+        a = b + cc * wsum
+    if ZLOSS:
+        a += g_z * 2.0 * zl * lse
+    return t, keep, inside, lse, a, b, cc
+
+
+@triton.jit
+def dlogits(z, hot, lse_safe, a, b, cc, wj, keep, cap, SMOOTH: tl.constexpr, WEIGHT: tl.constexpr,
+            SOFTCAP: tl.constexpr):  # fmt: skip
+    """A block's dlogits from its (softcapped) logits z, where each row's target is (hot), the rows' numbers
+    (row_grads) and the classes' weights wj (SMOOTH and WEIGHT; a row of them); 0 in rows not kept."""
+    p = row_exp(z - lse_safe[:, None])
+    d = a[:, None] * p - b[:, None] * hot.to(tl.float32)
+    if SMOOTH:
+        if WEIGHT:
+            d -= cc[:, None] * wj
+        else:
+            d -= cc[:, None]
+    if SOFTCAP:
+        r = z / cap
+        d = d * (1.0 - r * r)
+    return tl.where(keep[:, None], d, 0.0)
