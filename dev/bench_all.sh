@@ -10,6 +10,11 @@
 #   ce       cross-entropy against torch, torch.compile, Liger and QuACK: $OUT/h200_ce.{json,txt}
 #   dist     the vocabulary-parallel run on every GPU of the host (NCCL; nvidia-h200-x2): $OUT/h200x2_dist.json
 #   cuda     every CUDA variant beside the Triton backend and torch eager (dev/bench_cuda.py all)
+#   lce      issue 40's measurements (about 6 minutes; no peers): the host's cost of an lce_sliced tile
+#            launch by launch, where the loss's time goes (floor, memory= at CCE's peak, lce_fused, the skip,
+#            the default; eager, host, CUDA-graph replay, kernels by kind), lce_fused's GEMM against cuBLAS,
+#            and the loss tests on the GPU: $OUT/lce_tile_host.json, $OUT/lce_profile.json,
+#            $OUT/lce_gemm_lse.json, $OUT/lce_tests.txt
 #   train    the Hugging Face training step at 1x4096, 1x8192 and 8x1024, every variant (about 6 minutes on an
 #            H200; eager attention at 8192 needs more than an H100's memory): $OUT/ts_<shape>.json, one per
 #            shape, joined here by `python dev/train_step.py bench/results/h200_train_step.json --merge ts_*.json`
@@ -53,6 +58,15 @@ cuda)
     timeout 500 python3 dev/bench_cuda.py all > "$out/bench_cuda.txt" 2>&1
     echo "bench_cuda rc=$?" >> "$out/bench_cuda.txt"
     ;;
+lce)
+    timeout 60 python3 dev/lce_tile_host.py "$out/lce_tile_host.json" > "$out/lce_tile_host.txt" 2>&1
+    timeout 200 python3 dev/lce_kernel_profile.py "$out/lce_profile.json" > "$out/lce_profile.txt" 2>&1
+    timeout 100 python3 dev/lce_gemm_lse.py "$out/lce_gemm_lse.json" 8192x4096x128256 > "$out/lce_gemm_lse.txt" 2>&1
+    timeout 150 python3 -m pytest tests/test_lce_sliced.py tests/test_lce.py tests/test_cross_entropy.py --device cuda \
+        -q -n 8 --tb=line -p no:cacheprovider > "$out/lce_tests.txt" 2>&1
+    echo "lce tests rc=$?" >> "$out/lce_tests.txt"
+    cat "$out/lce_tile_host.txt"; grep -v -i warn "$out/lce_profile.txt"; tail -n 12 "$out/lce_tests.txt"
+    ;;
 train)
     for s in 1x4096 1x8192 8x1024; do  # (a shape a run: each file is kept even when a later shape times out)
         timeout 175 python3 dev/train_step.py "$out/ts_$s.json" --shapes "$s" --timeout 80 \
@@ -62,7 +76,7 @@ train)
     done
     ;;
 *)
-    echo "usage: $0 tune|suite|ce|dist|cuda|train OUT" >&2
+    echo "usage: $0 tune|suite|ce|dist|cuda|lce|train OUT" >&2
     exit 2
     ;;
 esac
