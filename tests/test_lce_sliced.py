@@ -126,6 +126,34 @@ def test_the_rule(shape, sliced):
     assert rules.sliced(n, d, v, elsize, memory, "lce_fused") is True
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_fused_backward_logits_are_the_forwards(device, dtype):
+    """lce_fused's backward makes each tile's logits again (dlogits_gemm) and takes the forward's logsumexp
+    (lse_gemm): the two must be the same logits bit for bit, or at logits near 40 one 16-bit ulp (0.25) moves
+    every probability by e^0.25. With g = 1 and no options each kept row's dlogits sum to sum(p) - 1 = 0 (to
+    their own rounding); the same check fails with the logsumexp moved by a quarter (the check can fail)."""
+    from fastsoftmax.core import options
+    from fastsoftmax.kernels.lm_head_steps import TritonSteps
+
+    n, d, v = 40, 64, 300
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(n, d, generator=g) * 10).to(device, dtype)  # (logits up to about 40)
+    w = (torch.randn(v, d, generator=g) * d**-0.5).to(device, dtype)
+    t = torch.randint(0, v, (n,), generator=g).to(device)
+    k = TritonSteps(x, t, None, options.Loss(-100, "sum", 0.0, None, 0.0), v)
+    stats, rows = torch.empty(n + 3, device=device), torch.empty(n, device=device)
+    k.start(stats, rows, rows, n, v)
+    k.fused(x, w, None, stats, rows, rows, n)
+    assert stats[:n].max() > 30  # (the logits the property is about)
+    for shift, ok in ((0.0, True), (0.25, False)):
+        st = stats.clone()
+        st[:n] += shift
+        dl = torch.full((n, v), float("nan"), dtype=dtype, device=device)
+        k.fused_grads(x, w, None, dl, 0, v, k.group(0, n, st, None, None, None, torch.ones((), device=device), n))
+        sums = dl.double().sum(1)  # sum(p) - 1 per row
+        assert bool(sums.abs().max() < 0.02) == ok, (shift, sums.abs().max())
+
+
 @pytest.mark.parametrize("elsize", [2, 4])
 @pytest.mark.parametrize(
     "n,v,cols,sms",
