@@ -4,7 +4,8 @@ tile of R rows x C classes with d features (bf16; default the 8192x4096x128256 p
 still busy with a sleep queued before them (the host never waits on it), the median of 5 batches of 40
 calls: the logits GEMM (torch.mm into the buffer), the loss kernels on the slice (ce_fwd's slice step,
 ce_bwd's), the two gradient GEMMs (dW's rows: addmm beta 1 in bf16; dx's sums: addmm with out_dtype fp32,
-beta 1), and lce_fused's dlogits_gemm; then a whole tile as _slices runs it.
+beta 1; beside it the alternative of a bf16 part and an fp32 add, investigations/lce_dx_rounding.json's
+bf16_parts_fp32), and lce_fused's dlogits_gemm; then a whole tile as _slices runs it.
 Usage (GPU): python dev/lce_tile_host.py OUT.json [R C d]"""
 
 import json
@@ -52,12 +53,14 @@ def main(argv: list[str]) -> int:
     buf = torch.empty(r, c, device=dev, dtype=dt)
     dw = torch.empty(c, d, device=dev, dtype=dt)
     acc = torch.zeros(r, d, device=dev)
+    part = torch.empty(r, d, device=dev, dtype=dt)
     parts = {
         "logits_mm": lambda: chunk_logits(x, w, None, buf),
         "loss_step": lambda: loss_step(buf, c, v, grp),
         "grads_step": lambda: grads_step(buf, c, v, grp),
         "dw_addmm_bf16": lambda: tile_grads(buf, x, w, dw, None, None, add_dw=True, add_dx=True),
         "dx_addmm_fp32_out": lambda: tile_grads(buf, x, w, None, acc, None, add_dw=True, add_dx=True),
+        "dx_mm_bf16_then_add": lambda: acc.add_(torch.mm(buf, w, out=part)),  # (bf16 parts, fp32 sums)
         "fused_dlogits_gemm": lambda: k.fused_grads(x, w, None, buf, c, v, grp),
     }
 
