@@ -31,11 +31,12 @@ def _opts(i, v, device):
     return opts
 
 
-def _plan(n, d, v, dtype, memory, path="lce_sliced", grads=True):
-    """The plan lce_sliced (or lce_fused: its forward fused) recorded: rules.slice_plan's for this budget, the
-    tiles of one sweep (none where lce_fused's forward computes no gradients); returns (rows, cols)."""
+def _plan(n, d, v, dtype, memory, path="lce_sliced", grads=True, plan=None):
+    """The plan lce_sliced (or lce_fused: its forward fused) recorded (``plan``, else this thread's last): the
+    budget's rules.slice_plan, the tiles of one sweep (none where lce_fused's forward computes no gradients);
+    returns (rows, cols)."""
     rows, cols = rules.slice_plan(n, d, v, torch.empty((), dtype=dtype).element_size(), memory)
-    plan = heuristics.last_plan()
+    plan = plan or heuristics.last_plan()
     assert (plan.backend, plan.path, plan.rows, plan.block_n) == ("triton", path, rows, cols), plan
     assert plan.fused == (path == "lce_fused"), plan
     tiles = math.ceil(n / rows) * math.ceil(v / cols) if grads or path == "lce_sliced" else 0
@@ -73,8 +74,10 @@ def test_sliced_matches_reference(device, dtype, reduction, opt, layout):
         loss = fs.linear_cross_entropy(xg, w, t, b, reduction=reduction, **fs_opts, **opts)
         rows, cols = _plan(18, 16, v, dtype, MEMORY, layout, grads=reduction != "none")
         assert 18 % rows and v % cols == 1 and rows < 18
-        torch.autograd.grad(loss, xg, upstream(loss))
-        _plan(18, 16, v, dtype, MEMORY, layout)
+        with heuristics.recording() as plans:  # (on CUDA the backward records on autograd's thread)
+            torch.autograd.grad(loss, xg, upstream(loss))
+        assert (reduction == "none") == bool(plans), plans  # (a scalar loss's backward scales: no plan)
+        _plan(18, 16, v, dtype, MEMORY, layout, plan=plans[-1] if plans else None)
 
 
 def test_one_group_and_one_slice(device):
@@ -191,10 +194,11 @@ def test_the_rule_picks_slices_unforced(device, backend, monkeypatch):
             fs_opts = {"backend": backend, "memory": memory}
             check(x, w, t, b, reduction=reduction, fs_opts=fs_opts)
             xg = x.clone().requires_grad_()
-            loss = fs.linear_cross_entropy(xg, w, t, b, reduction=reduction, **fs_opts)
-            torch.autograd.grad(loss, xg, upstream(loss))
+            with heuristics.recording() as plans:  # (the backward's plan on autograd's thread on CUDA)
+                loss = fs.linear_cross_entropy(xg, w, t, b, reduction=reduction, **fs_opts)
+                torch.autograd.grad(loss, xg, upstream(loss))
             want = "lce_sliced" if sliced else "lce_recompute" if reduction == "none" else "lce_chunked"
-            assert heuristics.last_plan().path == want, (memory, reduction, heuristics.last_plan())
+            assert plans and plans[-1].path == want, (memory, reduction, plans)
 
 
 @pytest.mark.parametrize(

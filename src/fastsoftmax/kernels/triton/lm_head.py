@@ -158,7 +158,7 @@ def lse_merge(
         z_t += tl.load(at + 2 * splits * n, mask=row_ok, other=0.0)
         if SMOOTH:
             sum_z += tl.load(at + 3 * splits * n, mask=row_ok, other=0.0)
-    lse = safe_max(m) + tl.math.log2(s) * LN2
+    lse = safe_max(m) + tl.math.log2(tl.where(row_ok, s, 1.0)) * LN2  # (rows past n: no log of 0)
     t = tl.load(t_ptr + rows, mask=row_ok, other=ignore_index).to(tl.int64)
     keep = row_ok & (t != ignore_index)
     inside = keep & (t >= 0) & (t < v)
