@@ -19,6 +19,7 @@ import torch
 import fastsoftmax as fs
 from fastsoftmax import heuristics
 from fastsoftmax.bench import lce
+from fastsoftmax.bench.suite import graphed
 
 SHAPES = ("8192x4096x128256", "16384x2304x256000", "8192x2048x32000")
 
@@ -53,22 +54,13 @@ def host_ms(fn) -> float:
 
 
 def graph_ms(fn) -> float | None:
-    """The call replayed from a CUDA graph: the GPU's time with the host out of the way."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
+    """The call replayed from a CUDA graph (bench.suite.graphed): the GPU's time with the host out of the way."""
     try:
-        with torch.cuda.graph(g):
-            fn()
+        replay = graphed(fn)
     except Exception as e:  # (the skip synchronises)
         print("   graph:", type(e).__name__, str(e)[:120], flush=True)
         return None
-    ms = events_ms(g.replay)
-    del g
-    return ms
+    return events_ms(replay)
 
 
 def kind(name: str) -> str:

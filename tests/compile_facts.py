@@ -114,6 +114,23 @@ def _sm90_facts(kernel, sig: dict, consts: dict, div16: list, warps: int, option
     return facts, k
 
 
+def _signature(kernel, consts: dict, data: tuple, data_ty: str, t_ty: str, floats: tuple, ints: dict):
+    """(signature, 16-divisible arguments) of a loss kernel: constexprs, pointers (t_ptr of t_ty, the data
+    pointers of data_ty, the rest fp32), fp32 scalars named in floats, i32 for the rest; pointers and the
+    ints that are multiples of 16 divisible by 16."""
+    names = kernel.arg_names
+
+    def arg(k):
+        if k in consts:
+            return "constexpr"
+        if k.endswith("_ptr"):
+            return f"*{t_ty}" if k == "t_ptr" else f"*{data_ty}" if k in data else "*fp32"
+        return "fp32" if k in floats else "i32"
+
+    div16 = [k for k in names if k.endswith("_ptr") or (k in ints and ints[k] % 16 == 0)]
+    return {k: arg(k) for k in names}, div16
+
+
 def ce_facts():
     """The cross-entropy kernels at the launch shapes loss.py takes (triton/cross_entropy.py's shape), for
     aligned and odd vocabularies, and the one-program forward of 8 rows of 4096, sm_90a."""
@@ -185,18 +202,9 @@ def shard_facts():
                 rows, block, warps, _ = ce_rules.launch_shape(v, 4 if dtype == "float32" else 2, mode == 2)
                 consts = {"ROWS": rows, "BLOCK_N": block, "SMOOTH": True, "WEIGHT": False, "SOFTCAP": True}
                 consts |= {"DOT": False, "LOGDOT": False, "MODE": mode}
-                names = kernel.arg_names
-
-                def arg(k, consts=consts, dtype=dtype):
-                    if k in consts:
-                        return "constexpr"
-                    if k.endswith("_ptr"):
-                        return "*i32" if k == "t_ptr" else f"*{ty[dtype]}" if k in data else "*fp32"
-                    return "fp32" if k == "cap" else "i32"
-
                 ints = {"v": v, "sx": v, "sd": v, "so": v}
-                div16 = [k for k in names if k.endswith("_ptr") or (k in ints and ints[k] % 16 == 0)]
-                facts, compiled = _sm90_facts(kernel, {k: arg(k) for k in names}, consts, div16, warps)
+                sig, div16 = _signature(kernel, consts, data, ty[dtype], "i32", ("cap",), ints)
+                facts, compiled = _sm90_facts(kernel, sig, consts, div16, warps)
                 row = dict(kernel=kernel.__name__, mode=mode, dtype=dtype, v=v, rows=rows)
                 out.append(row | facts | {"reorders": compiled.asm["ttgir"].count("allow_reorder")})
     json.dump(out, sys.stdout)
@@ -221,18 +229,9 @@ def lm_head_facts():
                 consts |= {"WEIGHT": options, "SOFTCAP": options, "TOPS": options, "WIDEN": False}
                 consts |= {"MEAN": True, "ZLOSS": options, "PRECISION": "ieee" if dtype == "float32" else "tf32"}
                 consts |= {"sxk": 1, "swk": 1}  # (unit strides: Triton specialises an int argument equal to 1)
-                names = kernel.arg_names
-
-                def arg(k, consts=consts, dtype=dtype):
-                    if k in consts:
-                        return "constexpr"
-                    if k.endswith("_ptr"):
-                        return "*i64" if k == "t_ptr" else f"*{ty[dtype]}" if k in data else "*fp32"
-                    return "fp32" if k in ("cap", "smoothing", "zl") else "i32"
-
                 ints = {"d": 4096, "sxn": 4096, "swv": 4096, "sdl": 4096, "per": shape.per, "nc": 4096}
-                div16 = [k for k in names if k.endswith("_ptr") or (k in ints and ints[k] % 16 == 0)]
-                sig = {k: arg(k) for k in names}
+                floats = ("cap", "smoothing", "zl")
+                sig, div16 = _signature(kernel, consts, data, ty[dtype], "i64", floats, ints)
                 facts, compiled = _sm90_facts(kernel, sig, consts, div16, shape.warps, {"num_stages": shape.stages})
                 row = dict(kernel=kernel.__name__, dtype=dtype, options=options, bm=shape.bm, bn=shape.bn)
                 row |= dict(bk=shape.bk, warps=shape.warps, stages=shape.stages)

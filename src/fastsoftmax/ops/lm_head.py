@@ -161,14 +161,13 @@ def _slices(x, weight, bias, k, stats, rows_loss, rows_z, g, forward, grads, wan
                     skipped += 1
                     continue
                 logits = buf[: m * w_s.shape[0]].view(m, w_s.shape[0])
-                if fused:  # (the grads sweep: the dlogits straight from the GEMM)
+                if fused:  # (the grads sweep alone: the dlogits straight from the GEMM)
                     k.fused_grads(xg, w_s, b_s, logits, v0, v, grp)
                 else:
                     chunk_logits(xg, w_s, b_s, logits)
-                if sweep == "loss":
-                    loss_step(logits, v0, v, grp, tops[i, :m] if skip else None)
-                    continue
-                if not fused:
+                    if sweep == "loss":
+                        loss_step(logits, v0, v, grp, tops[i, :m] if skip else None)
+                        continue
                     grads_step(logits, v0, v, grp)  # logits -> dlogits, in place
                 db_s = db[v0 : v0 + cols] if db is not None else None
                 tile_grads(logits, xg, w_s, dw_s, acc_g, db_s, add_dw=r0 > 0 or bool(skip), add_dx=v0 > 0 or bool(skip))
