@@ -134,7 +134,7 @@ def run_shape(n: int, d: int, v: int, spread: float, memory: int | None) -> list
         variants[name] = step
     records = []
     for name, fn in variants.items():
-        rec = {"shape": [n, d, v], "variant": name, "memory": budget if name not in ("floor", "default") else None}
+        rec = {"N": n, "d": d, "V": v, "variant": name, "memory": budget if name not in ("floor", "default") else None}
         try:
             rec["eager_ms"] = round(events_ms(fn), 3)
             rec["plan"] = str(heuristics.last_plan()) if name != "floor" else None
@@ -144,7 +144,7 @@ def run_shape(n: int, d: int, v: int, spread: float, memory: int | None) -> list
         except Exception as e:
             rec["error"] = f"{type(e).__name__}: {str(e)[:200]}"
         records.append(rec)
-        keys = ("shape", "variant", "eager_ms", "host_ms", "graph_ms", "busy_ms", "kernel_ms", "plan", "error")
+        keys = ("N", "d", "V", "variant", "eager_ms", "host_ms", "graph_ms", "busy_ms", "kernel_ms", "plan", "error")
         print(json.dumps({k: rec.get(k) for k in keys}), flush=True)
         torch.cuda.empty_cache()
     return records
