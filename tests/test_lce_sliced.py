@@ -277,10 +277,11 @@ def _skippable(device, dtype, seed):
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize("opt", range(len(SKIP_OPTIONS)))
 def test_skip_drops_negligible_tiles(free_tiles, device, dtype, reduction, opt, layout):
-    """skip_eps=1e-6: every group skips the 3 negligible slices (the plan counts them), the loss and every
-    gradient still within the float64 reference's tolerance (the dropped terms are ~e^-200), the targets in
-    skipped slices included; on the ordinary problem with skip_eps=1e-30 nothing is skipped. lce_fused: the
-    slices' largest logits come from the fused forward (each split whole slices)."""
+    """skip_eps=1e-6: each kept row skips the 3 negligible slices except the one holding its target, each
+    ignored row every slice (the plan counts the (row, slice) pairs), the loss and every gradient still
+    within the float64 reference's tolerance (the dropped terms are ~e^-200), the targets in negligible
+    slices included; on the ordinary problem with skip_eps=1e-30 only the ignored rows' pairs are skipped.
+    lce_fused: the slices' largest logits come from the fused forward (each split whole slices)."""
     opts = dict(SKIP_OPTIONS[opt])
     if "class_weight" in opts:
         opts["class_weight"] = class_weights(513, device)
@@ -291,9 +292,70 @@ def test_skip_drops_negligible_tiles(free_tiles, device, dtype, reduction, opt, 
         with heuristics.force(**({"path": layout} if layout else {})):
             check(x, w, t, b, reduction=reduction, fs_opts=fs_opts, grad_atol_scale=scale, **opts)
         plan = heuristics.last_plan()
-        rows, cols = rules.slice_plan(18, 16, 513, x.element_size(), MEMORY)
+        rows, cols = rules.slice_plan(18, 16, 513, x.element_size(), MEMORY, skip=True)
         assert (plan.path, plan.rows, plan.block_n) == (layout or "lce_sliced", rows, cols), plan
-        assert plan.skipped == (3 * math.ceil(18 / rows) if skipped else 0), plan
+        eps = fs_opts["skip_eps"]
+        assert plan.skipped == _skipped_pairs(x, w, b, t, cols, eps, opts.get("softcap")), plan
+        if skipped:  # (each kept row's 3 slices of classes 200 below the rest, less its target's)
+            assert plan.skipped >= sum(3 - (128 <= tr < 512) for tr in t.tolist() if tr != -100), plan
+
+
+@pytest.mark.parametrize("layout", [None, "lce_fused"])
+def test_skip_gathers_the_live_rows_of_sparse_slices(free_tiles, device, layout, monkeypatch):
+    """The three ways a skip runs a (group, slice) tile, each seen: none of it (no live row), its live rows
+    alone, gathered (at most GATHER_SHARE of the group: the negligible slices, where only rows whose target
+    is there live), the whole tile (more: the first slice). Counted through TritonSteps.pick, the gather's
+    one call a tile; the gradients the float64 reference's either way."""
+    from fastsoftmax.kernels.lm_head_steps import TritonSteps
+
+    picks = []
+    real = TritonSteps.pick
+
+    def pick(self, grp, rows):
+        picks.append(rows.numel())
+        return real(self, grp, rows)
+
+    monkeypatch.setattr(TritonSteps, "pick", pick)
+    for skippable in (True, False):
+        picks.clear()
+        f32 = torch.float32
+        x, w, t, b = _skippable(device, f32, 41) if skippable else problem(device, f32, (18,), 16, 513)
+        eps = 1e-6 if skippable else 1e-30
+        with heuristics.force(**({"path": layout} if layout else {})):
+            check(x, w, t, b, fs_opts={"backend": "triton", "memory": MEMORY, "skip_eps": eps}, grad_atol_scale=10)
+        plan = heuristics.last_plan()
+        tiles = -(-18 // plan.rows) * -(-513 // plan.block_n)
+        live = _live_pairs(x, w, b, t, plan.block_n, eps)
+        want = []  # (the live rows of each group's slices, where at most GATHER_SHARE of the group's)
+        for r0 in range(0, 18, plan.rows):
+            group = live[r0 : r0 + plan.rows]
+            want += [c for c in group.sum(0).tolist() if 0 < c <= group.shape[0] * rules.GATHER_SHARE]
+        assert picks == want, (str(picks), str(want))
+        if skippable:  # (slices 1-3 of classes 200 below the rest: a group's rows live there where their target is)
+            assert want and plan.skipped > 0 and len(picks) < tiles, plan
+        else:  # (an ordinary problem, a skip of nothing: each group's kept rows live on every slice)
+            assert picks == [], picks
+
+
+def _live_pairs(x, w, b, t, cols: int, eps: float, softcap=None) -> torch.Tensor:
+    """(rows, slices) bools: the (row, slice) pairs whose gradients a skip computes, from float64
+    probabilities: a kept row's pairs whose largest probability reaches eps, and the one holding its target;
+    no pair of an ignored row. None within 4x of eps (where the kernels' rounding could decide)."""
+    z = x.double() @ w.double().T + (b.double() if b is not None else 0.0)
+    p = (softcap * torch.tanh(z / softcap) if softcap else z).softmax(-1).cpu()
+    slices = -(-p.shape[1] // cols)
+    live = torch.zeros(p.shape[0], slices, dtype=torch.bool)
+    for r, target in enumerate(t.tolist()):
+        for s in range(slices):
+            top = p[r, s * cols : (s + 1) * cols].max().item()
+            if target != -100 and s != target // cols:
+                assert not eps / 4 < top < eps * 4, (r, s, top)
+            live[r, s] = target != -100 and (top >= eps or s == target // cols)
+    return live
+
+
+def _skipped_pairs(x, w, b, t, cols: int, eps: float, softcap=None) -> int:
+    return int((~_live_pairs(x, w, b, t, cols, eps, softcap)).sum())
 
 
 @pytest.mark.parametrize(
@@ -403,7 +465,8 @@ def test_skip_refusals_and_exact_elsewhere(device):
 def test_skip_keeps_slices_narrow(free_tiles, device):
     """A skip without memory=, fewer rows than a group holds: the slices stay SLICE_COLS wide (one group
     widened to all 12288 classes could never be skipped), so the two negligible slices are (a regression:
-    they were one slice, never skipped); the gradients still the float64 reference's."""
+    they were one slice, never skipped: each kept row's pairs there, less row 3's target pair, and the
+    ignored rows' pairs); the gradients still the float64 reference's."""
     x, w, t, b = problem(device, torch.float32, (16,), 8, 3 * rules.SLICE_COLS, seed=52)
     b = b.clone()
     b[rules.SLICE_COLS :] -= 200
@@ -411,7 +474,9 @@ def test_skip_keeps_slices_narrow(free_tiles, device):
     t[3] = 2 * rules.SLICE_COLS + 5  # (a target in a skipped slice)
     check(x, w, t, b, fs_opts={"backend": "triton", "skip_eps": 1e-6}, grad_atol_scale=10)
     plan = heuristics.last_plan()
-    assert (plan.path, plan.rows, plan.block_n, plan.skipped) == ("lce_sliced", 16, rules.SLICE_COLS, 2), plan
+    skips = _skipped_pairs(x, w, b, t, rules.SLICE_COLS, 1e-6)
+    assert skips == 12 * 2 - 1 + 4 * 3  # (12 kept rows, 4 ignored)
+    assert (plan.path, plan.rows, plan.block_n, plan.skipped) == ("lce_sliced", 16, rules.SLICE_COLS, skips), plan
 
 
 def test_skip_under_torch_compile(free_tiles, device):

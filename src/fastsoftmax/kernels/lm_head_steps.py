@@ -76,6 +76,13 @@ class TritonSteps:
         loss, z, run = (rows_loss[r0:r1], rows_z[r0:r1], run[: 3 * (r1 - r0)]) if fwd else (None, None, None)
         return t, loss, z, lse, run, tail, (g[r0:r1] if g is not None and g.dim() else g)
 
+    def pick(self, grp, rows):
+        """A group's views (group()) for its ``rows`` alone (an index tensor), as the gradient steps take them:
+        the targets, logsumexps and per-row upstream gradients gathered (a skip's live rows on a slice)."""
+        t, _, _, lse, _, tail, g = grp
+        g = g.index_select(0, rows) if g is not None and g.dim() else g
+        return t.index_select(0, rows), None, None, lse.index_select(0, rows), None, tail, g
+
     def finish(self, rows_loss, rows_z, stats, out, zout, n: int, v: int):
         self.k.finish(rows_loss, rows_z, self.t, self.w, out, zout, stats[n:], v, self.o)
 

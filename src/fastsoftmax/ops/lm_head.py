@@ -36,7 +36,7 @@ from ..core.layout import flat_target, storage_problem, values
 from ..heuristics import lm_head as rules
 from ..heuristics.device import selected
 from ..kernels.lm_head_steps import TorchSteps, TritonSteps
-from ..kernels.torch_loss import capped, chunk_logits, row_grads, tile_grads
+from ..kernels.torch_loss import chunk_logits, tile_grads
 from .cross_entropy import composite as ce_composite
 
 
@@ -118,9 +118,10 @@ def _slices(x, weight, bias, k, stats, rows_loss, rows_z, g, forward, grads, wan
     """lce_sliced: groups of rows, each swept over slices of the classes (rules.slice_plan), once for the
     loss (forward) and once for the gradients (where wanted). A slice's dW rows are written by the first
     group's GEMM and added to by the others' (one rounding a group, not a chunk); a group's dx is summed over
-    the slices in fp32, then rounded once. With ``skip`` (> 0; a scalar loss's forward), a group's slice
-    where each of its rows' probabilities is below skip runs no gradient GEMMs (_live), its targets' terms
-    added alone (_targets). Returns dW (None: not wanted)."""
+    the slices in fp32, then rounded once. With ``skip`` (> 0; a scalar loss's forward), a slice's gradient
+    GEMMs run on the group's live rows there alone (_live_rows: a probability there reaches skip, or the
+    target is there), gathered where they are at most rules.GATHER_SHARE of the group, the group's tile where
+    more, none where none. Returns dW (None: not wanted)."""
     n, d = x.shape
     v = weight.shape[0]
     rows, cols = rules.slice_plan(n, d, v, x.element_size(), memory, skip > 0)
@@ -146,6 +147,7 @@ def _slices(x, weight, bias, k, stats, rows_loss, rows_z, g, forward, grads, wan
     if fused and forward:  # the loss of every row and class at once (the tops of every row)
         k.fused(x, weight, bias, stats, rows_loss, rows_z, n, tops, cols)
     tiles = skipped = 0
+    summed = bool(skip)
     for r0 in range(0, n, rows):
         r1 = min(r0 + rows, n)
         xg, m = x[r0:r1], r1 - r0
@@ -155,24 +157,36 @@ def _slices(x, weight, bias, k, stats, rows_loss, rows_z, g, forward, grads, wan
             acc_g.zero_()
         for sweep in sweeps:
             top = (tops[:, r0:r1] if fused else tops[:, :m]) if sweep == "grads" and skip else None
-            live, kept = _live(top, stats[r0:r1], k.t[r0:r1], k.o, skip) if top is not None else (None, None)
+            live_rows = _live_rows(top, stats[r0:r1], k.t[r0:r1], k.o, skip, cols, v) if top is not None else None
+            counts, idx = live_rows or (None, None)
+            at = 0  # (idx: the live rows slice by slice)
             for i, (v0, w_s, b_s, dw_s) in enumerate(parts):
-                if kept is not None and not kept[i]:
-                    skipped += 1
-                    continue
-                logits = buf[: m * w_s.shape[0]].view(m, w_s.shape[0])
+                picked = None
+                if counts is not None:
+                    live, at = counts[i], at + counts[i]
+                    skipped += m - live
+                    if not live:
+                        continue
+                    if live <= m * rules.GATHER_SHARE:  # (else the whole group's tile)
+                        picked = idx[at - live : at]
+                xt, gt = (xg, grp) if picked is None else (xg.index_select(0, picked), k.pick(grp, picked))
+                logits = buf[: xt.shape[0] * w_s.shape[0]].view(xt.shape[0], w_s.shape[0])
                 if fused:  # (the grads sweep alone: the dlogits straight from the GEMM)
-                    k.fused_grads(xg, w_s, b_s, logits, v0, v, grp)
+                    k.fused_grads(xt, w_s, b_s, logits, v0, v, gt)
                 else:
-                    chunk_logits(xg, w_s, b_s, logits)
+                    chunk_logits(xt, w_s, b_s, logits)
                     if sweep == "loss":
                         loss_step(logits, v0, v, grp, tops[i, :m] if skip else None)
                         continue
-                    grads_step(logits, v0, v, grp)  # logits -> dlogits, in place
+                    grads_step(logits, v0, v, gt)  # logits -> dlogits, in place
                 db_s = db[v0 : v0 + cols] if db is not None else None
-                tile_grads(logits, xg, w_s, dw_s, acc_g, db_s, add_dw=r0 > 0 or bool(skip), add_dx=v0 > 0 or bool(skip))
-            if kept is not None and not all(kept):
-                _targets(xg, weight, bias, k, stats, g, r0, r1, live, cols, acc_g, dw, db)
+                if picked is None:  # (a skip's sums start from 0: any slice or group may be skipped)
+                    tile_grads(logits, xg, w_s, dw_s, acc_g, db_s, add_dw=r0 > 0 or summed, add_dx=v0 > 0 or summed)
+                    continue
+                part = acc.new_empty((picked.shape[0], d)) if acc_g is not None else None
+                tile_grads(logits, xt, w_s, dw_s, part, db_s, add_dw=True, add_dx=False)
+                if part is not None:
+                    acc_g.index_add_(0, picked, part)
         tiles += len(parts) if sweeps else 0
         if acc_g is not None:
             dx[r0:r1].copy_(acc_g)
@@ -181,42 +195,18 @@ def _slices(x, weight, bias, k, stats, rows_loss, rows_z, g, forward, grads, wan
     return dw
 
 
-def _live(tops, lse, t, o, skip: float):
-    """Per slice, whether a row group's gradient needs it: some kept row's largest probability on the slice,
-    exp(its largest z there - its logsumexp), is at least ``skip`` (a NaN keeps it): (on the device, as a
-    list). The list is the skip's one host synchronisation a group (the skip is eager only)."""
-    keep = t.long() != o.ignore_index  # (widened: a uint8 target 156 is not ignore_index -100)
-    top = torch.where(keep[None, :], (tops - lse.to(tops.dtype)[None, :]).exp(), 0.0)
-    live = ~(top.amax(1) < skip)
-    return live, live.tolist()
-
-
-def _targets(xg, weight, bias, k, stats, g, r0, r1, live, cols, acc, dw, db):
-    """The target terms of the skipped slices, exactly: dlogit_t = -b (1 - (z_t / c)^2) (b the row's target
-    coefficient, c the softcap; the a p_t beside it is below the skip and dropped) into dx (acc), dW and db,
-    for the group's rows whose target lies in a slice it skipped (``live``: per slice, on the device), the
-    other rows' coefficients 0: no host synchronisation. One temporary of the group's size, W's target rows
-    in W's dtype; the products rounded as the GEMMs round them (z_t and dlogit_t in x's dtype, fp32 sums).
-    (A 0 coefficient times a non-finite x or W row gives NaN where the GEMMs of that row give NaN too.)"""
-    o, n, m = k.o, stats.shape[0] - 3, r1 - r0
-    t = k.t[r0:r1].long()
-    keep = t != o.ignore_index
-    tt = torch.where(keep, t, 0).clamp(0, weight.shape[0] - 1)
-    alone = keep & ~live[tt // cols]
-    b = row_grads(g, stats[n], stats[n + 2], o.reduction, m)[0]  # (g_ce: the mean's divisor)
-    b = b * (k.w.to(stats.dtype)[tt] if k.w is not None else 1.0)
-    w_t = weight[tt]  # (m, d)
-    if o.softcap is not None:
-        z = torch.bmm(xg[:, None, :], w_t[:, :, None]).reshape(m).to(stats.dtype)
-        z = capped(z + bias[tt].to(z.dtype) if bias is not None else z, o.softcap)
-        b = b * (1 - (z / o.softcap) ** 2)
-    coef = torch.where(alone, -b.to(stats.dtype), 0.0)  # (m,)
-    if acc is not None:
-        acc.addcmul_(w_t, coef[:, None])
-    if dw is not None:
-        dw.index_add_(0, tt, xg * coef[:, None].to(xg.dtype))
-    if db is not None:
-        db.index_add_(0, tt, coef.to(db.dtype))
+def _live_rows(tops, lse, t, o, skip: float, cols: int, v: int):
+    """Which of a row group's (row, slice) pairs get their gradient computed: a kept row's pairs where its
+    largest probability on the slice, exp(its largest z there - its logsumexp), is at least ``skip`` (a NaN
+    keeps it), and the pair holding its target (the target's -1 term is never small). Returns the count a
+    slice (a list) and the live rows slice by slice (on the device, 8 bytes a pair at most): the skip's host
+    synchronisation, once a group (the skip is eager only)."""
+    tt = t.long()  # (widened: a uint8 target 156 is not ignore_index -100)
+    keep = tt != o.ignore_index
+    home = torch.where(keep, tt, 0).clamp(0, v - 1) // cols  # (a target out of range is refused at the end)
+    slot = torch.arange(tops.shape[0], device=tops.device)[:, None]
+    live = keep[None, :] & (~((tops - lse.to(tops.dtype)[None, :]).exp() < skip) | (slot == home[None, :]))
+    return live.sum(1).tolist(), live.nonzero()[:, 1]
 
 
 # ---- the custom op ------------------------------------------------------------------------------------
@@ -408,8 +398,8 @@ def linear_cross_entropy(
     x (..., d), weight (V, d), bias (V,) or None, target x's shape without d; the options as
     fs.cross_entropy's. memory: bytes of logits a chunk may hold (None: chosen from the problem and the free
     memory). return_z_loss=True returns (loss, the z-loss term alone). skip_eps > 0 (a scalar loss without
-    label smoothing, opt-in): the gradient skips a group of rows' slice of classes wherever each of their
-    probabilities there is below skip_eps (lce_sliced; docs/semantics.md gives the error bound)."""
+    label smoothing, opt-in): the gradient skips a row's slice of classes wherever each of its probabilities
+    there is below skip_eps, its target's slice never (lce_sliced; docs/semantics.md gives the error bound)."""
     if compose.is_dtensor(weight):  # sharded on the classes: fastsoftmax.distributed
         from ..distributed import dtensor
 
