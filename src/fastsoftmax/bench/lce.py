@@ -48,7 +48,7 @@ CUDA_ONLY = {"liger", "cce", "cce_exact", "quack"}  # Triton / CuTe kernels with
 MEMORY = None
 MEMORY_SHARE = 0.04
 CCE_SLACK = 1.045
-SKIP_EPS = 2.0**-12  # fastsoftmax_skip: fastsoftmax_mem with skip_eps, the largest probability a skipped tile holds
+SKIP_EPS = 2.0**-12  # fastsoftmax_skip: fastsoftmax_mem with skip_eps, the largest probability a skipped pair holds
 SPREAD = 1.0  # the logits' standard deviation (W's scale); CCE's filter skips far more at 0.5
 
 
