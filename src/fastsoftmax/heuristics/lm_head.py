@@ -109,9 +109,10 @@ class FusedShape(NamedTuple):
     stages: int
 
 
-FUSED_TILE = {2: (128, 128, 64), 4: (128, 64, 32)}  # (BM, BN, BK) by element size: the largest tiles whose
-# epilogue spills nothing on sm_90a with every option (tests/test_snapshot.py; 16-bit 128 x 256 spills, and
-# 4 warps; fp32, whose tl.dot runs on FMA units in full precision, spills at 128 x 128 and at BK 64)
+FUSED_TILE = {2: (128, 128, 64), 4: (128, 64, 16)}  # (BM, BN, BK) by element size: the largest tiles whose
+# epilogue spills nothing on sm_90a with every option, on Triton 3.6 and 3.8 (tests/test_snapshot.py; 16-bit
+# 128 x 256 spills, and 4 warps; fp32, whose tl.dot runs on FMA units in full precision, spills at 128 x 128,
+# and at BK 32 on Triton 3.6: lse_gemm with every option, 8 bytes, seen on the H100's image)
 FUSED_WARPS, FUSED_STAGES = 8, 3
 FUSED_WAVES = 2  # programs enough for this many per SM
 
