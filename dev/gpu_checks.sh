@@ -12,7 +12,7 @@ what=${2:-all}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$out/gpu.txt"
 ngpu=$(wc -l < "$out/gpu.txt")
 if [ "$what" != sanitize ]; then
-groups=("tests/test_gpu.py tests/test_gpu_replay.py" "tests/test_forward.py tests/test_properties.py"
+groups=("tests/test_gpu.py tests/test_gpu_replay.py" "tests/test_forward.py" "tests/test_properties.py"
         "tests/test_backward.py tests/test_api.py" "tests/test_masked.py tests/test_cross_entropy.py tests/test_distributed.py"
         "tests/test_cuda.py tests/test_bench.py" "tests/test_cuda_build.py tests/test_snapshot.py tests/test_cache.py"
         "tests/test_compose.py" "tests/test_tp.py tests/test_tp_triton.py tests/test_tp_disagreeing_ranks.py tests/test_tp_dtensor.py"
