@@ -305,7 +305,7 @@ def test_skip_gathers_the_live_rows_of_sparse_slices(free_tiles, device, layout,
     """The three ways a skip runs a (group, slice) tile, each seen: none of it (no live row), its live rows
     alone, gathered (at most GATHER_SHARE of the group: the negligible slices, where only rows whose target
     is there live), the whole tile (more: the first slice). Counted through TritonSteps.pick, the gather's
-    one call a tile; the gradients the float64 reference's either way."""
+    one call a tile; the gradients the float64 reference's either way, buffers poisoned with NaN first."""
     from fastsoftmax.kernels.lm_head_steps import TritonSteps
 
     picks = []
@@ -321,7 +321,7 @@ def test_skip_gathers_the_live_rows_of_sparse_slices(free_tiles, device, layout,
         f32 = torch.float32
         x, w, t, b = _skippable(device, f32, 41) if skippable else problem(device, f32, (18,), 16, 513)
         eps = 1e-6 if skippable else 1e-30
-        with heuristics.force(**({"path": layout} if layout else {})):
+        with heuristics.force(poison=True, **({"path": layout} if layout else {})):  # (each buffer written first)
             check(x, w, t, b, fs_opts={"backend": "triton", "memory": MEMORY, "skip_eps": eps}, grad_atol_scale=10)
         plan = heuristics.last_plan()
         tiles = -(-18 // plan.rows) * -(-513 // plan.block_n)
