@@ -62,7 +62,7 @@ lce)
     timeout 60 python3 dev/lce_tile_host.py "$out/lce_tile_host.json" > "$out/lce_tile_host.txt" 2>&1
     timeout 200 python3 dev/lce_kernel_profile.py "$out/lce_profile.json" > "$out/lce_profile.txt" 2>&1
     timeout 100 python3 dev/lce_gemm_lse.py "$out/lce_gemm_lse.json" 8192x4096x128256 > "$out/lce_gemm_lse.txt" 2>&1
-    timeout 150 python3 -m pytest tests/test_lce_sliced.py tests/test_lce.py tests/test_cross_entropy.py --device cuda \
+    timeout 150 python3 -m pytest tests/test_lce_sliced.py tests/test_lce_skip.py tests/test_lce.py tests/test_cross_entropy.py --device cuda \
         -q -n 8 --tb=line -p no:cacheprovider > "$out/lce_tests.txt" 2>&1
     echo "lce tests rc=$?" >> "$out/lce_tests.txt"
     cat "$out/lce_tile_host.txt"; grep -v -i warn "$out/lce_profile.txt"; tail -n 12 "$out/lce_tests.txt"

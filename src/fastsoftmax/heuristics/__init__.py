@@ -47,7 +47,7 @@ class Plan:
     inner: bool = False  # two row groups: a program's rows run along the inner one
     copied: bool = False  # an input was copied first (x; in backward y or dy) to fit one layout
     splits: int = 1  # segments per row (split path)
-    skipped: int = 0  # the LM-head loss's (row, slice) pairs whose gradient skip_eps dropped
+    skipped: int = 0  # the LM-head loss's (row, slice) pairs whose gradient skip_eps left uncomputed
     fused: bool = False  # a cross-entropy forward as one program that also finishes (one launch)
 
 

@@ -32,6 +32,7 @@ HOST_TILE_S = 2.0e-4  # and a tile of lce_sliced (2 GEMMs and a kernel, then 3 G
 SLICE_COLS = 4096  # a slice's classes where the budget allows: one block of the loss kernels, GEMMs of
 # N x 4096 run at the floor's rate (the dx GEMM's fp32 sums, read and written once a slice, stay hidden)
 ROW_ALIGN = 16  # a group's rows: a multiple of 16 keeps each group's views 16-byte aligned (one compile)
+SKIP_PAIR_BYTES = 4 + 1 + 8  # a skip's (row, slice) pair: its largest logit, live flag and row index
 GATHER_SHARE = 0.5  # a skip's slice whose live rows are at most this share of the group's runs on them alone
 # (gathered: their x rows in x's dtype and their dx parts in fp32, in the budget); more run the whole tile
 
@@ -67,19 +68,23 @@ def sliced(
 
 def slice_plan(n: int, d: int, v: int, elsize: int, memory: int | None, skip: bool = False) -> tuple[int, int]:
     """(rows a group, classes a slice) for ``memory`` bytes: a group's working set is a slice of its logits
-    (rows x classes, x's dtype) and its dx sums in fp32 (rows x d); with a ``skip``, the gathered live rows
-    of a slice too (up to GATHER_SHARE of the rows: x's rows and their dx parts in fp32). SLICE_COLS
-    classes, as many rows as then fit (a multiple of ROW_ALIGN, the groups evened out); one group where all
-    rows fit, its slices widened to the rest of the budget (not for a ``skip``: it drops a row's slices
-    where all of the row's probabilities are negligible, and wide ones would rarely be); narrower slices
-    where not even ROW_ALIGN rows fit."""
-    per_row = 4 * d + (int(GATHER_SHARE * (elsize + 4) * d) if skip else 0)  # (beside the slice's logits)
-    memory = memory or MIN_ROWS * (SLICE_COLS * elsize + per_row)  # (none given: the path forced, or a skip)
+    (rows x classes, x's dtype) and its dx sums in fp32 (rows x d); with a ``skip``, its gathered live rows
+    too (up to GATHER_SHARE of the rows: x's rows and their dx parts in fp32) and, per (row, slice), its
+    largest logit (fp32), live flag and index (SKIP_PAIR_BYTES). SLICE_COLS classes, as many rows as then
+    fit (a multiple of ROW_ALIGN, the groups evened out); one group where all rows fit, its slices widened
+    to the rest of the budget (not for a ``skip``: it drops a row's slices where all of the row's
+    probabilities are negligible, and wide ones would rarely be); narrower slices where not even ROW_ALIGN
+    rows fit."""
+
+    def per_row(cols: int) -> int:  # (beside the slice's logits)
+        return 4 * d + (int(GATHER_SHARE * (elsize + 4) * d) + -(-v // cols) * SKIP_PAIR_BYTES if skip else 0)
+
     cols = min(SLICE_COLS, v)
-    rows = memory // (cols * elsize + per_row)
+    memory = memory or MIN_ROWS * (cols * elsize + per_row(cols))  # (none given: the path forced, or a skip)
+    rows = memory // (cols * elsize + per_row(cols))
     if rows < ROW_ALIGN:  # a small budget: ROW_ALIGN rows, the slice what is left (at least 128 classes)
-        cols = min(v, max(128, (memory // ROW_ALIGN - per_row) // elsize // 128 * 128))
-        rows = max(1, memory // (cols * elsize + per_row))
+        cols = min(v, max(128, (memory // ROW_ALIGN - per_row(128)) // elsize // 128 * 128))
+        rows = max(1, memory // (cols * elsize + per_row(cols)))
     if rows >= n:  # one group: the rest of the budget widens the slices
         wide = (memory - 4 * d * n) // max(elsize * n, 1)
         return n, cols if skip else min(v, max(cols, wide // SLICE_COLS * SLICE_COLS))

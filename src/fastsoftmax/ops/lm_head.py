@@ -19,7 +19,8 @@ Traffic and work, N tokens, d features, V classes, chunks of R rows (the buffer:
 Without gradients (no_grad, nothing requires grad) each is the forward alone: 1 GEMM and a loss kernel a
 chunk or slice. Peak memory above the inputs: the chunk buffer (``memory=`` bytes, else
 heuristics/lm_head.chunk_rows; lce_sliced: a slice of a group's logits and its fp32 dx sums, within
-``memory=``), dx and dW themselves (dW in W's dtype: rounded once a chunk or group), O(N) statistics.
+``memory=``, with skip_eps its gathered rows and its pairs' flags too), dx and dW themselves (dW in W's
+dtype: rounded once a chunk or group), O(N) statistics.
 
 Logits are computed in x's dtype, as F.linear gives them; the loss and its statistics in fp32 (fp64 for
 fp64). torch.func transforms and create_graph=True run torch ops (F.linear, then the loss's torch ops);
@@ -27,6 +28,8 @@ under autocast x, W and b are cast to the autocast dtype, as torch does for F.li
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -137,6 +140,9 @@ def _slices(x, weight, bias, k, stats, rows_loss, rows_z, g, forward, grads, wan
                 buffer.fill_(float("nan"))
     if skip and dw is not None:
         dw.zero_()  # (a slice skipped by every group: no GEMM writes it)
+    gather = int(rows * rules.GATHER_SHARE) * d if skip and grads else 0  # (a skip's gathered rows, reused)
+    xs_buf = torch.empty(gather, dtype=x.dtype, device=x.device) if gather else None
+    part_buf = torch.empty(gather, dtype=stats.dtype, device=x.device) if gather and acc is not None else None
     parts = [  # each slice's first class, weight, bias and dW rows (the host's cost a tile matters)
         (v0, weight[v0 : v0 + cols], bias[v0 : v0 + cols] if bias is not None else None,
          dw[v0 : v0 + cols] if dw is not None else None)
@@ -164,12 +170,16 @@ def _slices(x, weight, bias, k, stats, rows_loss, rows_z, g, forward, grads, wan
                 picked = None
                 if counts is not None:
                     live, at = counts[i], at + counts[i]
-                    skipped += m - live
                     if not live:
+                        skipped += m
                         continue
-                    if live <= m * rules.GATHER_SHARE:  # (else the whole group's tile)
+                    if live <= m * rules.GATHER_SHARE:  # (else the whole group's tile, every pair computed)
                         picked = idx[at - live : at]
-                xt, gt = (xg, grp) if picked is None else (xg.index_select(0, picked), k.pick(grp, picked))
+                        skipped += m - live
+                xt, gt = xg, grp
+                if picked is not None:
+                    xt = torch.index_select(xg, 0, picked, out=xs_buf[: live * d].view(live, d))
+                    gt = k.pick(grp, picked)
                 logits = buf[: xt.shape[0] * w_s.shape[0]].view(xt.shape[0], w_s.shape[0])
                 if fused:  # (the grads sweep alone: the dlogits straight from the GEMM)
                     k.fused_grads(xt, w_s, b_s, logits, v0, v, gt)
@@ -183,7 +193,7 @@ def _slices(x, weight, bias, k, stats, rows_loss, rows_z, g, forward, grads, wan
                 if picked is None:  # (a skip's sums start from 0: any slice or group may be skipped)
                     tile_grads(logits, xg, w_s, dw_s, acc_g, db_s, add_dw=r0 > 0 or summed, add_dx=v0 > 0 or summed)
                     continue
-                part = acc.new_empty((picked.shape[0], d)) if acc_g is not None else None
+                part = part_buf[: live * d].view(live, d) if part_buf is not None else None
                 tile_grads(logits, xt, w_s, dw_s, part, db_s, add_dw=True, add_dx=False)
                 if part is not None:
                     acc_g.index_add_(0, picked, part)
@@ -199,14 +209,19 @@ def _live_rows(tops, lse, t, o, skip: float, cols: int, v: int):
     """Which of a row group's (row, slice) pairs get their gradient computed: a kept row's pairs where its
     largest probability on the slice, exp(its largest z there - its logsumexp), is at least ``skip`` (a NaN
     keeps it), and the pair holding its target (the target's -1 term is never small). Returns the count a
-    slice (a list) and the live rows slice by slice (on the device, 8 bytes a pair at most): the skip's host
-    synchronisation, once a group (the skip is eager only)."""
+    slice (a list) and the live rows slice by slice (on the device): a bool and an int64 a pair
+    (rules.slice_plan reserves them), and the skip's host synchronisation, once a group (the skip is eager
+    only: the count's, then nonzero's, with nothing queued between them)."""
+    m = t.shape[0]
     tt = t.long()  # (widened: a uint8 target 156 is not ignore_index -100)
     keep = tt != o.ignore_index
     home = torch.where(keep, tt, 0).clamp(0, v - 1) // cols  # (a target out of range is refused at the end)
-    slot = torch.arange(tops.shape[0], device=tops.device)[:, None]
-    live = keep[None, :] & (~((tops - lse.to(tops.dtype)[None, :]).exp() < skip) | (slot == home[None, :]))
-    return live.sum(1).tolist(), live.nonzero()[:, 1]
+    live = tops < lse.to(tops.dtype)[None, :] + math.log(skip)  # (the negligible pairs: z - lse < log skip)
+    live.logical_not_()  # (NaN compares False: live)
+    live[home, torch.arange(m, device=t.device)] = True
+    live &= keep[None, :]
+    counts = live.sum(1).tolist()
+    return counts, live.reshape(-1).nonzero().view(-1).remainder_(m)
 
 
 # ---- the custom op ------------------------------------------------------------------------------------
