@@ -15,6 +15,9 @@
 #            the default; eager, host, CUDA-graph replay, kernels by kind), lce_fused's GEMM against cuBLAS,
 #            and the loss tests on the GPU: $OUT/lce_tile_host.json, $OUT/lce_profile.json,
 #            $OUT/lce_gemm_lse.json, $OUT/lce_tests.txt
+#   lcebench bench --lce with every peer (the peers' wheels installed first: dev/peers.sh), logits of spread 1,
+#            fastsoftmax_skip included, then spread 0.5 for the floor, CCE and ours at CCE's peak (about 8 minutes):
+#            $OUT/h200_lce.{json,txt}, $OUT/h200_lce_s05.{json,txt}
 #   train    the Hugging Face training step at 1x4096, 1x8192 and 8x1024, every variant (about 6 minutes on an
 #            H200; eager attention at 8192 needs more than an H100's memory): $OUT/ts_<shape>.json, one per
 #            shape, joined here by `python dev/train_step.py bench/results/h200_train_step.json --merge ts_*.json`
@@ -67,6 +70,14 @@ lce)
     echo "lce tests rc=$?" >> "$out/lce_tests.txt"
     cat "$out/lce_tile_host.txt"; grep -v -i warn "$out/lce_profile.txt"; tail -n 12 "$out/lce_tests.txt"
     ;;
+lcebench)
+    timeout 330 python3 -m fastsoftmax bench --lce --json "$out/h200_lce.json" > "$out/h200_lce.txt" 2>&1
+    echo "lce rc=$?" >> "$out/h200_lce.txt"
+    timeout 170 python3 -m fastsoftmax bench --lce --lce-spread 0.5 --impls floor,cce,fastsoftmax_mem,fastsoftmax_skip \
+        --json "$out/h200_lce_s05.json" > "$out/h200_lce_s05.txt" 2>&1
+    echo "lce spread 0.5 rc=$?" >> "$out/h200_lce_s05.txt"
+    grep -E "^N,|skip|mem|cce |floor|rc=" "$out/h200_lce.txt" "$out/h200_lce_s05.txt"
+    ;;
 train)
     for s in 1x4096 1x8192 8x1024; do  # (a shape a run: each file is kept even when a later shape times out)
         timeout 175 python3 dev/train_step.py "$out/ts_$s.json" --shapes "$s" --timeout 80 \
@@ -76,7 +87,7 @@ train)
     done
     ;;
 *)
-    echo "usage: $0 tune|suite|ce|dist|cuda|lce|train OUT" >&2
+    echo "usage: $0 tune|suite|ce|dist|cuda|lce|lcebench|train OUT" >&2
     exit 2
     ;;
 esac

@@ -65,6 +65,21 @@ def test_a_field_the_file_lacks_is_an_error_naming_file_and_field(tmp_path):
         docs.render("no_such_table", results)
 
 
+def test_the_loss_table_has_a_column_for_each_implementation_the_file_ran(tmp_path):
+    """perf_lce: a column for an implementation of its list that the file ran (the skip once an H200 run has
+    it), none for one it did not (not a column of "fails"); one that ran and failed says so."""
+
+    def rec(impl, ok=True):
+        return {"impl": impl, "N": 8, "d": 4, "V": 16, "ms": 2.0, "vs_floor": 2.0, "peak_bytes": 1e9, "ok": ok}
+
+    doc = {"peers": {}, "records": [rec("floor"), rec("cce"), rec("fastsoftmax_mem", ok=False)]}
+    table = docs.render("perf_lce", _results(tmp_path, "h200_lce.json", doc))
+    assert "CCE" in table and "peak at CCE's" in table and "fails" in table and "skip_eps" not in table, table
+    doc["records"].append(rec("fastsoftmax_skip"))
+    table = docs.render("perf_lce", _results(tmp_path, "h200_lce.json", doc))
+    assert "skip_eps" in table and "torch.compile" not in table, table
+
+
 def test_update_rewrites_stale_regions_and_check_names_them(tmp_path, capsys):
     host = {"records": [{"call": "softmax 1x4096 fp32", "fastsoftmax_us": 6.04, "torch_us": 7.0}]}
     (tmp_path / "bench" / "results").mkdir(parents=True)
