@@ -32,7 +32,7 @@ HOST_TILE_S = 2.0e-4  # and a tile of lce_sliced (2 GEMMs and a kernel, then 3 G
 SLICE_COLS = 4096  # a slice's classes where the budget allows: one block of the loss kernels, GEMMs of
 # N x 4096 run at the floor's rate (the dx GEMM's fp32 sums, read and written once a slice, stay hidden)
 ROW_ALIGN = 16  # a group's rows: a multiple of 16 keeps each group's views 16-byte aligned (one compile)
-SKIP_PAIR_BYTES = 4 + 1 + 8  # a skip's (row, slice) pair: its largest logit, live flag and row index
+SKIP_PAIR_BYTES = 4 + 2 + 8  # a skip's (row, slice) pair: its largest logit, live flags (two groups') and row index
 GATHER_SHARE = 0.5  # a skip's slice whose live rows are at most this share of the group's runs on them alone
 # (gathered: their x rows in x's dtype and their dx parts in fp32, in the budget); more run the whole tile
 

@@ -148,58 +148,66 @@ def _slices(x, weight, bias, k, stats, rows_loss, rows_z, g, forward, grads, wan
          dw[v0 : v0 + cols] if dw is not None else None)
         for v0 in range(0, v, cols)
     ]  # fmt: skip
-    sweeps = ("loss",) * (forward and not fused) + ("grads",) * grads
     tops = torch.empty((len(parts), n if fused else rows), dtype=torch.float32, device=x.device) if skip else None
     if fused and forward:  # the loss of every row and class at once (the tops of every row)
         k.fused(x, weight, bias, stats, rows_loss, rows_z, n, tops, cols)
-    tiles = skipped = 0
     summed = bool(skip)
-    for r0 in range(0, n, rows):
-        r1 = min(r0 + rows, n)
-        xg, m = x[r0:r1], r1 - r0
-        grp = k.group(r0, r1, stats, rows_loss, rows_z, run, g, n)
+
+    def grads_sweep(r0, r1, grp, live) -> int:
+        """The group's gradient tiles (``live``: a skip's flags, _live_rows); returns the pairs left out."""
+        xg, m, skipped = x[r0:r1], r1 - r0, 0
         acc_g = acc[:m] if acc is not None else None
         if skip and acc_g is not None:
             acc_g.zero_()
-        for sweep in sweeps:
-            top = (tops[:, r0:r1] if fused else tops[:, :m]) if sweep == "grads" and skip else None
-            live_rows = _live_rows(top, stats[r0:r1], k.t[r0:r1], k.o, skip, cols, v) if top is not None else None
-            counts, idx = live_rows or (None, None)
-            at = 0  # (idx: the live rows slice by slice)
-            for i, (v0, w_s, b_s, dw_s) in enumerate(parts):
-                picked = None
-                if counts is not None:
-                    live, at = counts[i], at + counts[i]
-                    if not live:
-                        skipped += m
-                        continue
-                    if live <= m * rules.GATHER_SHARE:  # (else the whole group's tile, every pair computed)
-                        picked = idx[at - live : at]
-                        skipped += m - live
-                xt, gt = xg, grp
-                if picked is not None:
-                    xt = torch.index_select(xg, 0, picked, out=xs_buf[: live * d].view(live, d))
-                    gt = k.pick(grp, picked)
-                logits = buf[: xt.shape[0] * w_s.shape[0]].view(xt.shape[0], w_s.shape[0])
-                if fused:  # (the grads sweep alone: the dlogits straight from the GEMM)
-                    k.fused_grads(xt, w_s, b_s, logits, v0, v, gt)
-                else:
-                    chunk_logits(xt, w_s, b_s, logits)
-                    if sweep == "loss":
-                        loss_step(logits, v0, v, grp, tops[i, :m] if skip else None)
-                        continue
-                    grads_step(logits, v0, v, gt)  # logits -> dlogits, in place
-                db_s = db[v0 : v0 + cols] if db is not None else None
-                if picked is None:  # (a skip's sums start from 0: any slice or group may be skipped)
-                    tile_grads(logits, xg, w_s, dw_s, acc_g, db_s, add_dw=r0 > 0 or summed, add_dx=v0 > 0 or summed)
+        counts, idx = _resolve(*live) if live is not None else (None, None)
+        at = 0  # (idx: the live rows slice by slice)
+        for i, (v0, w_s, b_s, dw_s) in enumerate(parts):
+            picked, xt, gt = None, xg, grp
+            if counts is not None:
+                c, at = counts[i], at + counts[i]
+                if not c:
+                    skipped += m
                     continue
-                part = part_buf[: live * d].view(live, d) if part_buf is not None else None
-                tile_grads(logits, xt, w_s, dw_s, part, db_s, add_dw=True, add_dx=False)
-                if part is not None:
-                    acc_g.index_add_(0, picked, part)
-        tiles += len(parts) if sweeps else 0
+                if c <= m * rules.GATHER_SHARE:  # (else the whole group's tile, every pair computed)
+                    picked, skipped = idx[at - c : at], skipped + m - c
+                    xt = torch.index_select(xg, 0, picked, out=xs_buf[: c * d].view(c, d))
+                    gt = k.pick(grp, picked)
+            logits = buf[: xt.shape[0] * w_s.shape[0]].view(xt.shape[0], w_s.shape[0])
+            if fused:  # (the dlogits straight from the GEMM)
+                k.fused_grads(xt, w_s, b_s, logits, v0, v, gt)
+            else:
+                chunk_logits(xt, w_s, b_s, logits)
+                grads_step(logits, v0, v, gt)  # logits -> dlogits, in place
+            db_s = db[v0 : v0 + cols] if db is not None else None
+            if picked is None:  # (a skip's sums start from 0: any slice or group may be skipped)
+                tile_grads(logits, xg, w_s, dw_s, acc_g, db_s, add_dw=r0 > 0 or summed, add_dx=v0 > 0 or summed)
+                continue
+            part = part_buf[: c * d].view(c, d) if part_buf is not None else None
+            tile_grads(logits, xt, w_s, dw_s, part, db_s, add_dw=True, add_dx=False)
+            if part is not None:
+                acc_g.index_add_(0, picked, part)
         if acc_g is not None:
             dx[r0:r1].copy_(acc_g)
+        return skipped
+
+    tiles = skipped = 0
+    pending = None  # (a group's gradients run after the next group's loss is queued: a skip's wait for its
+    for r0 in [*range(0, n, rows), None]:  # flags on the host then overlaps that loss on the GPU)
+        if r0 is not None:
+            r1 = min(r0 + rows, n)
+            grp = k.group(r0, r1, stats, rows_loss, rows_z, run, g, n)
+            if forward and not fused:
+                xg, m = x[r0:r1], r1 - r0
+                for i, (v0, w_s, b_s, _) in enumerate(parts):
+                    logits = buf[: m * w_s.shape[0]].view(m, w_s.shape[0])
+                    chunk_logits(xg, w_s, b_s, logits)
+                    loss_step(logits, v0, v, grp, tops[i, :m] if skip else None)
+            top = (tops[:, r0:r1] if fused else tops[:, : r1 - r0]) if skip and grads else None
+            live = _live_rows(top, stats[r0:r1], k.t[r0:r1], k.o, skip, cols, v) if top is not None else None
+            tiles += len(parts) if grads or not fused else 0
+        if pending is not None:
+            skipped += grads_sweep(*pending)
+        pending = (r0, r1, grp, live) if grads and r0 is not None else None
     plan = dict(block_n=cols, rows=rows, splits=tiles, skipped=skipped, fused=fused)
     heuristics.record(heuristics.Plan(k.name, rules.FUSED if fused else rules.SLICED, **plan))
     return dw
@@ -208,10 +216,8 @@ def _slices(x, weight, bias, k, stats, rows_loss, rows_z, g, forward, grads, wan
 def _live_rows(tops, lse, t, o, skip: float, cols: int, v: int):
     """Which of a row group's (row, slice) pairs get their gradient computed: a kept row's pairs where its
     largest probability on the slice, exp(its largest z there - its logsumexp), is at least ``skip`` (a NaN
-    keeps it), and the pair holding its target (the target's -1 term is never small). Returns the count a
-    slice (a list) and the live rows slice by slice (on the device): a bool and an int64 a pair
-    (rules.slice_plan reserves them), and the skip's host synchronisation, once a group (the skip is eager
-    only: the count's, then nonzero's, with nothing queued between them)."""
+    keeps it), and the pair holding its target (the target's -1 term is never small). Returns the (slices,
+    rows) flags and their counts a slice on their way to the host (_resolve reads them): nothing waits here."""
     m = t.shape[0]
     tt = t.long()  # (widened: a uint8 target 156 is not ignore_index -100)
     keep = tt != o.ignore_index
@@ -220,8 +226,25 @@ def _live_rows(tops, lse, t, o, skip: float, cols: int, v: int):
     live.logical_not_()  # (NaN compares False: live)
     live[home, torch.arange(m, device=t.device)] = True
     live &= keep[None, :]
-    counts = live.sum(1).tolist()
-    return counts, live.reshape(-1).nonzero().view(-1).remainder_(m)
+    counts = live.sum(1)
+    if not counts.is_cuda:
+        return live, counts, None
+    host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
+    host.copy_(counts, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    return live, host, done
+
+
+def _resolve(live, counts, done):
+    """_live_rows' counts a slice (a list) and the live rows slice by slice (on the device, an int64 a pair):
+    the skip's one host synchronisation a group, on its flags alone (the next group's loss queued behind
+    them runs meanwhile; the skip is eager only)."""
+    if done is not None:
+        done.synchronize()
+    counts = counts.tolist()
+    rows = torch.nonzero_static(live.reshape(-1), size=sum(counts)).view(-1)  # (no wait: the size is known)
+    return counts, rows.remainder_(live.shape[1])
 
 
 # ---- the custom op ------------------------------------------------------------------------------------
