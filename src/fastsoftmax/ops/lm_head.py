@@ -29,8 +29,6 @@ under autocast x, W and b are cast to the autocast dtype, as torch does for F.li
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from .. import dispatch, heuristics
@@ -41,6 +39,7 @@ from ..heuristics.device import selected
 from ..kernels.lm_head_steps import TorchSteps, TritonSteps
 from ..kernels.torch_loss import chunk_logits, tile_grads
 from .cross_entropy import composite as ce_composite
+from .lm_head_sliced import sliced_sweep
 
 
 def _loss_impl(x, backend: str):
@@ -81,7 +80,7 @@ def _sweep(x, weight, bias, t, cw, o, backend, memory, design, wants, g=None, st
     dw = torch.zeros_like(weight) if grads and wants[1] and n == 0 else None
     db = torch.zeros(v, dtype=wide, device=x.device) if grads and wants[2] else None
     sweep = (x, weight, bias, k, stats, rows_loss, rows_z, g, forward, grads, wants, dx, dw, db, memory)
-    dw = _slices(*sweep, skip) if sliced else _row_chunks(*sweep, design)
+    dw = sliced_sweep(*sweep, skip) if sliced else _row_chunks(*sweep, design)
     dw = dw if dw is not None else weight.new_empty(0)
     db = db.to(weight.dtype) if db is not None else weight.new_empty(0)
     if not forward:
@@ -115,136 +114,6 @@ def _row_chunks(x, weight, bias, k, stats, rows_loss, rows_z, g, forward, grads,
         chunks += 1
     heuristics.record(heuristics.Plan(k.name, design, rows=rows, splits=chunks))
     return dw
-
-
-def _slices(x, weight, bias, k, stats, rows_loss, rows_z, g, forward, grads, wants, dx, dw, db, memory, skip):
-    """lce_sliced: groups of rows, each swept over slices of the classes (rules.slice_plan), once for the
-    loss (forward) and once for the gradients (where wanted). A slice's dW rows are written by the first
-    group's GEMM and added to by the others' (one rounding a group, not a chunk); a group's dx is summed over
-    the slices in fp32, then rounded once. With ``skip`` (> 0; a scalar loss's forward), a slice's gradient
-    GEMMs run on the group's live rows there alone (_live_rows: a probability there reaches skip, or the
-    target is there), gathered where they are at most rules.GATHER_SHARE of the group, the group's tile where
-    more, none where none. Returns dW (None: not wanted)."""
-    n, d = x.shape
-    v = weight.shape[0]
-    rows, cols = rules.slice_plan(n, d, v, x.element_size(), memory, skip > 0)
-    fused = rules.fused((heuristics.forced() or {}).get("path"))  # (both sweeps: the logits made alike)
-    loss_step, grads_step = k.slices(cols, x.element_size())
-    buf = torch.empty(rows * cols, dtype=x.dtype, device=x.device) if grads or not fused else None
-    run = torch.empty(3 * rows, dtype=stats.dtype, device=x.device) if forward and not fused else None
-    acc = torch.empty((rows, d), dtype=stats.dtype, device=x.device) if grads and wants[0] else None
-    dw = torch.empty(weight.shape, dtype=weight.dtype, device=x.device) if grads and wants[1] else None  # (n > 0)
-    if heuristics.poisoning():  # (tests: every element must be written before it is read)
-        for buffer in (acc, dw):
-            if buffer is not None:
-                buffer.fill_(float("nan"))
-    if skip and dw is not None:
-        dw.zero_()  # (a slice skipped by every group: no GEMM writes it)
-    gather = int(rows * rules.GATHER_SHARE) * d if skip and grads else 0  # (a skip's gathered rows, reused)
-    xs_buf = torch.empty(gather, dtype=x.dtype, device=x.device) if gather else None
-    part_buf = torch.empty(gather, dtype=stats.dtype, device=x.device) if gather and acc is not None else None
-    parts = [  # each slice's first class, weight, bias and dW rows (the host's cost a tile matters)
-        (v0, weight[v0 : v0 + cols], bias[v0 : v0 + cols] if bias is not None else None,
-         dw[v0 : v0 + cols] if dw is not None else None)
-        for v0 in range(0, v, cols)
-    ]  # fmt: skip
-    tops = torch.empty((len(parts), n if fused else rows), dtype=torch.float32, device=x.device) if skip else None
-    if fused and forward:  # the loss of every row and class at once (the tops of every row)
-        k.fused(x, weight, bias, stats, rows_loss, rows_z, n, tops, cols)
-    summed = bool(skip)
-
-    def grads_sweep(r0, r1, grp, live) -> int:
-        """The group's gradient tiles (``live``: a skip's flags, _live_rows); returns the pairs left out."""
-        xg, m, skipped = x[r0:r1], r1 - r0, 0
-        acc_g = acc[:m] if acc is not None else None
-        if skip and acc_g is not None:
-            acc_g.zero_()
-        counts, idx = _resolve(*live) if live is not None else (None, None)
-        at = 0  # (idx: the live rows slice by slice)
-        for i, (v0, w_s, b_s, dw_s) in enumerate(parts):
-            picked, xt, gt = None, xg, grp
-            if counts is not None:
-                c, at = counts[i], at + counts[i]
-                if not c:
-                    skipped += m
-                    continue
-                if c <= m * rules.GATHER_SHARE:  # (else the whole group's tile, every pair computed)
-                    picked, skipped = idx[at - c : at], skipped + m - c
-                    xt = torch.index_select(xg, 0, picked, out=xs_buf[: c * d].view(c, d))
-                    gt = k.pick(grp, picked)
-            logits = buf[: xt.shape[0] * w_s.shape[0]].view(xt.shape[0], w_s.shape[0])
-            if fused:  # (the dlogits straight from the GEMM)
-                k.fused_grads(xt, w_s, b_s, logits, v0, v, gt)
-            else:
-                chunk_logits(xt, w_s, b_s, logits)
-                grads_step(logits, v0, v, gt)  # logits -> dlogits, in place
-            db_s = db[v0 : v0 + cols] if db is not None else None
-            if picked is None:  # (a skip's sums start from 0: any slice or group may be skipped)
-                tile_grads(logits, xg, w_s, dw_s, acc_g, db_s, add_dw=r0 > 0 or summed, add_dx=v0 > 0 or summed)
-                continue
-            part = part_buf[: c * d].view(c, d) if part_buf is not None else None
-            tile_grads(logits, xt, w_s, dw_s, part, db_s, add_dw=True, add_dx=False)
-            if part is not None:
-                acc_g.index_add_(0, picked, part)
-        if acc_g is not None:
-            dx[r0:r1].copy_(acc_g)
-        return skipped
-
-    tiles = skipped = 0
-    pending = None  # (a group's gradients run after the next group's loss is queued: a skip's wait for its
-    for r0 in [*range(0, n, rows), None]:  # flags on the host then overlaps that loss on the GPU)
-        if r0 is not None:
-            r1 = min(r0 + rows, n)
-            grp = k.group(r0, r1, stats, rows_loss, rows_z, run, g, n)
-            if forward and not fused:
-                xg, m = x[r0:r1], r1 - r0
-                for i, (v0, w_s, b_s, _) in enumerate(parts):
-                    logits = buf[: m * w_s.shape[0]].view(m, w_s.shape[0])
-                    chunk_logits(xg, w_s, b_s, logits)
-                    loss_step(logits, v0, v, grp, tops[i, :m] if skip else None)
-            top = (tops[:, r0:r1] if fused else tops[:, : r1 - r0]) if skip and grads else None
-            live = _live_rows(top, stats[r0:r1], k.t[r0:r1], k.o, skip, cols, v) if top is not None else None
-            tiles += len(parts) if grads or not fused else 0
-        if pending is not None:
-            skipped += grads_sweep(*pending)
-        pending = (r0, r1, grp, live) if grads and r0 is not None else None
-    plan = dict(block_n=cols, rows=rows, splits=tiles, skipped=skipped, fused=fused)
-    heuristics.record(heuristics.Plan(k.name, rules.FUSED if fused else rules.SLICED, **plan))
-    return dw
-
-
-def _live_rows(tops, lse, t, o, skip: float, cols: int, v: int):
-    """Which of a row group's (row, slice) pairs get their gradient computed: a kept row's pairs where its
-    largest probability on the slice, exp(its largest z there - its logsumexp), is at least ``skip`` (a NaN
-    keeps it), and the pair holding its target (the target's -1 term is never small). Returns the (slices,
-    rows) flags and their counts a slice on their way to the host (_resolve reads them): nothing waits here."""
-    m = t.shape[0]
-    tt = t.long()  # (widened: a uint8 target 156 is not ignore_index -100)
-    keep = tt != o.ignore_index
-    home = torch.where(keep, tt, 0).clamp(0, v - 1) // cols  # (a target out of range is refused at the end)
-    live = tops < lse.to(tops.dtype)[None, :] + math.log(skip)  # (the negligible pairs: z - lse < log skip)
-    live.logical_not_()  # (NaN compares False: live)
-    live[home, torch.arange(m, device=t.device)] = True
-    live &= keep[None, :]
-    counts = live.sum(1)
-    if not counts.is_cuda:
-        return live, counts, None
-    host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
-    host.copy_(counts, non_blocking=True)
-    done = torch.cuda.Event()
-    done.record()
-    return live, host, done
-
-
-def _resolve(live, counts, done):
-    """_live_rows' counts a slice (a list) and the live rows slice by slice (on the device, an int64 a pair):
-    the skip's one host synchronisation a group, on its flags alone (the next group's loss queued behind
-    them runs meanwhile; the skip is eager only)."""
-    if done is not None:
-        done.synchronize()
-    counts = counts.tolist()
-    rows = torch.nonzero_static(live.reshape(-1), size=sum(counts)).view(-1)  # (no wait: the size is known)
-    return counts, rows.remainder_(live.shape[1])
 
 
 # ---- the custom op ------------------------------------------------------------------------------------
