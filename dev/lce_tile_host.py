@@ -5,7 +5,7 @@ still busy with a sleep queued before them (the host never waits on it), the med
 calls: the logits GEMM (torch.mm into the buffer), the loss kernels on the slice (ce_fwd's slice step,
 ce_bwd's), the two gradient GEMMs (dW's rows: addmm beta 1 in bf16; dx's sums: addmm with out_dtype fp32,
 beta 1; beside it the alternative of a bf16 part and an fp32 add, investigations/lce_dx_rounding.json's
-bf16_parts_fp32), and lce_fused's dlogits_gemm; then a whole tile as _slices runs it.
+bf16_parts_fp32), and lce_fused's dlogits_gemm; then a whole tile as ops/lm_head_sliced.sliced_sweep runs it.
 Usage (GPU): python dev/lce_tile_host.py OUT.json [R C d]"""
 
 import json
@@ -64,7 +64,7 @@ def main(argv: list[str]) -> int:
         "fused_dlogits_gemm": lambda: k.fused_grads(x, w, None, buf, c, v, grp),
     }
 
-    def tile():  # (_slices' two sweeps on one tile)
+    def tile():  # (sliced_sweep's two sweeps on one tile)
         lg = buf[: r * c].view(r, c)
         chunk_logits(x, w, None, lg)
         loss_step(lg, c, v, grp)
