@@ -9,10 +9,10 @@ Usage (GPU): python dev/lce_plan_sweep.py OUT.json [NxdxV ...]   (budget: bench 
 approximated as lce_kernel_profile does: 4.5% above x and W's bytes)"""
 
 import json
-import statistics
 import sys
 
 import torch
+from lce_kernel_profile import events_ms  # (dev/, beside this script)
 
 import fastsoftmax as fs
 from fastsoftmax import heuristics
@@ -20,20 +20,6 @@ from fastsoftmax.bench import lce
 from fastsoftmax.heuristics import lm_head as rules
 
 SHAPES = ("8192x4096x128256", "16384x2304x256000", "8192x2048x32000")
-
-
-def events_ms(fn, reps: int = 5) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def peak(fn) -> int:

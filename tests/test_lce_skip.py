@@ -30,6 +30,23 @@ def free_tiles(monkeypatch):
     monkeypatch.setattr(rules, "HOST_TILE_S", 0.0)
 
 
+@pytest.fixture
+def picks(monkeypatch):
+    """The live rows of each tile a skip gathers, in order: TritonSteps.pick, the gather's one call a tile,
+    counted."""
+    from fastsoftmax.kernels.lm_head_steps import TritonSteps
+
+    seen = []
+    real = TritonSteps.pick
+
+    def pick(self, grp, rows):
+        seen.append(rows.numel())
+        return real(self, grp, rows)
+
+    monkeypatch.setattr(TritonSteps, "pick", pick)
+    return seen
+
+
 def _skippable(device, dtype, seed):
     """18 rows, 513 classes whose classes 128-511 (slices 1-3 at MEMORY's plan) sit 200 below the rest (their
     probability mass about e^-200 of a row's, the outlier class 256 included), with targets among them (the
@@ -71,21 +88,11 @@ def test_skip_drops_negligible_tiles(free_tiles, device, dtype, reduction, opt, 
 
 
 @pytest.mark.parametrize("layout", [None, "lce_fused"])
-def test_skip_gathers_the_live_rows_of_sparse_slices(free_tiles, device, layout, monkeypatch):
+def test_skip_gathers_the_live_rows_of_sparse_slices(free_tiles, device, layout, picks):
     """The three ways a skip runs a (group, slice) tile, each seen: none of it (no live row), its live rows
     alone, gathered (at most GATHER_SHARE of the group: the negligible slices, where only rows whose target
     is there live), the whole tile (more: the first slice). Counted through TritonSteps.pick, the gather's
     one call a tile; the gradients the float64 reference's either way, buffers poisoned with NaN first."""
-    from fastsoftmax.kernels.lm_head_steps import TritonSteps
-
-    picks = []
-    real = TritonSteps.pick
-
-    def pick(self, grp, rows):
-        picks.append(rows.numel())
-        return real(self, grp, rows)
-
-    monkeypatch.setattr(TritonSteps, "pick", pick)
     for skippable in (True, False):
         picks.clear()
         f32 = torch.float32
@@ -127,21 +134,11 @@ def _sparse_live(device, dtype, seed, nan_row=None):
 
 @pytest.mark.parametrize("layout", [None, "lce_fused"])
 @pytest.mark.parametrize("nan_row", [None, 4])
-def test_skip_keeps_the_pairs_live_by_probability(free_tiles, device, layout, nan_row, monkeypatch):
+def test_skip_keeps_the_pairs_live_by_probability(free_tiles, device, layout, nan_row, picks):
     """Rows live on a slice by their probabilities there (not by their targets) get their gradient there:
     the loss and gradients are the float64 reference's (the dropped terms ~e^-100) and the pairs the plan
     leaves uncomputed are the float64 probabilities' negligible ones in gathered or empty tiles. A NaN in a
     kept row's x (NaN probabilities) keeps all its pairs live: its NaN reaches every row of dW, as torch's."""
-    from fastsoftmax.kernels.lm_head_steps import TritonSteps
-
-    picks = []
-    real = TritonSteps.pick
-
-    def pick(self, grp, rows):
-        picks.append(rows.numel())
-        return real(self, grp, rows)
-
-    monkeypatch.setattr(TritonSteps, "pick", pick)
     x, w, t, b = _sparse_live(device, torch.float32, 7, nan_row)
     with heuristics.force(poison=True, **({"path": layout} if layout else {})):
         _, _, grads = check(
