@@ -44,7 +44,7 @@ def facts(path, dtype, n, arch, log=False, backward=False, mask=0, causal=False)
                 "backward": backward,
                 "loads": sorted(set(re.findall(r"ld\.global[.\w]*", ptx))),
                 "stores": sorted(set(re.findall(r"st\.global[.\w]*", ptx))),
-                "ex2": "ex2.approx" in ptx,
+                "ex2": sorted(set(re.findall(r"ex2\.approx[.\w]*", ptx))),
                 "div_rn": "div.rn.f32" in ptx,
                 **{k: v for k, v in rep.items() if k != "log"},
             }

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+import fastsoftmax as fs
 from fastsoftmax.heuristics import softmax_triton
 
 
@@ -175,8 +176,11 @@ def test_masked_variants_compile_and_read_the_mask_wide(facts):
 
 
 def test_math_units(facts):
-    # exp is ex2.approx.f32, as fs.info() says (softmax's backward has no exp)
-    assert all(f["ex2"] for f in facts if "_fwd_" in f["kernel"] or f["log"])
+    # exp is ex2.approx.ftz.f32 (results below 2^-126 flushed to 0), as fs.info() says (softmax's backward has
+    # no exp)
+    exp = fs.info()["kernels"]["triton.softmax_fwd"]["exp"]
+    assert all(f["ex2"] == ["ex2.approx.ftz.f32"] for f in facts if "_fwd_" in f["kernel"] or f["log"])
+    assert "ex2.approx.ftz.f32" in exp and "2^-126" in exp
     # one IEEE reciprocal per row, in every forward kernel that writes softmax
     writers = ("softmax_fwd_rowblock", "softmax_fwd_online", "softmax_fwd_split_write")
     assert all(f["div_rn"] for f in facts if not f["log"] and f["kernel"] in writers)

@@ -17,7 +17,7 @@ from .kernels.triton import backend as triton_backend
 KERNEL_FAMILIES = {
     "triton.softmax_fwd": {
         "paths": list(PATHS),
-        "exp": "exp2((x - max) * log2(e)): ex2.approx.f32 on NVIDIA GPUs, fp32",
+        "exp": "exp2((x - max) * log2(e)): ex2.approx.ftz.f32 on NVIDIA GPUs (results below 2^-126 flushed to 0), fp32",
         "log": "log2(s) * ln(2): lg2.approx.f32, once per row",
         "division": "one IEEE reciprocal per row (div.rn.f32), then a multiply per element",
         "accumulation": "fp32",
@@ -25,7 +25,7 @@ KERNEL_FAMILIES = {
     },
     "triton.softmax_bwd": {
         "paths": list(PATHS),
-        "exp": "log_softmax only: exp2(y * log2(e)), ex2.approx.f32",
+        "exp": "log_softmax only: exp2(y * log2(e)), ex2.approx.ftz.f32",
         "division": "none",
         "accumulation": "fp32 (sum(y*dy) or sum(dy) per row)",
         "build_flags": "Triton defaults (no fast-math flag)",
@@ -44,7 +44,7 @@ KERNEL_FAMILIES = {
     },
     "triton.cross_entropy": {
         "kernels": ["ce_fwd", "ce_finish", "ce_bwd"],
-        "exp": "exp2((z - max) * log2(e)): ex2.approx.f32; softcap tanh from exp(-2|u|) (a series below 0.125)",
+        "exp": "exp2((z - max) * log2(e)): ex2.approx.ftz.f32; softcap tanh from exp(-2|u|) (a series below 0.125)",
         "log": "log2(s) * ln(2): lg2.approx.f32, once per row",
         "accumulation": "fp32; the reduction over rows in one program, in a fixed order (deterministic)",
         "build_flags": "Triton defaults (no fast-math flag)",
@@ -52,7 +52,7 @@ KERNEL_FAMILIES = {
     "triton.shard": {
         "kernels": ["shard_stats", "shard_apply"],
         "use": "fastsoftmax.distributed: a rank's slice of the classes (statistics, then outputs or dlogits)",
-        "exp": "exp2((z - lse) * log2(e)): ex2.approx.f32",
+        "exp": "exp2((z - lse) * log2(e)): ex2.approx.ftz.f32",
         "accumulation": "fp32; ranks' logsumexps merged in torch ops (fp32, fp64 for fp64)",
         "build_flags": "Triton defaults (no fast-math flag)",
     },
