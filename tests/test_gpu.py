@@ -70,8 +70,8 @@ def test_large_non_contiguous(make, dim, path):
 # bf16 outputs rounded to nearest, on every forced path of both backends. The tolerance admits one ulp in
 # bf16, so a kernel that truncated its fp32 result (Triton's interpreter does: docs/architecture.md, Tests)
 # would pass every other check; here about half its outputs would differ from the rounded oracle, against a
-# few near rounding ties from the fp32 arithmetic. Below 2^-126 a flush to 0 is allowed (docs/semantics.md,
-# Numerics): 6% of the (4096, 1024) outputs lie there, and the Triton kernels flush them.
+# few near rounding ties from the fp32 arithmetic. Below 2^-126 an error up to 2^-126 is allowed (the Triton
+# kernels flush there: docs/semantics.md, Numerics; 6% of the (4096, 1024) outputs lie there).
 ROUNDING = [("triton", "rowblock", (4096, 1024)), ("triton", "online", (64, 50257)), ("triton", "split", (8, 131072))]
 ROUNDING += [("cuda", p, s) for p, s in (("three_pass", (2048, 513)), ("warp", (4096, 1000)), ("block", (1024, 12289)),
              ("cluster", (16, 131072)), ("online", (4, 1 << 20)), ("staged", (64, 65536)))]  # fmt: skip
@@ -88,8 +88,8 @@ def test_bf16_rounds_to_nearest(backend, path, shape, log):
     normal = want.isfinite() & (want.abs() >= 2**-126)
     off = (y[normal] != want[normal]).double().mean().item()
     assert off < 0.01, f"{off:.1%} of the outputs are not the oracle rounded to nearest"
-    tiny = want.isfinite() & ~normal
-    assert ((y[tiny] == 0) | (y[tiny] == want[tiny])).all()  # (flushed, or rounded as the rest)
+    tiny = want.isfinite() & ~normal  # (flushed to 0, or a subnormal from fewer bits of fp32 precision)
+    assert ((y[tiny].double() - want[tiny].double()).abs() <= 2**-126).all()
 
 
 def test_logsumexp_large():
