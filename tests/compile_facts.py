@@ -124,7 +124,7 @@ def _signature(kernel, consts: dict, data: tuple, data_ty: str, t_ty: str, float
         if k in consts:
             return "constexpr"
         if k.endswith("_ptr"):
-            return f"*{t_ty}" if k == "t_ptr" else f"*{data_ty}" if k in data else "*fp32"
+            return f"*{t_ty}" if k in ("t_ptr", "idx_ptr") else f"*{data_ty}" if k in data else "*fp32"
         return "fp32" if k in floats else "i32"
 
     div16 = [k for k in names if k.endswith("_ptr") or (k in ints and ints[k] % 16 == 0)]
@@ -157,10 +157,11 @@ def ce_facts():
                     "cnt_ptr": "fp32",
                     "run_ptr": "fp32",
                     "part_ptr": "fp32",
+                    "idx_ptr": "i64",
                 }
                 # fs.cross_entropy with smoothing, no class weights, softcap or z-loss
                 consts = {"ROWS": rows, "BLOCK_N": block, "SMOOTH": True, "MEAN": True}
-                consts |= {"WEIGHT": False, "SOFTCAP": False, "ZLOSS": False}
+                consts |= {"WEIGHT": False, "SOFTCAP": False, "ZLOSS": False, "PICKED": False}
                 ints = {"v": v, "nc": v, "sx": v, "sdx": v, "span": block * ce_rules.BWD_SEGMENT_CHUNKS}
                 if not backward:  # ce_fwd over whole rows; finishing as one program where m is given, with
                     # the targets' device assertion, compiled in debug mode, as it is launched on CUDA
@@ -213,8 +214,8 @@ def shard_facts():
 def lm_head_facts():
     """The LM-head loss's fused kernels (triton/lm_head.py: lse_gemm, dlogits_gemm) at
     heuristics/lm_head.fused_shape's launch shapes, bf16 and fp32, without and with every option's code
-    (bias, smoothing with class weights, softcap, z-loss; the forward's skip tops), sm_90a: registers,
-    spills and the warpgroup MMA instructions their GEMMs use."""
+    (bias, smoothing with class weights, softcap, z-loss; the forward's skip tops, the backward's gathered
+    rows), sm_90a: registers, spills and the warpgroup MMA instructions their GEMMs use."""
     from fastsoftmax.heuristics import lm_head as rules
     from fastsoftmax.kernels.triton import lm_head
 
@@ -228,6 +229,7 @@ def lm_head_facts():
                 consts = {"BM": shape.bm, "BN": shape.bn, "BK": shape.bk, "BIAS": options, "SMOOTH": options}
                 consts |= {"WEIGHT": options, "SOFTCAP": options, "TOPS": options, "WIDEN": False}
                 consts |= {"MEAN": True, "ZLOSS": options, "PRECISION": "ieee" if dtype == "float32" else "tf32"}
+                consts["PICKED"] = options  # (dlogits_gemm: a skip's gathered rows, read through their index)
                 consts |= {"sxk": 1, "swk": 1}  # (unit strides: Triton specialises an int argument equal to 1)
                 ints = {"d": 4096, "sxn": 4096, "swv": 4096, "sdl": 4096, "per": shape.per, "nc": 4096}
                 floats = ("cap", "smoothing", "zl")

@@ -44,12 +44,12 @@ class TritonSteps:
         k, w, ws, o = self.k, self.w, self.wsum, self.o
 
         def loss(logits, v0, v, grp, part=None):
-            t, rows_loss, rows_z, lse, run, _, _ = grp
+            t, rows_loss, rows_z, lse, run, _, _, _ = grp
             k.rows_forward(logits, t, w, ws, o, rows_loss, rows_z, lse, fs, v0, v, run, part)
 
         def grads(logits, v0, v, grp):
-            t, _, _, lse, _, tail, g = grp
-            k.rows_backward(logits, t, w, ws, lse, tail, g, o, logits, bs, v0, v)
+            t, _, _, lse, _, tail, g, rows = grp
+            k.rows_backward(logits, t, w, ws, lse, tail, g, o, logits, bs, v0, v, rows)
 
         return loss, grads
 
@@ -66,22 +66,23 @@ class TritonSteps:
         fused() made them), none in memory before."""
         from .triton.backend import kernels
 
-        t, _, _, lse, _, tail, g = grp
-        kernels("lm_head").slice_dlogits(xg, w_s, b_s, t, self.w, self.wsum, self.o, lse, tail, g, dl, v0, v)
+        t, _, _, lse, _, tail, g, rows = grp
+        kernels("lm_head").slice_dlogits(xg, w_s, b_s, t, self.w, self.wsum, self.o, lse, tail, g, dl, v0, v, rows)
 
     def group(self, r0, r1, stats, rows_loss, rows_z, run, g, n: int):
-        """Rows r0 to r1's views the slice steps take, made once a group."""
+        """Rows r0 to r1's views the slice steps take, made once a group (the last, the rows a gradient step
+        reads them through: None, every row in order)."""
         fwd = run is not None  # (the slices' loss steps run: not fused)
         t, lse, tail = self.t[r0:r1], stats[r0:r1], stats[n:]
         loss, z, run = (rows_loss[r0:r1], rows_z[r0:r1], run[: 3 * (r1 - r0)]) if fwd else (None, None, None)
-        return t, loss, z, lse, run, tail, (g[r0:r1] if g is not None and g.dim() else g)
+        return t, loss, z, lse, run, tail, (g[r0:r1] if g is not None and g.dim() else g), None
 
     def pick(self, grp, rows):
-        """A group's views (group()) for its ``rows`` alone (an index tensor), as the gradient steps take them:
-        the targets, logsumexps and per-row upstream gradients gathered (a skip's live rows on a slice)."""
-        t, _, _, lse, _, tail, g = grp
-        g = g.index_select(0, rows) if g is not None and g.dim() else g
-        return t.index_select(0, rows), None, None, lse.index_select(0, rows), None, tail, g
+        """A group's views (group()) for its ``rows`` alone (an int64 index tensor), as the gradient steps take
+        them: the kernels read the targets, logsumexps and upstream gradients through ``rows`` (a skip's live
+        rows on a slice), no copy."""
+        t, _, _, lse, _, tail, g, _ = grp
+        return t, None, None, lse, None, tail, g, rows
 
     def finish(self, rows_loss, rows_z, stats, out, zout, n: int, v: int):
         self.k.finish(rows_loss, rows_z, self.t, self.w, out, zout, stats[n:], v, self.o)

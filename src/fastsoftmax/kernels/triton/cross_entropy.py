@@ -239,6 +239,7 @@ def ce_bwd(
     cnt_ptr,
     g_ptr,
     dx_ptr,
+    idx_ptr,
     n_rows,
     v,
     nc,
@@ -258,6 +259,7 @@ def ce_bwd(
     WEIGHT: tl.constexpr,
     SOFTCAP: tl.constexpr,
     ZLOSS: tl.constexpr,
+    PICKED: tl.constexpr,
 ):
     """g_ptr: the upstream gradient, per row (g_stride 1) or one for all rows (g_stride 0); MEAN divides it by
     the weight of the rows kept (ce) and their number (z-loss), which the forward left at cnt_ptr[2] and
@@ -265,11 +267,13 @@ def ce_bwd(
     LM-head loss's vocabulary slices). dx_ptr may be x_ptr (in place: each element is read, then written, by
     one program). The second
     grid axis splits each row into segments of ``span`` columns (a multiple of BLOCK_N), one program each:
-    dlogits need no reduction along the row, so few long rows still fill the GPU."""
+    dlogits need no reduction along the row, so few long rows still fill the GPU. PICKED: the numbers of row i
+    are row idx_ptr[i]'s (row_grads)."""
     row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     row_ok = row < n_rows
     t, keep, inside, lse, a, b, cc = row_grads(row, row_ok, t_ptr, lse_ptr, g_ptr, g_stride, cnt_ptr, w_ptr, wsum_ptr,
-                                               ignore_index, v, smoothing, zl, MEAN, SMOOTH, WEIGHT, ZLOSS)  # fmt: skip
+                                               ignore_index, v, smoothing, zl, idx_ptr, MEAN, SMOOTH, WEIGHT, ZLOSS,
+                                               PICKED)  # fmt: skip
     lse_safe = safe_max(lse)  # an all -inf row: exp(-inf - 0) = 0
     seg0 = tl.program_id(1).to(tl.int64) * span  # this segment's first column (a scalar: columns stay int32)
     width = tl.minimum(span, nc - seg0).to(tl.int32)
@@ -352,20 +356,21 @@ def finish(rows_loss, rows_z, t, w, out, zout, tail, v: int, o, reduce: bool = T
     )
 
 
-def rows_backward(x, t, w, wsum, lse, tail, g, o, dx, shape, col0: int = 0, v: int | None = None) -> None:
+def rows_backward(x, t, w, wsum, lse, tail, g, o, dx, shape, col0: int = 0, v: int | None = None, rows=None) -> None:
     """ce_bwd: dlogits of (M, nc) logits x into dx (may be x) from the rows' logsumexp, the counts (tail, as
     finish writes them) and g: (M,) per row, or a 0-d tensor for every row (divided for the mean). x holds
-    the classes [col0, col0 + nc) of v (default: all, nc = v)."""
+    the classes [col0, col0 + nc) of v (default: all, nc = v). ``rows`` (M,) int64: x's row i is row rows[i]
+    of t, lse and g (the skip's gathered rows), else row i."""
     m, nc = x.shape
     v = nc if v is None else v
-    rows, block, warps, splits = shape
+    per_program, block, warps, splits = shape
     chunks = -(-nc // block)
     per = -(-chunks // splits)  # chunks per segment; the last segment may be shorter
     eps, cap, zl = _scalars(o)
-    args = (x, t, w if w is not None else x, wsum, lse, tail, g, dx, m, v, nc, col0, x.stride(0), dx.stride(0))
-    args += (g.stride(0) if g.dim() else 0, per * block, o.ignore_index, eps, cap, zl)
-    meta = dict(ROWS=rows, BLOCK_N=block, MEAN=o.reduction == "mean", num_warps=warps, **_flags(o, w))
-    launch(ce_bwd, (-(-m // rows), -(-chunks // per)), args, meta)
+    args = (x, t, w if w is not None else x, wsum, lse, tail, g, dx, rows if rows is not None else t, m, v, nc, col0)
+    args += (x.stride(0), dx.stride(0), g.stride(0) if g.dim() else 0, per * block, o.ignore_index, eps, cap, zl)
+    meta = dict(ROWS=per_program, BLOCK_N=block, MEAN=o.reduction == "mean", num_warps=warps, PICKED=rows is not None)
+    launch(ce_bwd, (-(-m // per_program), -(-chunks // per)), args, meta | _flags(o, w))
 
 
 def shape(v: int, elsize: int, backward: bool, m: int = 0) -> tuple[int, int, int, int]:

@@ -181,6 +181,7 @@ def dlogits_gemm(
     cnt_ptr,
     g_ptr,
     dl_ptr,
+    idx_ptr,
     m,
     nc,
     col0,
@@ -207,12 +208,14 @@ def dlogits_gemm(
     ZLOSS: tl.constexpr,
     PRECISION: tl.constexpr,
     WIDEN: tl.constexpr,
+    PICKED: tl.constexpr,
 ):
     """A tile's dlogits without its logits in memory: m rows of x against the nc classes of W's slice that
     starts at class col0 of v (w_ptr, b_ptr, cw_ptr at the slice; t_ptr, lse_ptr, g_ptr at the rows), each
     program a BM x BN block: its logits by logits_block (as lse_gemm made them), then ce_bwd's formula
     (row_grads, dlogits) from the rows' logsumexp and the counts at cnt_ptr; stored in x's dtype at dl_ptr
-    (m, nc; row stride sdl) for the tile's gradient GEMMs."""
+    (m, nc; row stride sdl) for the tile's gradient GEMMs. PICKED: row i's numbers are row idx_ptr[i]'s
+    (row_grads; x's rows are gathered already)."""
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     row_ok = rows < m
     r64 = rows.to(tl.int64)
@@ -222,7 +225,8 @@ def dlogits_gemm(
                      PRECISION, WIDEN)  # fmt: skip
     cw_all = cw_ptr - col0  # (the class weights from class 0: row_grads reads w_t)
     t, keep, inside, lse, a, b, cc = row_grads(r64, row_ok, t_ptr, lse_ptr, g_ptr, g_stride, cnt_ptr, cw_all, wsum_ptr,
-                                               ignore_index, v, smoothing, zl, MEAN, SMOOTH, WEIGHT, ZLOSS)  # fmt: skip
+                                               ignore_index, v, smoothing, zl, idx_ptr, MEAN, SMOOTH, WEIGHT, ZLOSS,
+                                               PICKED)  # fmt: skip
     wj = 0.0
     if SMOOTH and WEIGHT:
         wj = tl.load(cw_ptr + c, mask=c_ok, other=0.0).to(tl.float32)[None, :]
@@ -268,17 +272,20 @@ def loss_forward(x, weight, bias, t, cw, o, rows_loss, rows_z, lse, tops=None, c
     launch(lse_merge, (-(-n // MERGE_ROWS),), args + (float(o.smoothing), float(o.z_loss)), meta)
 
 
-def slice_dlogits(x, w_s, b_s, t, cw, wsum, o, lse, tail, g, dl, col0: int, v: int) -> None:
+def slice_dlogits(x, w_s, b_s, t, cw, wsum, o, lse, tail, g, dl, col0: int, v: int, rows=None) -> None:
     """dlogits_gemm on one tile: rows x (x, t, lse, g: the group's) against the slice w_s (b_s) of classes
-    from col0, into dl (rows, slice); cw the whole class weights, tail the counts (stats[n:])."""
+    from col0, into dl (rows, slice); cw the whole class weights, tail the counts (stats[n:]); ``rows``: x's
+    row i is row rows[i] of t, lse and g (rows_backward's)."""
     m, d = x.shape
     nc = w_s.shape[0]
     shape = rules.fused_shape(m, v, x.element_size(), 0, of_tensor(x).sm_count)
     meta = _gemm_meta(x, b_s, o, cw, shape) | dict(MEAN=o.reduction == "mean", ZLOSS=o.z_loss != 0.0)
+    meta["PICKED"] = rows is not None
     cw_s = cw[col0:] if cw is not None else x
     if poisoning():  # (tests: every element must be written by the kernel)
         dl.fill_(float("nan"))
-    args = (x, w_s, b_s if b_s is not None else x, t, cw_s, wsum, lse, tail, g, dl, m, nc, col0, v, d, x.stride(0))
+    args = (x, w_s, b_s if b_s is not None else x, t, cw_s, wsum, lse, tail, g, dl, rows if rows is not None else t)
+    args += (m, nc, col0, v, d, x.stride(0))
     args += (x.stride(1), w_s.stride(0), w_s.stride(1), dl.stride(0), g.stride(0) if g.dim() else 0, o.ignore_index)
     args += (float(o.smoothing), float(o.softcap or 1.0), float(o.z_loss))
     launch(dlogits_gemm, (-(-m // shape.bm), -(-nc // shape.bn)), args, meta)

@@ -434,9 +434,14 @@ def row_terms(lse, z_t, sum_z, t, keep, inside, w_ptr, wsum_ptr, v, smoothing, z
 
 @triton.jit
 def row_grads(row, row_ok, t_ptr, lse_ptr, g_ptr, g_stride, cnt_ptr, w_ptr, wsum_ptr, ignore_index, v, smoothing, zl,
-              MEAN: tl.constexpr, SMOOTH: tl.constexpr, WEIGHT: tl.constexpr, ZLOSS: tl.constexpr):  # fmt: skip
+              idx_ptr, MEAN: tl.constexpr, SMOOTH: tl.constexpr, WEIGHT: tl.constexpr, ZLOSS: tl.constexpr,
+              PICKED: tl.constexpr):  # fmt: skip
     """The backward's numbers of each row: (t, keep, inside, lse, a, b, cc), dz_j = a p_j - b [j == t] - cc w_j
-    (the module's formula; g_ce and g_z divided for the mean by cnt_ptr[2] and cnt_ptr[0])."""
+    (the module's formula; g_ce and g_z divided for the mean by cnt_ptr[2] and cnt_ptr[0]). PICKED: row i's
+    target, logsumexp and upstream gradient are those of row idx_ptr[i] (int64; the LM-head loss's skip
+    gathers a tile's live rows, and its dlogits read their numbers in place)."""
+    if PICKED:
+        row = tl.load(idx_ptr + row, mask=row_ok, other=0)
     t = tl.load(t_ptr + row, mask=row_ok, other=ignore_index).to(tl.int64)
     keep = row_ok & (t != ignore_index)
     inside = keep & (t >= 0) & (t < v)
