@@ -1,0 +1,69 @@
+"""The skip's gathered tiles with and without the index-reading dlogits (issue 40), in one process, calls
+interleaved: separate processes differ by more than the change (investigations/h100_lce_skip_host.json).
+"gathers" stands in the old TritonSteps.pick (targets, logsumexps and upstream gradients gathered, no index
+for the kernels); "index" is today's. Records each side's median ms over the interleaved calls.
+Usage (GPU): python dev/lce_skip_ab.py OUT.json [NxdxV ...] [--spread S] [--reps R]"""
+
+import json
+import statistics
+import sys
+
+import torch
+
+import fastsoftmax as fs
+from fastsoftmax import heuristics
+from fastsoftmax.bench import lce
+from fastsoftmax.kernels.lm_head_steps import TritonSteps
+
+
+def gathers(self, grp, rows):
+    """The pick before the kernels read through the index: three gathers a tile (two for a scalar g)."""
+    t, _, _, lse, _, tail, g, _ = grp
+    g = g.index_select(0, rows) if g is not None and g.dim() else g
+    return t.index_select(0, rows), None, None, lse.index_select(0, rows), None, tail, g, None
+
+
+def main(argv: list[str]) -> int:
+    out, rest = argv[0], argv[1:]
+    spread = float(rest[rest.index("--spread") + 1]) if "--spread" in rest else lce.SPREAD
+    reps = int(rest[rest.index("--reps") + 1]) if "--reps" in rest else 10
+    shapes = [a for a in rest if "x" in a and not a.startswith("--")] or ["8192x4096x128256"]
+    index = TritonSteps.pick
+    doc = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "spread": spread, "records": []}
+    for spec in shapes:
+        n, d, v = (int(s) for s in spec.split("x"))
+        x, w, t = lce.inputs((n, d, v), torch.bfloat16, "cuda", spread)
+        base = (v * d + n * d) * 2
+        budget = int(lce.CCE_SLACK * base) - base - 16 * n
+
+        def step(x=x, w=w, t=t, budget=budget):
+            loss = fs.linear_cross_entropy(x, w, t, memory=budget, skip_eps=lce.SKIP_EPS)
+            return torch.autograd.grad(loss, (x, w))
+
+        times: dict[str, list] = {"index": [], "gathers": []}
+        grads = {}
+        for i in range(reps + 2):
+            for name, pick in (("index", index), ("gathers", gathers))[:: 1 if i % 2 else -1]:
+                TritonSteps.pick = pick
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                out_grads = step()
+                b.record()
+                torch.cuda.synchronize()
+                if i >= 2:  # (two rounds of warm-up: compiles)
+                    times[name].append(a.elapsed_time(b))
+                grads[name] = out_grads
+        TritonSteps.pick = index
+        rec = {"shape": spec, "plan": str(heuristics.last_plan())}
+        rec |= {f"{k}_ms": round(statistics.median(s), 3) for k, s in times.items()}
+        rec |= {f"{k}_all_ms": [round(s, 2) for s in ss] for k, ss in times.items()}
+        rec["same_grads"] = all(torch.equal(p, q) for p, q in zip(grads["index"], grads["gathers"], strict=True))
+        doc["records"].append(rec)
+        print(json.dumps({k: rec[k] for k in ("shape", "index_ms", "gathers_ms", "same_grads", "plan")}), flush=True)
+        with open(out, "w") as f:
+            json.dump(doc, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
