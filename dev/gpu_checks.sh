@@ -27,7 +27,7 @@ for f in tests/test_*.py; do [[ $listed == *" $f "* ]] || rest="$rest $f"; done 
 i=0
 for g in "${groups[@]}"; do
     # shellcheck disable=SC2086
-    (CUDA_VISIBLE_DEVICES=$((i % ngpu)) timeout "${FS_GROUP_TIMEOUT:-400}" python3 -m pytest --device cuda $g -q -o addopts="--strict-markers" -p no:cacheprovider -rfE --durations=5 > "$out/pytest_cuda_$i.txt" 2>&1
+    (CUDA_VISIBLE_DEVICES=$((i % ngpu)) timeout "${FS_GROUP_TIMEOUT:-400}" python3 -m pytest --device cuda $g -q -o addopts="--strict-markers" -p no:cacheprovider -rfEs --durations=5 > "$out/pytest_cuda_$i.txt" 2>&1
      echo "pytest rc=$?" >> "$out/pytest_cuda_$i.txt") &
     i=$((i + 1))
 done
