@@ -110,10 +110,16 @@ def profiled(fn) -> dict:
     }
 
 
+def cce_budget(n: int, d: int, v: int) -> int:
+    """memory= at about bench --lce's budget from CCE's peak (x and W's bf16 bytes and a few MB): what the
+    LM-head loss may hold beyond its inputs (this module's, lce_plan_sweep's and the skip scripts')."""
+    base = (v * d + n * d) * 2
+    return int(lce.CCE_SLACK * base) - base - 16 * n
+
+
 def run_shape(n: int, d: int, v: int, spread: float, memory: int | None) -> list[dict]:
     x, w, t = lce.inputs((n, d, v), torch.bfloat16, "cuda", spread)
-    base = (v * d + n * d) * 2
-    budget = memory or int(lce.CCE_SLACK * base) - base - 16 * n
+    budget = memory or cce_budget(n, d, v)
     xd, wd = x.detach(), w.detach()
     g_logits = torch.randn(n, v, device="cuda", dtype=torch.bfloat16)
 

@@ -9,6 +9,7 @@ import statistics
 import sys
 
 import torch
+from lce_kernel_profile import cce_budget  # (dev/)
 
 import fastsoftmax as fs
 from fastsoftmax import heuristics
@@ -33,8 +34,7 @@ def main(argv: list[str]) -> int:
     for spec in shapes:
         n, d, v = (int(s) for s in spec.split("x"))
         x, w, t = lce.inputs((n, d, v), torch.bfloat16, "cuda", spread)
-        base = (v * d + n * d) * 2
-        budget = int(lce.CCE_SLACK * base) - base - 16 * n
+        budget = cce_budget(n, d, v)
 
         def step(x=x, w=w, t=t, budget=budget):
             loss = fs.linear_cross_entropy(x, w, t, memory=budget, skip_eps=lce.SKIP_EPS)

@@ -9,7 +9,7 @@ import sys
 import time
 
 import torch
-from lce_kernel_profile import profiled  # (dev/: the GPU's busy time from the same trace's kind)
+from lce_kernel_profile import cce_budget, profiled  # (dev/)
 
 import fastsoftmax as fs
 from fastsoftmax import heuristics
@@ -22,8 +22,7 @@ def main(argv: list[str]) -> int:
     shapes = [a for a in rest if "x" in a and not a.startswith("--")]
     n, d, v = (int(s) for s in (shapes[0] if shapes else "8192x4096x128256").split("x"))
     x, w, t = lce.inputs((n, d, v), torch.bfloat16, "cuda", spread)
-    base = (v * d + n * d) * 2
-    budget = int(lce.CCE_SLACK * base) - base - 16 * n  # (as lce_kernel_profile.py: about bench --lce's)
+    budget = cce_budget(n, d, v)
 
     def step():
         loss = fs.linear_cross_entropy(x, w, t, memory=budget, skip_eps=lce.SKIP_EPS)
