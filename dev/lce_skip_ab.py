@@ -1,7 +1,9 @@
-"""The skip's gathered tiles with and without the index-reading dlogits (issue 40), in one process, calls
-interleaved: separate processes differ by more than the change (investigations/h100_lce_skip_host.json).
-"gathers" stands in the old TritonSteps.pick (targets, logsumexps and upstream gradients gathered, no index
-for the kernels); "index" is today's. Records each side's median ms over the interleaved calls.
+"""The skip's gradient tiles three ways, in one process, calls interleaved: separate processes differ by more
+than the changes (investigations/h100_lce_skip_host.json). "gathers": a tile a slice, with the old
+TritonSteps.pick (targets, logsumexps and upstream gradients gathered, no index for the kernels); "fine": a
+tile a slice, today's pick; "span4", "span8": today's, a span of 4 or 8 slices' live rows as one tile where
+heuristics/lm_head.widen says. Records each side's median ms over the interleaved calls, its plan, and its
+dx and dW against "fine" (gathers: bitwise equal; spans: compute more pairs, so may differ by rounding).
 Usage (GPU): python dev/lce_skip_ab.py OUT.json [NxdxV ...] [--spread S] [--reps R]"""
 
 import json
@@ -14,6 +16,7 @@ from lce_kernel_profile import cce_budget  # (dev/)
 import fastsoftmax as fs
 from fastsoftmax import heuristics
 from fastsoftmax.bench import lce
+from fastsoftmax.heuristics import lm_head as rules
 from fastsoftmax.kernels.lm_head_steps import TritonSteps
 
 
@@ -24,12 +27,15 @@ def gathers(self, grp, rows):
     return t.index_select(0, rows), None, None, lse.index_select(0, rows), None, tail, g, None
 
 
+VARIANTS = {"fine": (1, TritonSteps.pick), "gathers": (1, gathers), "span4": (4, TritonSteps.pick),
+            "span8": (8, TritonSteps.pick)}  # fmt: skip
+
+
 def main(argv: list[str]) -> int:
     out, rest = argv[0], argv[1:]
     spread = float(rest[rest.index("--spread") + 1]) if "--spread" in rest else lce.SPREAD
-    reps = int(rest[rest.index("--reps") + 1]) if "--reps" in rest else 10
+    reps = int(rest[rest.index("--reps") + 1]) if "--reps" in rest else 8
     shapes = [a for a in rest if "x" in a and not a.startswith("--")] or ["8192x4096x128256"]
-    index = TritonSteps.pick
     doc = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "spread": spread, "records": []}
     for spec in shapes:
         n, d, v = (int(s) for s in spec.split("x"))
@@ -40,11 +46,12 @@ def main(argv: list[str]) -> int:
             loss = fs.linear_cross_entropy(x, w, t, memory=budget, skip_eps=lce.SKIP_EPS)
             return torch.autograd.grad(loss, (x, w))
 
-        times: dict[str, list] = {"index": [], "gathers": []}
-        grads = {}
+        times: dict[str, list] = {k: [] for k in VARIANTS}
+        grads, plans = {}, {}
+        names = list(VARIANTS)
         for i in range(reps + 2):
-            for name, pick in (("index", index), ("gathers", gathers))[:: 1 if i % 2 else -1]:
-                TritonSteps.pick = pick
+            for name in names[i % len(names) :] + names[: i % len(names)]:  # (the order rotated a round)
+                rules.SKIP_SPAN, TritonSteps.pick = VARIANTS[name]
                 a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 a.record()
                 out_grads = step()
@@ -52,14 +59,19 @@ def main(argv: list[str]) -> int:
                 torch.cuda.synchronize()
                 if i >= 2:  # (two rounds of warm-up: compiles)
                     times[name].append(a.elapsed_time(b))
-                grads[name] = out_grads
-        TritonSteps.pick = index
-        rec = {"shape": spec, "plan": str(heuristics.last_plan())}
+                grads[name], plans[name] = out_grads, str(heuristics.last_plan())
+        rules.SKIP_SPAN, TritonSteps.pick = VARIANTS["fine"]
+        rec = {"shape": spec, "budget": budget, "plans": plans}
         rec |= {f"{k}_ms": round(statistics.median(s), 3) for k, s in times.items()}
         rec |= {f"{k}_all_ms": [round(s, 2) for s in ss] for k, ss in times.items()}
-        rec["same_grads"] = all(torch.equal(p, q) for p, q in zip(grads["index"], grads["gathers"], strict=True))
+        fine = grads["fine"]
+        rec["gathers_same_grads"] = all(torch.equal(p, q) for p, q in zip(fine, grads["gathers"], strict=True))
+        for k in ("span4", "span8"):
+            rec[f"{k}_max_diff"] = [
+                float((p.float() - q.float()).abs().max()) for p, q in zip(grads[k], fine, strict=True)
+            ]
         doc["records"].append(rec)
-        print(json.dumps({k: rec[k] for k in ("shape", "index_ms", "gathers_ms", "same_grads", "plan")}), flush=True)
+        print(json.dumps({k: rec[k] for k in rec if not k.endswith("_all_ms")}), flush=True)
         with open(out, "w") as f:
             json.dump(doc, f, indent=1)
     return 0

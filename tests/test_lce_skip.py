@@ -102,7 +102,7 @@ def test_skip_gathers_the_live_rows_of_sparse_slices(free_tiles, device, layout,
             check(x, w, t, b, fs_opts={"backend": "triton", "memory": MEMORY, "skip_eps": eps}, grad_atol_scale=10)
         plan = heuristics.last_plan()
         tiles = -(-18 // plan.rows) * -(-513 // plan.block_n)
-        want, skipped = _expected_tiles(_live_pairs(x, w, b, t, plan.block_n, eps), plan.rows)
+        want, skipped, _ = _expected_tiles(_live_pairs(x, w, b, t, plan.block_n, eps), plan.rows)
         assert (picks, plan.skipped) == (want, skipped), (str(picks), str(want), plan)
         if skippable:  # (slices 1-3 of classes 200 below the rest: a group's rows live there where their target is)
             assert want and plan.skipped > 0 and len(picks) < tiles, plan
@@ -154,7 +154,7 @@ def test_skip_keeps_the_pairs_live_by_probability(free_tiles, device, layout, na
         if tr != -100:
             by_target[r, tr // plan.block_n] = True
     assert (live & ~by_target)[:, 1:4].any(), "some pairs live by probability alone"
-    want_picks, want_skipped = _expected_tiles(live, plan.rows)
+    want_picks, want_skipped, _ = _expected_tiles(live, plan.rows)
     assert (picks, plan.skipped) == (want_picks, want_skipped), (str(picks), str(want_picks), plan)
 
 
@@ -175,22 +175,96 @@ def _live_pairs(x, w, b, t, cols: int, eps: float, softcap=None) -> torch.Tensor
     return live
 
 
-def _expected_tiles(live: torch.Tensor, rows: int) -> tuple[list, int]:
+def _expected_tiles(live: torch.Tensor, rows: int, span: int = 1, room: int = 0, widths=()) -> tuple[list, int, int]:
     """From the live pairs, what a skip's plan and gathers must be: the live rows of each gathered tile (at
     most GATHER_SHARE of its group's rows, group by group, slice by slice) and the pairs left uncomputed
     (every pair of a tile with no live row, the dead pairs of a gathered tile; a tile that runs whole
-    computes every pair)."""
-    picks, skipped = [], 0
+    computes every pair). With ``span`` > 1 (the tiles' host cost set far above their GEMMs'): each span of
+    slices with live rows on two or more of them runs as one tile on the union of its live rows where that
+    fits GATHER_SHARE of the group and ``room`` elements of logits (``widths``: each slice's classes)."""
+    picks, skipped, spans = [], 0, 0
     for r0 in range(0, live.shape[0], rows):
         group = live[r0 : r0 + rows]
         m = group.shape[0]
-        for c in group.sum(0).tolist():
-            if c == 0:
-                skipped += m
-            elif c <= m * rules.GATHER_SHARE:
-                picks.append(c)
-                skipped += m - c
-    return picks, skipped
+        counts = group.sum(0).tolist()
+        for i0 in range(0, len(counts), span):
+            sub = counts[i0 : i0 + span]
+            union = int(group[:, i0 : i0 + span].any(1).sum())
+            if sum(c > 0 for c in sub) > 1 and union <= m * rules.GATHER_SHARE:
+                if union * sum(widths[i0 : i0 + span]) <= room:
+                    picks.append(union)
+                    skipped, spans = skipped + (m - union) * len(sub), spans + 1
+                    continue
+            for c in sub:
+                if c == 0:
+                    skipped += m
+                elif c <= m * rules.GATHER_SHARE:
+                    picks.append(c)
+                    skipped += m - c
+    return picks, skipped, spans
+
+
+def _spanning(device):
+    """18 rows, 513 classes in one group of 128-class slices (SPAN_MEMORY): classes 0-511 sit 200 below class
+    512 (slice 4, where every kept row lives), except for row 4, whose probability is spread over slices 1,
+    2 and 4; rows 0, 2 and 6 have their targets in slices 0, 1 and 2, the other kept rows at 512."""
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(18, 16, generator=g) * 0.5
+    w = torch.randn(513, 16, generator=g) * 0.5
+    x[:, 0], w[:, 0] = 0.0, 0.0
+    x[4, 0], w[128:384, 0] = 1.0, 200.0
+    b = torch.zeros(513)
+    b[:512] = -200.0
+    t = torch.full((18,), 512)
+    t[0], t[2], t[6] = 20, 200, 300
+    t[1::4] = -100
+    return x.to(device), w.to(device), t.to(device), b.to(device)
+
+
+SPAN_MEMORY = 18 * (128 * 4 + 4 * 16 + 8 * 16 // 2 + 5 * rules.SKIP_PAIR_BYTES)  # (fp32: one group of 128-class slices)
+
+
+@pytest.mark.parametrize("layout", ["lce_sliced", "lce_fused"])
+@pytest.mark.parametrize("span", [2, 4])
+def test_skip_spans_sparse_slices_with_one_tile(device, monkeypatch, picks, layout, span):
+    """A skip's span of slices with live rows on two or more runs as one gathered tile on the union of their
+    live rows (every pair of it computed: more exact, not less) where the tiles' host time it saves passes
+    the GEMM work it adds: here always (HOST_TILE_S 1 s), then never (0 s). The tiles, pairs left out and
+    spans the plan counts are the float64 probabilities' (span 2: slices 0-1 as one tile of rows 0, 2, 4;
+    span 4: slices 0-3, rows 0, 2, 4, 6, filling the logits buffer), the loss and gradients the float64
+    reference's, buffers poisoned with NaN first."""
+    monkeypatch.setattr(rules, "SKIP_SPAN", span)
+    x, w, t, b = _spanning(device)
+    for host_s in (1.0, 0.0):
+        monkeypatch.setattr(rules, "HOST_TILE_S", host_s)
+        picks.clear()
+        with heuristics.force(poison=True, path=layout):
+            check(
+                x, w, t, b, fs_opts={"backend": "triton", "memory": SPAN_MEMORY, "skip_eps": 1e-6}, grad_atol_scale=10
+            )
+        plan = heuristics.last_plan()
+        assert (plan.rows, plan.block_n) == (18, 128), plan
+        live = _live_pairs(x, w, b, t, 128, 1e-6)
+        widths = [128] * 4 + [1]
+        want = _expected_tiles(live, 18, span if host_s else 1, 18 * 128, widths)
+        assert (picks, plan.skipped, plan.spans) == want, (str(picks), str(want), plan)
+        spans = {2: ([3, 2], 1), 4: ([4], 1)}[span] if host_s else ([1, 2, 2], 0)
+        assert (picks, plan.spans) == spans, (picks, plan)
+
+
+def test_the_span_rule():
+    """widen(): one tile for a span only where two or more of its slices have live rows, their union fits
+    GATHER_SHARE of the group and the logits buffer, and the GEMM work it adds costs less than the host time
+    of the tiles it saves (bf16, d 4096: a row of a 4096-class slice is 0.15 us of GEMMs, a tile 200 us of host)."""
+    d, e, room, ws = 4096, 2, 2048 * 4096, [4096] * 4
+    assert rules.HOST_TILE_S == 2.0e-4 and rules.GEMM_FLOPS[2] == 6.6e14  # (the figures below assume these)
+    assert rules.widen(2048, [100, 100, 100, 0], 300, ws, d, e, room)  # (900 rows more: 137 us < 400 us saved)
+    assert rules.widen(2048, [10, 10, 10, 0], 300, ws, d, e, room)  # (1170 rows: 178 us < 400 us)
+    assert not rules.widen(2048, [10, 10, 0, 0], 500, ws, d, e, room)  # (1980 rows: 302 us > 200 us)
+    assert not rules.widen(2048, [40, 0, 0, 0], 40, ws, d, e, room)  # (one tile: nothing saved)
+    assert not rules.widen(2048, [600, 600, 0, 0], 1100, ws, d, e, room)  # (past GATHER_SHARE of the rows)
+    assert not rules.widen(2048, [60, 30, 0, 10], 90, ws, d, e, 90 * 4 * 4096 - 1)  # (past the logits buffer)
+    assert rules.widen(2048, [60, 30, 0, 10], 90, ws, d, e, 90 * 4 * 4096)
 
 
 @pytest.mark.parametrize(

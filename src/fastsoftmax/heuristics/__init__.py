@@ -48,6 +48,7 @@ class Plan:
     copied: bool = False  # an input was copied first (x; in backward y or dy) to fit one layout
     splits: int = 1  # segments per row (split path)
     skipped: int = 0  # the LM-head loss's (row, slice) pairs whose gradient skip_eps left uncomputed
+    spans: int = 0  # and its gradient tiles that spanned several slices (heuristics/lm_head.widen)
     fused: bool = False  # a cross-entropy forward as one program that also finishes (one launch)
 
 

@@ -32,7 +32,9 @@ HOST_TILE_S = 2.0e-4  # and a tile of lce_sliced (2 GEMMs and a kernel, then 3 G
 SLICE_COLS = 4096  # a slice's classes where the budget allows: one block of the loss kernels, GEMMs of
 # N x 4096 run at the floor's rate (the dx GEMM's fp32 sums, read and written once a slice, stay hidden)
 ROW_ALIGN = 16  # a group's rows: a multiple of 16 keeps each group's views 16-byte aligned (one compile)
-SKIP_PAIR_BYTES = 4 + 2 + 8  # a skip's (row, slice) pair: its largest logit, live flags (two groups') and row index
+SKIP_SPAN = 4  # a skip's gradient tile may span this many slices (widen()): the union of their live rows
+SKIP_PAIR_BYTES = 4 + 2 + 8 + -(-(2 + 8) // SKIP_SPAN)  # a skip's (row, slice) pair: its largest logit, live
+# flags (two groups') and row index, and its share of a span's flags and index
 GATHER_SHARE = 0.5  # a skip's slice whose live rows are at most this share of the group's runs on them alone
 # (gathered: their x rows in x's dtype and their dx parts in fp32, in the budget); more run the whole tile
 
@@ -93,6 +95,22 @@ def slice_plan(n: int, d: int, v: int, elsize: int, memory: int | None, skip: bo
         per = -(-n // -(-n // rows))  # the groups evened out
         rows = min(rows, -(-per // ROW_ALIGN) * ROW_ALIGN)
     return rows, cols
+
+
+def widen(m: int, counts: list, union: int, widths: list, d: int, elsize: int, room: int) -> bool:
+    """Whether a skip's gradients on SKIP_SPAN slices of a group of m rows run as one gathered tile on the
+    union of their live rows (``union`` rows, every pair of them computed exactly) rather than a tile a
+    slice (``counts`` live rows a slice, ``widths`` its classes): where the union fits the gather buffers
+    (GATHER_SHARE of the rows) and ``room`` elements of logits, and the GEMM work it adds (3 GEMMs of the
+    pairs it computes beyond the slices' tiles) costs less than the host time of the tiles it saves
+    (HOST_TILE_S each: a sparse skip's tiles are small, and their launches, not their GEMMs, set its time)."""
+    tiles = sum(c > 0 for c in counts)
+    width = sum(widths)
+    if tiles < 2 or union > m * GATHER_SHARE or union * width > room:
+        return False
+    per_slice = sum((c if c <= m * GATHER_SHARE else m) * w for c, w in zip(counts, widths, strict=True))
+    extra = (union * width - per_slice) * 6 * d / GEMM_FLOPS.get(elsize, GEMM_FLOPS[4])
+    return extra < (tiles - 1) * HOST_TILE_S
 
 
 def fused(forced: str | None) -> bool:

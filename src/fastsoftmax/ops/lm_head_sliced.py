@@ -49,39 +49,67 @@ def sliced_sweep(x, weight, bias, k, stats, rows_loss, rows_z, g, forward, grads
         k.fused(x, weight, bias, stats, rows_loss, rows_z, n, tops, cols)
     summed = bool(skip)
 
+    span = rules.SKIP_SPAN if skip else 1
+    spans = [(i, min(i + span, len(parts))) for i in range(0, len(parts), span)]  # (a skip's wide tiles)
+    wide_grads = k.slices(min(span * cols, v), x.element_size())[1] if span > 1 and not fused else None
+    widths = [w_s.shape[0] for _, w_s, _, _ in parts]
+    wides = 0
+
+    def tile(xt, gt, picked, v0, w_s, b_s, dw_s, db_s, step, acc_g, add_dw, add_dx):
+        """One gradient tile: the logits of xt's rows on w_s's classes made again, dlogits, dW's rows and dx's
+        (a gathered tile's: ``picked``, its rows in the group, summed into acc_g from their own fp32 parts)."""
+        logits = buf[: xt.shape[0] * w_s.shape[0]].view(xt.shape[0], w_s.shape[0])
+        if fused:  # (the dlogits straight from the GEMM)
+            k.fused_grads(xt, w_s, b_s, logits, v0, v, gt)
+        else:
+            chunk_logits(xt, w_s, b_s, logits)
+            step(logits, v0, v, gt)  # logits -> dlogits, in place
+        if picked is None:
+            tile_grads(logits, xt, w_s, dw_s, acc_g, db_s, add_dw=add_dw, add_dx=add_dx)
+            return
+        part = part_buf[: xt.numel()].view(xt.shape) if part_buf is not None else None
+        tile_grads(logits, xt, w_s, dw_s, part, db_s, add_dw=True, add_dx=False)
+        if part is not None:
+            acc_g.index_add_(0, picked, part)
+
     def grads_sweep(r0, r1, grp, live) -> int:
         """The group's gradient tiles (``live``: a skip's flags, _live_rows); returns the pairs left out."""
+        nonlocal wides
         xg, m, skipped = x[r0:r1], r1 - r0, 0
         acc_g = acc[:m] if acc is not None else None
         if skip and acc_g is not None:
             acc_g.zero_()
-        counts, idx = _resolve(*live) if live is not None else (None, None)
-        at = 0  # (idx: the live rows slice by slice)
-        for i, (v0, w_s, b_s, dw_s) in enumerate(parts):
-            picked, xt, gt = None, xg, grp
-            if counts is not None:
-                c, at = counts[i], at + counts[i]
-                if not c:
-                    skipped += m
+        counts, idx, unions, uidx = _resolve(*live) if live is not None else (None, None, None, None)
+        at = uat = 0  # (idx, uidx: the live rows slice by slice, span by span)
+        for j, (i0, i1) in enumerate(spans):
+            if counts is not None and i1 - i0 > 1:  # (a skip's span of slices: one tile on their union?)
+                u, uat = unions[j], uat + unions[j]
+                sub = counts[i0:i1]
+                if rules.widen(m, sub, u, widths[i0:i1], d, x.element_size(), buf.numel()):
+                    picked = uidx[uat - u : uat]
+                    xt = torch.index_select(xg, 0, picked, out=xs_buf[: u * d].view(u, d))
+                    v0, v1 = parts[i0][0], parts[i1 - 1][0] + widths[i1 - 1]
+                    db_s = db[v0:v1] if db is not None else None
+                    b_s = bias[v0:v1] if bias is not None else None
+                    tile(xt, k.pick(grp, picked), picked, v0, weight[v0:v1], b_s, dw[v0:v1] if dw is not None else None,
+                         db_s, wide_grads, acc_g, True, False)  # fmt: skip
+                    skipped, at, wides = skipped + (m - u) * (i1 - i0), at + sum(sub), wides + 1
                     continue
-                if c <= m * rules.GATHER_SHARE:  # (else the whole group's tile, every pair computed)
-                    picked, skipped = idx[at - c : at], skipped + m - c
-                    xt = torch.index_select(xg, 0, picked, out=xs_buf[: c * d].view(c, d))
-                    gt = k.pick(grp, picked)
-            logits = buf[: xt.shape[0] * w_s.shape[0]].view(xt.shape[0], w_s.shape[0])
-            if fused:  # (the dlogits straight from the GEMM)
-                k.fused_grads(xt, w_s, b_s, logits, v0, v, gt)
-            else:
-                chunk_logits(xt, w_s, b_s, logits)
-                grads_step(logits, v0, v, gt)  # logits -> dlogits, in place
-            db_s = db[v0 : v0 + cols] if db is not None else None
-            if picked is None:  # (a skip's sums start from 0: any slice or group may be skipped)
-                tile_grads(logits, xg, w_s, dw_s, acc_g, db_s, add_dw=r0 > 0 or summed, add_dx=v0 > 0 or summed)
-                continue
-            part = part_buf[: c * d].view(c, d) if part_buf is not None else None
-            tile_grads(logits, xt, w_s, dw_s, part, db_s, add_dw=True, add_dx=False)
-            if part is not None:
-                acc_g.index_add_(0, picked, part)
+            for i in range(i0, i1):
+                v0, w_s, b_s, dw_s = parts[i]
+                picked, xt, gt = None, xg, grp
+                if counts is not None:
+                    c, at = counts[i], at + counts[i]
+                    if not c:
+                        skipped += m
+                        continue
+                    if c <= m * rules.GATHER_SHARE:  # (else the whole group's tile, every pair computed)
+                        picked, skipped = idx[at - c : at], skipped + m - c
+                        xt = torch.index_select(xg, 0, picked, out=xs_buf[: c * d].view(c, d))
+                        gt = k.pick(grp, picked)
+                db_s = db[v0 : v0 + cols] if db is not None else None
+                # (a skip's sums start from 0: any slice or group may be skipped)
+                tile(xt, gt, picked, v0, w_s, b_s, dw_s, db_s, grads_step, acc_g, r0 > 0 or summed, v0 > 0 or summed)
         if acc_g is not None:
             dx[r0:r1].copy_(acc_g)
         return skipped
@@ -99,21 +127,22 @@ def sliced_sweep(x, weight, bias, k, stats, rows_loss, rows_z, g, forward, grads
                     chunk_logits(xg, w_s, b_s, logits)
                     loss_step(logits, v0, v, grp, tops[i, :m] if skip else None)
             top = (tops[:, r0:r1] if fused else tops[:, : r1 - r0]) if skip and grads else None
-            live = _live_rows(top, stats[r0:r1], k.t[r0:r1], k.o, skip, cols, v) if top is not None else None
+            live = _live_rows(top, stats[r0:r1], k.t[r0:r1], k.o, skip, cols, v, span) if top is not None else None
             tiles += len(parts) if grads or not fused else 0
         if pending is not None:
             skipped += grads_sweep(*pending)
         pending = (r0, r1, grp, live) if grads and r0 is not None else None
-    plan = dict(block_n=cols, rows=rows, splits=tiles, skipped=skipped, fused=fused)
+    plan = dict(block_n=cols, rows=rows, splits=tiles, skipped=skipped, fused=fused, spans=wides)
     heuristics.record(heuristics.Plan(k.name, rules.FUSED if fused else rules.SLICED, **plan))
     return dw
 
 
-def _live_rows(tops, lse, t, o, skip: float, cols: int, v: int):
+def _live_rows(tops, lse, t, o, skip: float, cols: int, v: int, span: int):
     """Which of a row group's (row, slice) pairs get their gradient computed: a kept row's pairs where its
     largest probability on the slice, exp(its largest z there - its logsumexp), is at least ``skip`` (a NaN
     keeps it), and the pair holding its target (the target's -1 term is never small). Returns the (slices,
-    rows) flags and their counts a slice on their way to the host (_resolve reads them): nothing waits here."""
+    rows) flags, their union over each ``span`` slices (spans, rows), and the counts of both on their way to
+    the host (_resolve reads them): nothing waits here."""
     m = t.shape[0]
     tt = t.long()  # (widened: a uint8 target 156 is not ignore_index -100)
     keep = tt != o.ignore_index
@@ -122,22 +151,28 @@ def _live_rows(tops, lse, t, o, skip: float, cols: int, v: int):
     live.logical_not_()  # (NaN compares False: live)
     live[home, torch.arange(m, device=t.device)] = True
     live &= keep[None, :]
-    counts = live.sum(1)
+    pad = live.new_zeros((-live.shape[0] % span, m))
+    union = torch.cat([live, pad]).view(-1, span, m).any(1)
+    counts = torch.cat([live.sum(1), union.sum(1)])
     if not counts.is_cuda:
-        return live, counts, None
+        return live, union, counts, None
     host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
     host.copy_(counts, non_blocking=True)
     done = torch.cuda.Event()
     done.record()
-    return live, host, done
+    return live, union, host, done
 
 
-def _resolve(live, counts, done):
-    """_live_rows' counts a slice (a list) and the live rows slice by slice (on the device, an int64 a pair):
-    the skip's one host synchronisation a group, on its flags alone (the next group's loss queued behind
-    them runs meanwhile; the skip is eager only)."""
+def _resolve(live, union, counts, done):
+    """_live_rows' counts a slice and a span (lists) and their live rows slice by slice and span by span (on
+    the device, an int64 a pair): the skip's one host synchronisation a group, on its flags alone (the next
+    group's loss queued behind them runs meanwhile; the skip is eager only)."""
     if done is not None:
         done.synchronize()
     counts = counts.tolist()
-    rows = torch.nonzero_static(live.reshape(-1), size=sum(counts)).view(-1)  # (no wait: the size is known)
-    return counts, rows.remainder_(live.shape[1])
+    counts, unions = counts[: live.shape[0]], counts[live.shape[0] :]
+    rows, urows = (
+        torch.nonzero_static(f.reshape(-1), size=sum(c)).view(-1).remainder_(live.shape[1])  # (no wait: size known)
+        for f, c in ((live, counts), (union, unions))
+    )
+    return counts, rows, unions, urows
