@@ -151,8 +151,10 @@ def _live_rows(tops, lse, t, o, skip: float, cols: int, v: int, span: int):
     live.logical_not_()  # (NaN compares False: live)
     live[home, torch.arange(m, device=t.device)] = True
     live &= keep[None, :]
-    pad = live.new_zeros((-live.shape[0] % span, m))
-    union = torch.cat([live, pad]).view(-1, span, m).any(1)
+    whole = live.shape[0] // span * span  # (the spans of ``span`` slices, then a shorter last one)
+    union = torch.cat(
+        [live[:whole].view(-1, span, m).any(1), live[whole:].any(0, keepdim=True)[: live.shape[0] - whole]]
+    )
     counts = torch.cat([live.sum(1), union.sum(1)])
     if not counts.is_cuda:
         return live, union, counts, None
