@@ -250,6 +250,7 @@ def measure(name: str, shape: LceShape, x, w, t, ref, memory: int | None, device
         if (p := seen.get("plan")) is not None:
             rec.plan = f"{p.backend}/{p.path} rows={p.rows} splits={p.splits}"
             rec.plan += f" skipped={p.skipped}" if p.skipped else ""
+            rec.plan += f" spans={p.spans}" if p.spans else ""
         if loss is not None:
             rec.loss_err, rec.dx_err, rec.dw_err = _rel(loss, ref[0]), _rel(dx, ref[1]), _rel(dw, ref[2])
         del loss, dx, dw
