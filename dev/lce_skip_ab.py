@@ -4,8 +4,10 @@ TritonSteps.pick (targets, logsumexps and upstream gradients gathered, no index 
 tile a slice, today's pick; "span4", "span8": today's, a span of 4 or 8 slices' live rows as one tile where
 heuristics/lm_head.widen says. Records each side's median ms over the interleaved calls, its plan, and its
 dx and dW against "fine" (gathers: bitwise equal; spans: compute more pairs, so may differ by rounding).
-Usage (GPU): python dev/lce_skip_ab.py OUT.json [NxdxV ...] [--spread S] [--reps R]"""
+--force PATH runs every variant under heuristics.force(path=PATH) (lce_sliced where the rule keeps row chunks).
+Usage (GPU): python dev/lce_skip_ab.py OUT.json [NxdxV ...] [--spread S] [--reps R] [--force PATH]"""
 
+import contextlib
 import json
 import statistics
 import sys
@@ -35,16 +37,19 @@ def main(argv: list[str]) -> int:
     out, rest = argv[0], argv[1:]
     spread = float(rest[rest.index("--spread") + 1]) if "--spread" in rest else lce.SPREAD
     reps = int(rest[rest.index("--reps") + 1]) if "--reps" in rest else 8
+    force = {"path": rest[rest.index("--force") + 1]} if "--force" in rest else {}
     shapes = [a for a in rest if "x" in a and not a.startswith("--")] or ["8192x4096x128256"]
-    doc = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "spread": spread, "records": []}
+    doc = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "spread": spread, "force": force}
+    doc["records"] = []
     for spec in shapes:
         n, d, v = (int(s) for s in spec.split("x"))
         x, w, t = lce.inputs((n, d, v), torch.bfloat16, "cuda", spread)
         budget = cce_budget(n, d, v)
 
         def step(x=x, w=w, t=t, budget=budget):
-            loss = fs.linear_cross_entropy(x, w, t, memory=budget, skip_eps=lce.SKIP_EPS)
-            return torch.autograd.grad(loss, (x, w))
+            with heuristics.force(**force) if force else contextlib.nullcontext():
+                loss = fs.linear_cross_entropy(x, w, t, memory=budget, skip_eps=lce.SKIP_EPS)
+                return torch.autograd.grad(loss, (x, w))
 
         times: dict[str, list] = {k: [] for k in VARIANTS}
         grads, plans = {}, {}
