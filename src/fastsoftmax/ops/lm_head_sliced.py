@@ -39,11 +39,12 @@ def sliced_sweep(x, weight, bias, k, stats, rows_loss, rows_z, g, forward, grads
     gather = int(rows * rules.GATHER_SHARE) * d if skip and grads else 0  # (a skip's gathered rows, reused)
     xs_buf = torch.empty(gather, dtype=x.dtype, device=x.device) if gather else None
     part_buf = torch.empty(gather, dtype=stats.dtype, device=x.device) if gather and acc is not None else None
-    parts = [  # each slice's first class, weight, bias and dW rows (the host's cost a tile matters)
-        (v0, weight[v0 : v0 + cols], bias[v0 : v0 + cols] if bias is not None else None,
-         dw[v0 : v0 + cols] if dw is not None else None)
-        for v0 in range(0, v, cols)
-    ]  # fmt: skip
+
+    def cut(v0: int, v1: int) -> tuple:
+        """Classes v0 to v1's rows of the weight, bias, dW and db (None where there is none)."""
+        return tuple(a[v0:v1] if a is not None else None for a in (weight, bias, dw, db))
+
+    parts = [(v0, *cut(v0, v0 + cols)) for v0 in range(0, v, cols)]  # (made once: the host's cost a tile matters)
     tops = torch.empty((len(parts), n if fused else rows), dtype=torch.float32, device=x.device) if skip else None
     if fused and forward:  # the loss of every row and class at once (the tops of every row)
         k.fused(x, weight, bias, stats, rows_loss, rows_z, n, tops, cols)
@@ -52,12 +53,17 @@ def sliced_sweep(x, weight, bias, k, stats, rows_loss, rows_z, g, forward, grads
     span = rules.SKIP_SPAN if skip else 1
     spans = [(i, min(i + span, len(parts))) for i in range(0, len(parts), span)]  # (a skip's wide tiles)
     wide_grads = k.slices(min(span * cols, v), x.element_size())[1] if span > 1 and not fused else None
-    widths = [w_s.shape[0] for _, w_s, _, _ in parts]
+    widths = [part[1].shape[0] for part in parts]
     wides = 0
 
-    def tile(xt, gt, picked, v0, w_s, b_s, dw_s, db_s, step, acc_g, add_dw, add_dx):
-        """One gradient tile: the logits of xt's rows on w_s's classes made again, dlogits, dW's rows and dx's
-        (a gathered tile's: ``picked``, its rows in the group, summed into acc_g from their own fp32 parts)."""
+    def tile(xg, grp, picked, v0, w_s, b_s, dw_s, db_s, step, acc_g, add_dw, add_dx):
+        """One gradient tile of a group (rows xg, views grp): the logits of its rows on w_s's classes made
+        again, dlogits, dW's rows and dx's; ``picked`` (an index into the group's rows): those rows alone,
+        gathered, their dx summed into acc_g from their own fp32 parts."""
+        xt, gt = xg, grp
+        if picked is not None:
+            xt = torch.index_select(xg, 0, picked, out=xs_buf[: picked.numel() * d].view(-1, d))
+            gt = k.pick(grp, picked)
         logits = buf[: xt.shape[0] * w_s.shape[0]].view(xt.shape[0], w_s.shape[0])
         if fused:  # (the dlogits straight from the GEMM)
             k.fused_grads(xt, w_s, b_s, logits, v0, v, gt)
@@ -86,18 +92,22 @@ def sliced_sweep(x, weight, bias, k, stats, rows_loss, rows_z, g, forward, grads
                 u, uat = unions[j], uat + unions[j]
                 sub = counts[i0:i1]
                 if rules.widen(m, sub, u, widths[i0:i1], d, x.element_size(), buf.numel()):
-                    picked = uidx[uat - u : uat]
-                    xt = torch.index_select(xg, 0, picked, out=xs_buf[: u * d].view(u, d))
-                    v0, v1 = parts[i0][0], parts[i1 - 1][0] + widths[i1 - 1]
-                    db_s = db[v0:v1] if db is not None else None
-                    b_s = bias[v0:v1] if bias is not None else None
-                    tile(xt, k.pick(grp, picked), picked, v0, weight[v0:v1], b_s, dw[v0:v1] if dw is not None else None,
-                         db_s, wide_grads, acc_g, True, False)  # fmt: skip
+                    v0 = parts[i0][0]
+                    tile(
+                        xg,
+                        grp,
+                        uidx[uat - u : uat],
+                        v0,
+                        *cut(v0, v0 + sum(widths[i0:i1])),
+                        wide_grads,
+                        acc_g,
+                        True,
+                        False,
+                    )
                     skipped, at, wides = skipped + (m - u) * (i1 - i0), at + sum(sub), wides + 1
                     continue
             for i in range(i0, i1):
-                v0, w_s, b_s, dw_s = parts[i]
-                picked, xt, gt = None, xg, grp
+                picked = None
                 if counts is not None:
                     c, at = counts[i], at + counts[i]
                     if not c:
@@ -105,11 +115,9 @@ def sliced_sweep(x, weight, bias, k, stats, rows_loss, rows_z, g, forward, grads
                         continue
                     if c <= m * rules.GATHER_SHARE:  # (else the whole group's tile, every pair computed)
                         picked, skipped = idx[at - c : at], skipped + m - c
-                        xt = torch.index_select(xg, 0, picked, out=xs_buf[: c * d].view(c, d))
-                        gt = k.pick(grp, picked)
-                db_s = db[v0 : v0 + cols] if db is not None else None
                 # (a skip's sums start from 0: any slice or group may be skipped)
-                tile(xt, gt, picked, v0, w_s, b_s, dw_s, db_s, grads_step, acc_g, r0 > 0 or summed, v0 > 0 or summed)
+                v0 = parts[i][0]
+                tile(xg, grp, picked, *parts[i], grads_step, acc_g, r0 > 0 or summed, v0 > 0 or summed)
         if acc_g is not None:
             dx[r0:r1].copy_(acc_g)
         return skipped
@@ -122,7 +130,7 @@ def sliced_sweep(x, weight, bias, k, stats, rows_loss, rows_z, g, forward, grads
             grp = k.group(r0, r1, stats, rows_loss, rows_z, run, g, n)
             if forward and not fused:
                 xg, m = x[r0:r1], r1 - r0
-                for i, (v0, w_s, b_s, _) in enumerate(parts):
+                for i, (v0, w_s, b_s, _, _) in enumerate(parts):
                     logits = buf[: m * w_s.shape[0]].view(m, w_s.shape[0])
                     chunk_logits(xg, w_s, b_s, logits)
                     loss_step(logits, v0, v, grp, tops[i, :m] if skip else None)
