@@ -121,6 +121,40 @@ def test_custom_ignore_index_and_int32_targets(device):
     torch.testing.assert_close(fs.cross_entropy(x, t, ignore_index=3, backend="triton").double(), ref)
 
 
+def test_out_of_range_target_raises_under_transforms():
+    """Under torch.func transforms the loss runs as torch ops on a clamped gather: a bad target must still
+    raise (it gave a gradient silently when torch.func.grad wrapped the reshaped target), with the full
+    message where the target can be read (a plain one, as fs.cross_entropy gets it) and a gather's where it
+    cannot (vmap batches it; linear_cross_entropy's is reshaped inside the transform), naming the function.
+    A good target still gives torch's gradient and values."""
+    x, t = data("cpu", torch.float32, (4,), 9)
+    w = torch.randn(9, 5, dtype=torch.float64)
+    h = torch.randn(4, 5, dtype=torch.float64)
+    for bad in (9, -5):
+        t[2] = bad
+        for fn, call in (
+            ("cross_entropy", lambda: torch.func.grad(lambda a: fs.cross_entropy(a, t))(x)),
+            ("cross_entropy", lambda: torch.func.jacrev(lambda a: fs.cross_entropy(a, t, reduction="none"))(x)),
+            ("linear_cross_entropy", lambda: torch.func.grad(lambda a: fs.linear_cross_entropy(a, w, t))(h)),
+        ):
+            full = fn == "cross_entropy"
+            with pytest.raises(IndexError, match=rf"^{fn}: (target {bad} at row 2|a target) is outside" if not full
+                               else rf"^{fn}: target {bad} at row 2 is outside"):  # fmt: skip
+                call()
+        bt = torch.stack([t % 9, t])  # (the first row good, the second bad: read by no host code)
+        for fn, call in (
+            ("cross_entropy", lambda bt=bt: torch.func.vmap(lambda tt: fs.cross_entropy(x, tt))(bt)),
+            ("linear_cross_entropy", lambda bt=bt: torch.func.vmap(lambda tt: fs.linear_cross_entropy(h, w, tt))(bt)),
+        ):
+            with pytest.raises(IndexError, match=rf"^{fn}: a target is outside \[0, 9\)"):
+                call()
+    t[2] = 4
+    grad = torch.func.grad(lambda a: fs.cross_entropy(a, t))(x.double())
+    torch.testing.assert_close(grad, torch.func.grad(lambda a: F.cross_entropy(a, t))(x.double()))
+    ok = torch.func.vmap(lambda tt: fs.cross_entropy(x.double(), tt))(torch.stack([t, t.roll(1)]))
+    torch.testing.assert_close(ok, torch.stack([F.cross_entropy(x.double(), tt) for tt in (t, t.roll(1))]))
+
+
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_out_of_range_target_raises(device, backend):
     """On the CPU at once (the Triton path: the host's check before any launch; the kernels' own flag is

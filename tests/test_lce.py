@@ -174,14 +174,18 @@ def test_no_rows(device, backend):
 
 
 def test_out_of_range_target():
-    """A target outside [0, V) that is not ignore_index raises (CPU: at once), as fs.cross_entropy."""
+    """A target outside [0, V) that is not ignore_index raises on CPU tensors before any chunk or tile runs
+    (no plan recorded), naming linear_cross_entropy, on every design and budget."""
     x, w, t, b = problem("cpu", torch.float32, (4,), 8, 9)
     for backend in ("torch", "triton") if os.environ.get("TRITON_INTERPRET") == "1" else ("torch",):
         for bad in (9, -5):
             t[2] = bad
-            for design in DESIGNS:
-                with heuristics.force(path=design), pytest.raises(IndexError, match="outside"):
-                    fs.linear_cross_entropy(x.requires_grad_(), w, t, b, backend=backend)
+            for design, memory in [(d, None) for d in DESIGNS] + [(None, 64), ("lce_sliced", 64)]:
+                force = {"path": design} if design else {}
+                with heuristics.force(**force), heuristics.recording() as plans:
+                    with pytest.raises(IndexError, match=rf"^linear_cross_entropy: target {bad} at row 2 "):
+                        fs.linear_cross_entropy(x.requires_grad_(), w, t, b, backend=backend, memory=memory)
+                assert plans == [], (design, memory, plans)
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])

@@ -59,12 +59,21 @@ def softmax(fn: str, x, dim, dtype, backend) -> tuple[int, torch.dtype]:
     return dim % ndim, (dtype or x.dtype)
 
 
-def targets(t: torch.Tensor, v, ignore_index: int, fn: str = "cross_entropy") -> None:
+def targets(t: torch.Tensor, v, ignore_index: int, fn: str = "cross_entropy", readable: bool = True) -> None:
     """Raise when a target is outside [0, v) and not ignore_index (``v``: an int or a 0-d tensor), comparing
     as int64 whatever the target's integer dtype (uint8 would wrap -100 to 156). On a GPU through
     torch._assert_async (no host synchronisation: the error surfaces at the next synchronising call). The
-    Triton kernels make the same check on the device as they read the targets."""
+    Triton kernels make the same check on the device as they read the targets. ``readable`` False (a target
+    inside a torch.func transform, which vmap may batch: no value can be read on the host): a gather that
+    raises on a bad index, as torch's own loss does (on a GPU, a device-side assertion)."""
     t = t.long()
+    if not readable:
+        kept = torch.where(t == ignore_index, 0, t).reshape(-1, 1)
+        try:
+            torch.zeros((), device=t.device).expand(kept.shape[0], int(v)).gather(1, kept)
+        except RuntimeError as e:
+            raise IndexError(f"{fn}: a target is outside [0, {int(v)}) and not ignore_index") from e
+        return
     bad = ((t < 0) | (t >= v)) & (t != ignore_index)
     if t.is_cuda:
         torch._assert_async(~bad.any(), f"{fn}: a target is outside [0, V) and not ignore_index")

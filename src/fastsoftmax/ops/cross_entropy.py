@@ -139,15 +139,18 @@ def dlogits_differentiable(logits, target, class_weight, stats, grad, *opts):
     return dx.to(logits.dtype).reshape(logits.shape)
 
 
-def composite(logits, target, class_weight, ignore_index, reduction, smoothing, softcap, z_loss, backend, out_dtype):
+def composite(
+    logits, target, class_weight, ignore_index, reduction, smoothing, softcap, z_loss, backend, out_dtype,
+    fn="cross_entropy",
+):  # fmt: skip
     """The loss in torch ops, differentiable to any order (torch.func transforms), as (loss, z-loss, None);
-    targets are checked where they are plain tensors (a batched one cannot be read: its gather raises on a
-    bad index)."""
+    targets checked first, the error naming ``fn`` (one made inside the transform, which vmap may batch, by
+    a gather that raises: checks.targets)."""
     heuristics.record(heuristics.Plan("torch", "composite"))
     o = Loss(ignore_index, reduction, smoothing, softcap, z_loss)
-    x, t = logits.reshape(-1, logits.shape[-1]), target.reshape(-1)
-    if not torch._C._functorch.is_functorch_wrapped_tensor(t):
-        checks.targets(t, x.shape[-1], ignore_index)
+    readable = not torch._C._functorch.is_functorch_wrapped_tensor(target)  # (not t: under torch.func.grad
+    x, t = logits.reshape(-1, logits.shape[-1]), target.reshape(-1)  # even a reshape of a plain tensor is wrapped)
+    checks.targets(t, x.shape[-1], ignore_index, fn, readable)
     ce, zr, lse = loss_rows_torch(x, t, o, class_weight)
     kept, w_kept = kept_rows(t, ignore_index, class_weight, x.shape[-1], lse.dtype)
     loss, z = reduce_terms(ce, zr, kept, w_kept, reduction, out_dtype)

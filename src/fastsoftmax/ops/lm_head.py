@@ -54,6 +54,8 @@ def _sweep(x, weight, bias, t, cw, o, backend, memory, design, wants, g=None, st
     forward = stats is None
     wide = torch.float64 if x.dtype == torch.float64 else torch.float32
     loss_impl = _loss_impl(x, backend) if n else TorchSteps
+    if forward and not (t.is_cuda and loss_impl is TritonSteps):  # (the Triton loss asserts on the device)
+        checks.targets(t, v, o.ignore_index, "linear_cross_entropy")  # (before any chunk)
     k = loss_impl(x, t, cw, o, v)
     forced = (heuristics.forced() or {}).get("path")
     skip = skip if k.name == "triton" and stats is None and design == "lce_chunked" and any(wants) else 0.0
@@ -88,8 +90,6 @@ def _sweep(x, weight, bias, t, cw, o, backend, memory, design, wants, g=None, st
     out = torch.empty(n if o.reduction == "none" else (), dtype=out_dtype, device=x.device)
     zout = torch.empty_like(out)
     k.finish(rows_loss, rows_z, stats, out, zout, n, v)
-    if k.name != "triton" or (not t.is_cuda and not stats[n + 1].item()):  # (on a GPU: ce_finish asserts)
-        checks.targets(t, v, o.ignore_index)  # (the kernels never read out of range)
     return out, zout, stats, dx, dw, db
 
 
@@ -228,7 +228,9 @@ def composite(x, weight, target, bias, class_weight, ii, reduction, eps, cap, zl
     transforms and create_graph=True. Holds the full logits."""
     out_dtype = rest[-1]
     logits = torch.nn.functional.linear(x, weight, bias)
-    loss, z, _ = ce_composite(logits, target, class_weight, ii, reduction, eps, cap, zl, backend, out_dtype)
+    loss, z, _ = ce_composite(
+        logits, target, class_weight, ii, reduction, eps, cap, zl, backend, out_dtype, "linear_cross_entropy"
+    )
     heuristics.record(heuristics.Plan("torch", "composite"))
     empty = x.new_empty(0)
     return loss, z, None, empty, empty, empty
