@@ -79,7 +79,7 @@ lcebench)
     grep -E "^N,|skip|mem|cce |floor|rc=" "$out/h200_lce.txt" "$out/h200_lce_s05.txt"
     ;;
 train)
-    for s in 1x4096 1x8192 8x1024; do  # (a shape a run: each file is kept even when a later shape times out)
+    for s in 1x4096 1x8192 8x1024; do  # (a shape a run, its file written after every variant: a cap keeps what ran)
         timeout 175 python3 dev/train_step.py "$out/ts_$s.json" --shapes "$s" --timeout 80 \
             --variants unpatched fastsoftmax liger cce liger_all fastsoftmax_eager > "$out/ts_$s.txt" 2>&1
         echo "train $s rc=$?" >> "$out/ts_$s.txt"

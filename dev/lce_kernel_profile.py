@@ -1,7 +1,7 @@
 """Where the LM-head loss's GPU time goes at CCE's memory (issue 40): per shape, the three-GEMM floor, then
 fs.linear_cross_entropy forward + backward to dx and dW at a small budget (fastsoftmax_mem), the same with
-the fused forward forced (lce_fused), with skip_eps (fastsoftmax_skip; fused too) and at the default
-budget. For each: the median time of eager calls (CUDA events); the host's time to issue a call while the
+the fused forward forced (lce_fused), with skip_eps (fastsoftmax_skip; fused and lce_sliced forced too) and
+at the default budget. For each: the median time of eager calls (CUDA events); the host's time to issue a call while the
 GPU is busy (host_ms); the call replayed from a CUDA graph (no host in the way; not for the skip, which
 synchronises); one call under torch.profiler: kernel time by kind (GEMMs, the loss kernels, the rest), the
 GPU's busy time (the union of kernel intervals) and its span. Eager minus replayed is what the host costs
@@ -130,7 +130,8 @@ def run_shape(n: int, d: int, v: int, spread: float, memory: int | None) -> list
     variants = {"floor": floor}
     skip = dict(memory=budget, skip_eps=lce.SKIP_EPS)
     for name, kw, path in (("mem", dict(memory=budget), None), ("fused", dict(memory=budget), "lce_fused"),
-                           ("skip", skip, None), ("fused_skip", skip, "lce_fused"), ("default", {}, None)):  # fmt: skip
+                           ("skip", skip, None), ("fused_skip", skip, "lce_fused"), ("sliced_skip", skip, "lce_sliced"),
+                           ("default", {}, None)):  # fmt: skip
 
         def step(kw=kw, path=path):
             with heuristics.force(**({"path": path} if path else {})):

@@ -333,7 +333,8 @@ def main(argv=None) -> int:
         raise SystemExit("train_step: --steps at least 1, --warmup at least 0, at least 2 tokens a row")
     common = ["--warmup", str(args.warmup), "--steps", str(args.steps)]
     common += ["--tiny"] if args.tiny else []
-    records = []
+    records: list[dict] = []
+    result = _write(args, records)
     for batch, seq in shapes:
         for variant in args.variants:
             cmd = [sys.executable, os.path.abspath(__file__), args.out, *common, "--worker", f"{variant}:{batch}x{seq}"]
@@ -353,6 +354,13 @@ def main(argv=None) -> int:
             rec["wall_s"] = round(time.perf_counter() - t0, 1)
             print(json.dumps({k: v for k, v in rec.items() if k not in ("step_ms", "losses")}), flush=True)
             records.append(rec)
+            result = _write(args, records)  # (after every variant: a run cut short keeps what it finished)
+    for line in result["summary"]:
+        print(json.dumps(line))
+    return 0
+
+
+def _write(args, records: list[dict]) -> dict:
     result = dict(
         what="one training step (forward, backward, AdamW), bf16, random init, Llama-3.2-1B shape"
         + (" (--tiny: CPU, 2 layers)" if args.tiny else ""),
@@ -364,9 +372,7 @@ def main(argv=None) -> int:
     )
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
-    for line in result["summary"]:
-        print(json.dumps(line))
-    return 0
+    return result
 
 
 if __name__ == "__main__":
