@@ -287,6 +287,28 @@ def test_negated_views_are_their_values(device, backend):
             torch.testing.assert_close(dx, torch.softmax(-x, -1).sub(torch.nn.functional.one_hot(t, 33)).div(6))
 
 
+def test_negated_views_are_never_replayed_from_memory():
+    """A replay runs what the first call recorded on the tensors it is given, so a negated view's call is
+    never recorded: its full path reads the values. Found by a review: on CPU tensors the torch path's
+    second call read the memory, fp16 log_softmax past a chunk (its fp32 copy drops the negation: off by up
+    to 9.3), and a backward's fully masked row of y (read through its memory) gave dy instead of 0."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(130, 2049, generator=g).half()  # (more than native.CHUNK elements: the chunked fp32 copy)
+    x[3] = float("-inf")  # (its value, +inf, makes the row NaN)
+    want = torch.log_softmax(-x.double(), -1)
+    for _ in range(3):
+        got = fs.log_softmax(torch._neg_view(x))
+        torch.testing.assert_close(got.double(), want, atol=4e-3, rtol=4e-3, equal_nan=True)
+    x = torch.randn(4, 37, generator=g)
+    x[2] = float("-inf")
+    dy = torch.randn(4, 37, generator=g)
+    y = fs.log_softmax(x)  # (its row 2 -inf: fully masked)
+    want = fs.log_softmax_backward(dy, y)
+    assert (want[2] == 0).all() and not want[[0, 1, 3]].eq(0).all()
+    for _ in range(3):
+        assert torch.equal(fs.log_softmax_backward(dy, torch._neg_view(-y)), want)
+
+
 def test_negated_views_in_the_lm_head_loss(device):
     """linear_cross_entropy with a lazily negated upstream gradient and class weights (their memory is -their
     value): the gradients of the values, on the Triton kernels (the interpreter on the CPU)."""

@@ -70,13 +70,16 @@ def loss_key(tensors: tuple, *options):
 
 def replayable(*tensors) -> bool:
     """Whether a call on ``tensors`` (None entries skipped) may be keyed and recorded: tensors of type
-    torch.Tensor, all CUDA or all CPU, replays on, outside heuristics.force."""
+    torch.Tensor, all CUDA or all CPU, none a lazily negated view (the full path reads its values; what it
+    records would read the replay's inputs' memory), replays on, outside heuristics.force."""
     if not ENABLED or _overridden():  # (under force nothing is recorded: a forced path is not the call's)
         return False
     cuda = None
     for t in tensors:
         if t is not None:
             if type(t) is not torch.Tensor or not (t.is_cuda or t.is_cpu) or cuda not in (None, t.is_cuda):
+                return False
+            if t.is_neg():
                 return False
             cuda = t.is_cuda
     return True
