@@ -148,8 +148,9 @@ def composite(
     a gather that raises: checks.targets)."""
     heuristics.record(heuristics.Plan("torch", "composite"))
     o = Loss(ignore_index, reduction, smoothing, softcap, z_loss)
-    readable = not torch._C._functorch.is_functorch_wrapped_tensor(target)  # (not t: under torch.func.grad
-    x, t = logits.reshape(-1, logits.shape[-1]), target.reshape(-1)  # even a reshape of a plain tensor is wrapped)
+    # (the target as given, not t: under torch.func.grad even a reshape of a plain tensor is wrapped)
+    readable = not torch._C._functorch.is_functorch_wrapped_tensor(target)
+    x, t = logits.reshape(-1, logits.shape[-1]), target.reshape(-1)
     checks.targets(t, x.shape[-1], ignore_index, fn, readable)
     ce, zr, lse = loss_rows_torch(x, t, o, class_weight)
     kept, w_kept = kept_rows(t, ignore_index, class_weight, x.shape[-1], lse.dtype)
