@@ -156,7 +156,8 @@ STEP_SHARE = 4  # a training step's LM-head loss (integrations' apply): logits o
 # time. The loss runs at the step's activation peak and the backward's peak is dW above it; the default
 # 2048-row chunk (525 MB at Llama 3.2 1B's 128256 classes) put the step's peak 2.7% above CCE's, dW / 4 at
 # +0.09% (4096 tokens) and level (8192, 8 x 1024) for 1-1.5% of the step's time; dW / 8 level too, 7-9% slower
-# (the default at every length: bench/results/h100_train_step.json)
+# (the default at every length: bench/results/h100_train_step.json; the H200's, h200_train_step.json: +0.09%
+# at 4096 tokens, the lowest at 8192 and 8 x 1024, and the fastest of the four at each)
 
 
 def step_memory(weight) -> int:
