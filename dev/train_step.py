@@ -334,7 +334,14 @@ def main(argv=None) -> int:
     common = ["--warmup", str(args.warmup), "--steps", str(args.steps)]
     common += ["--tiny"] if args.tiny else []
     records: list[dict] = []
-    result = _write(args, records)
+    head = dict(
+        what="one training step (forward, backward, AdamW), bf16, random init, Llama-3.2-1B shape"
+        + (" (--tiny: CPU, 2 layers)" if args.tiny else ""),
+        model=TINY if args.tiny else LLAMA_1B,
+        environment=_environment(args),
+        versions=_versions(),
+    )
+    result = _write(args.out, head, records)
     for batch, seq in shapes:
         for variant in args.variants:
             cmd = [sys.executable, os.path.abspath(__file__), args.out, *common, "--worker", f"{variant}:{batch}x{seq}"]
@@ -354,23 +361,15 @@ def main(argv=None) -> int:
             rec["wall_s"] = round(time.perf_counter() - t0, 1)
             print(json.dumps({k: v for k, v in rec.items() if k not in ("step_ms", "losses")}), flush=True)
             records.append(rec)
-            result = _write(args, records)  # (after every variant: a run cut short keeps what it finished)
+            result = _write(args.out, head, records)  # (after every variant: a run cut short keeps what ran)
     for line in result["summary"]:
         print(json.dumps(line))
     return 0
 
 
-def _write(args, records: list[dict]) -> dict:
-    result = dict(
-        what="one training step (forward, backward, AdamW), bf16, random init, Llama-3.2-1B shape"
-        + (" (--tiny: CPU, 2 layers)" if args.tiny else ""),
-        model=TINY if args.tiny else LLAMA_1B,
-        environment=_environment(args),
-        versions=_versions(),
-        records=records,
-        summary=_summary(records),
-    )
-    with open(args.out, "w") as f:
+def _write(out: str, head: dict, records: list[dict]) -> dict:
+    result = head | dict(records=records, summary=_summary(records))
+    with open(out, "w") as f:
         json.dump(result, f, indent=1)
     return result
 
