@@ -196,6 +196,9 @@ def test_errors_before_launch():
         fs.cross_entropy(x, torch.zeros(4, dtype=torch.long), reduction="avg")
     with pytest.raises(ValueError, match="label_smoothing"):
         fs.cross_entropy(x, torch.zeros(4, dtype=torch.long), label_smoothing=1.5)
+    for ii in (2**63, -(2**63) - 1):  # (torch's own message was "Overflow when unpacking long long")
+        with pytest.raises(ValueError, match="cross_entropy: ignore_index must fit in int64"):
+            fs.cross_entropy(x, torch.zeros(4, dtype=torch.long), ignore_index=ii)
     # the custom op called directly checks its options too (it used to take reduction="avg" as the mean)
     t = torch.zeros(4, dtype=torch.long)
     with pytest.raises(ValueError, match="reduction"):

@@ -341,6 +341,7 @@ def test_errors_before_launch(device):
         ((TypeError, ValueError), lambda: lce(x, w, t, b, memory="1024")),
         (ValueError, lambda: lce(x, w, t, b, reduction="avg")),
         (ValueError, lambda: lce(x, w, t, b, label_smoothing=1.5)),
+        (ValueError, lambda: lce(x, w, t, b, ignore_index=2**63)),
         (ValueError, lambda: lce(x, w, t, b, backend="cuda")),
         ((TypeError, ValueError), lambda: lce(x, w, t, b, class_weight=torch.ones(8, device=device))),
         ((TypeError, ValueError), lambda: lce(x, w, t, b, class_weight=[1.0] * 9)),

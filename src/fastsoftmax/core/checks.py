@@ -18,6 +18,7 @@ DEVICES = ("cpu", "cuda")  # devices with a path (meta tensors: the custom ops' 
 
 _FLOATS = frozenset(dtypes.FLOATS)
 _BACKENDS = frozenset(BACKENDS)
+_I64 = (-(2**63), 2**63 - 1)  # ignore_index's range: the targets' widest dtype
 
 
 def softmax(fn: str, x, dim, dtype, backend) -> tuple[int, torch.dtype]:
@@ -116,6 +117,8 @@ def loss_options(fn: str, ignore_index, reduction, label_smoothing) -> None:
         raise ValueError(f"{fn}: label_smoothing must be in [0, 1], got {label_smoothing}")
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
         raise TypeError(f"{fn}: ignore_index must be an int")
+    if not _I64[0] <= ignore_index <= _I64[1]:  # (torch's own message: an overflow unpacking a long long)
+        raise ValueError(f"{fn}: ignore_index must fit in int64, got {ignore_index}")
 
 
 def target(fn: str, logits, target) -> None:
@@ -165,6 +168,7 @@ def cross_entropy(logits, tgt, ignore_index, reduction, label_smoothing, backend
         and logits.dtype in _FLOATS
         and tgt.dtype in _TARGETS
         and type(ignore_index) is int
+        and _I64[0] <= ignore_index <= _I64[1]
         and type(reduction) is str
         and reduction in _REDUCTIONS
         and type(label_smoothing) is float
