@@ -325,3 +325,34 @@ def test_negated_views_in_the_lm_head_loss(device):
     torch.testing.assert_close(loss.double(), ref.detach(), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(dx, rx.float(), rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(dw, rw.float(), rtol=1e-4, atol=1e-5)
+
+
+def test_force_blocks_of_two_threads_end_out_of_order():
+    """force() is process-wide; a block that ends while another thread's later block is still open removes
+    its own overrides only (a regression test: the blocks were a stack closed with pop(), so the open block
+    then ran under the closed one's overrides and poison flag)."""
+    import threading
+
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+    seen = {}
+
+    def first():
+        with heuristics.force(path="online", block_n=256):
+            a_in.set()
+            b_in.wait(10)
+        a_out.set()
+
+    def second():
+        a_in.wait(10)
+        with heuristics.force(path="rowblock", poison=True):
+            b_in.set()
+            a_out.wait(10)
+            seen["inside"] = (heuristics.forced(), heuristics.poisoning())
+        seen["after"] = (heuristics.forced(), heuristics.overridden())
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert seen == {"inside": ({"path": "rowblock"}, True), "after": (None, 0)}, seen

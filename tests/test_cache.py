@@ -110,6 +110,42 @@ def test_refused_entries_are_rebuilt(cdir):
     assert cache.load("b.bin") == b"B" * 100
 
 
+def test_special_files_at_an_entry_are_refused_without_blocking(cdir):
+    """A directory or a FIFO where an entry should be: refused with a warning naming it, the cache then written
+    anew (a regression test: a directory's read escaped load() as IsADirectoryError, which took the kernel
+    launcher down for the whole process, and opening a FIFO blocked the first launch forever)."""
+    cdir.mkdir(mode=0o700)
+    (cdir / "dir.bin").mkdir()
+    os.mkfifo(cdir / "fifo.bin")
+    done = []
+    worker = threading.Thread(target=lambda: done.append([cache.load("dir.bin"), cache.load("fifo.bin")]), daemon=True)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        worker.start()
+        worker.join(timeout=20)
+    assert done == [[None, None]], "load() blocked on a FIFO"
+    said = " ".join(str(w.message) for w in seen)
+    assert "dir.bin: it is not a regular file" in said and "fifo.bin: it is not a regular file" in said, said
+    assert not (cdir / "fifo.bin").exists()  # (removed: ours; a directory stays)
+    assert cache.store("fifo.bin", b"F") == cdir / "fifo.bin" and cache.load("fifo.bin") == b"F"
+
+
+def test_cache_directory_paths(tmp_path, monkeypatch):
+    """A relative XDG_CACHE_HOME is ignored, as the XDG spec asks (it named a cache per working directory); a
+    symbolic link given as the directory is refused saying so (it was "not a directory")."""
+    monkeypatch.delenv("FASTSOFTMAX_CACHE_DIR", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/cache")
+    assert cache.root() == tmp_path / "home" / ".cache" / "fastsoftmax" / "cuda"
+    real = tmp_path / "real"
+    real.mkdir(mode=0o700)
+    (tmp_path / "link").symlink_to(real)
+    monkeypatch.setenv("FASTSOFTMAX_CACHE_DIR", str(tmp_path / "link"))
+    monkeypatch.setattr(cache, "_problems", {})
+    with pytest.warns(RuntimeWarning, match="a symbolic link"):
+        assert cache.directory() is None
+
+
 @pytest.mark.skipif(not ROOT, reason="needs root, to give a file to another user")
 def test_entries_of_another_user_are_refused(cdir):
     cache.store("a.bin", b"x")

@@ -357,5 +357,50 @@ def test_errors_before_launch(device):
         with pytest.raises(exc):
             call()
         assert heuristics.last_plan() is sentinel, f"case {i} ran something before raising"
-    with pytest.raises((TypeError, ValueError)):
-        fs.LinearCrossEntropy(8, 9, reduction="avg")(x, t)
+    for bad_option in ({"reduction": "avg"}, {"z_loss": -1.0}, {"softcap": 0.0}, {"memory": 0}, {"skip_eps": 2.0},
+                       {"backend": "cuda"}, {"return_z_loss": 1}, {"class_weight": torch.ones(8)}):  # fmt: skip
+        with pytest.raises((TypeError, ValueError), match="LinearCrossEntropy"):  # (at construction)
+            fs.LinearCrossEntropy(8, 9, device=device, **bad_option)
+
+
+def test_custom_ops_called_directly_check_their_arguments(device):
+    """torch.ops.fastsoftmax.linear_cross_entropy and its backward called directly check their arguments as
+    the public function does, and the design; the backward's real and fake outputs agree (regression tests:
+    neither op checked anything, the backward's real db for want_b without a bias was (V,) where its fake
+    said (0,), and a per-row loss under lce_chunked failed inside torch ops)."""
+    ops = torch.ops.fastsoftmax
+    x, w, t, _ = problem(device, torch.float32, (5,), 4, 7, bias=False)
+    opts = (-100, "mean", 0.0, None, 0.0, 0, "auto")
+    loss, _, stats, *_ = ops.linear_cross_entropy(x, w, t, None, None, *opts, "lce_recompute", 0.0, 1, 1, 1,
+                                                  torch.float32)  # fmt: skip
+    g = torch.ones((), device=device)
+    args = (x, w, t, None, None, stats, g, *opts, True, True, True)
+    torch.library.opcheck(ops.linear_cross_entropy_backward.default, args, test_utils=("test_faketensor",))
+    dx, dw, db = ops.linear_cross_entropy_backward(*args)
+    assert dx.shape == x.shape and dw.shape == w.shape and db.shape == (0,)
+    fwd = (x, w, t, None, None, -100)
+    bad = [
+        (ValueError, "unknown design", lambda: ops.linear_cross_entropy(*fwd, "mean", 0.0, None, 0.0, 0, "auto",
+                                                                       "no_such", 0.0, 1, 1, 0, torch.float32)),
+        (ValueError, "lce_chunked", lambda: ops.linear_cross_entropy(*fwd, "none", 0.0, None, 0.0, 0, "auto",
+                                                                    "lce_chunked", 0.0, 1, 1, 0, torch.float32)),
+        (ValueError, "reduction", lambda: ops.linear_cross_entropy(*fwd, "avg", 0.0, None, 0.0, 0, "auto",
+                                                                  "lce_recompute", 0.0, 1, 1, 0, torch.float32)),
+        (ValueError, "softcap", lambda: ops.linear_cross_entropy(*fwd, "mean", 0.0, -1.0, 0.0, 0, "auto",
+                                                                "lce_recompute", 0.0, 1, 1, 0, torch.float32)),
+        (ValueError, "memory", lambda: ops.linear_cross_entropy(*fwd, "mean", 0.0, None, 0.0, -5, "auto",
+                                                               "lce_recompute", 0.0, 1, 1, 0, torch.float32)),
+        (ValueError, "2-d", lambda: ops.linear_cross_entropy(x[None], w, t[None], None, None, -100, "mean", 0.0,
+                                                            None, 0.0, 0, "auto", "lce_recompute", 0.0, 1, 1, 0,
+                                                            torch.float32)),
+        (ValueError, "stats", lambda: ops.linear_cross_entropy_backward(x, w, t, None, None, stats[:-1], g, *opts,
+                                                                       True, True, True)),
+        (ValueError, "backend", lambda: ops.linear_cross_entropy_backward(x, w, t, None, None, stats, g, -100,
+                                                                         "mean", 0.0, None, 0.0, 0, "cuda",
+                                                                         True, True, True)),
+    ]  # fmt: skip
+    for exc, match, call in bad:
+        sentinel = heuristics.record(heuristics.Plan("none", match))
+        with pytest.raises(exc, match=match):
+            call()
+        assert heuristics.last_plan() is sentinel, f"{match}: ran something before raising"

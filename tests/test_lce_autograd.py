@@ -1,6 +1,7 @@
 """fs.linear_cross_entropy under autograd and torch's transforms, against the float64 reference
 (tests/lce_reference.py): requires_grad subsets and no-grad calls, gradcheck in float64, double backward,
-torch.func.grad, torch.compile, autocast (the loss in float32), fake tensors."""
+torch.func.grad, torch.compile (the options as symbolic floats too), graphs captured by torch.export and
+jit.trace, autocast (the loss in float32), fake tensors."""
 
 import pytest
 import torch
@@ -124,6 +125,73 @@ def test_torch_compile_fullgraph(device):
     assert_near(loss, ref[0], base[0], "loss", LOSS_ATOL)
     for k in "xwb":
         assert_near(grads[k], ref[2][k], base[2][k], f"d{k}")
+
+
+def test_captured_graphs_hold_no_grad_flags(device):
+    """A graph captured by torch.export or torch.jit.trace serves calls whose requires_grad and grad mode differ
+    from the example's (a regression test: the op took the example's flags as constants, so an export made with
+    an x not requiring grad failed in backward once x did, "invalid gradient ... got [0]", a trace made with grad
+    on computed dx and dW in every no_grad forward, and jit.trace's own check, which traces again under no_grad,
+    found two graphs). Gradients against the reference; the captured op asks for no gradients."""
+    x, w, t, _ = problem(device, torch.float32, (6,), 8, 11, bias=False, seed=14)
+
+    class Head(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(w.clone())
+
+        def forward(self, a, tgt):
+            return fs.linear_cross_entropy(a, self.weight, tgt)
+
+    head = Head()
+
+    def unit(compute, a, c):  # (loss, dx, dW) for an upstream gradient of 1, as loss.backward() gives
+        a, c = a.clone().requires_grad_(), c.clone().requires_grad_()
+        loss = torch_lce(a, c, t, None, compute)[0]
+        return loss.detach(), *torch.autograd.grad(loss, (a, c))
+
+    ref, base = unit(torch.float64, x.double(), w.double()), unit(torch.float32, x, w)
+    exported = torch.export.export(head, (x, t))  # (x without grad, the weight with it: the usual example)
+    ops = [n for n in exported.graph.nodes if "linear_cross_entropy" in str(n.target)]
+    assert len(ops) == 1 and not any(a is True for a in ops[0].args), ops[0].args
+    with torch.no_grad():
+        traced = torch.jit.trace(head, (x, t))  # (check_trace on: the check traces again)
+    for captured in (exported.module(), traced):
+        a = x.clone().requires_grad_()
+        captured.weight.grad = None
+        loss = captured(a, t)
+        loss.backward()
+        got = (loss.detach(), a.grad, captured.weight.grad)
+        for what, g, r, bs in zip(("loss", "dx", "dW"), got, ref, base, strict=True):
+            assert_near(g, r, bs, what, LOSS_ATOL if what == "loss" else 1.0)
+
+
+def test_compile_fullgraph_with_symbolic_float_options():
+    """torch.compile(fullgraph=True) with the loss options as symbolic floats: dynamic=True, and a z_loss or
+    softcap that changes between calls (automatic dynamic makes it a SymFloat on the recompile). A regression
+    test: the options' finiteness check called math.isfinite, which Dynamo cannot trace, and every such call
+    failed. Values and gradients as eager's."""
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(6, 16, generator=g), torch.randn(37, 16, generator=g)
+    t = torch.randint(0, 37, (6,), generator=g)
+    calls = {
+        "linear_cross_entropy": lambda a, c, v: fs.linear_cross_entropy(a, c, t, z_loss=v),
+        "cross_entropy": lambda a, c, v: fs.cross_entropy(a @ c.t(), t, softcap=30.0 + v, z_loss=v),
+    }
+    for name, fn in calls.items():
+        for dynamic in (True, None):
+            torch._dynamo.reset()
+            compiled = torch.compile(fn, fullgraph=True, dynamic=dynamic, backend="aot_eager")
+            for v in (1e-3, 2e-3, 0.0):
+                a, c = x.clone().requires_grad_(), w.clone().requires_grad_()
+                got = compiled(a, c, v)
+                got_grads = torch.autograd.grad(got, (a, c))
+                a, c = x.clone().requires_grad_(), w.clone().requires_grad_()
+                want = fn(a, c, v)
+                want_grads = torch.autograd.grad(want, (a, c))
+                torch.testing.assert_close(got, want, msg=f"{name} dynamic={dynamic} v={v}")
+                for gg, ww in zip(got_grads, want_grads, strict=True):
+                    torch.testing.assert_close(gg, ww, msg=f"{name} dynamic={dynamic} v={v}: grads")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)

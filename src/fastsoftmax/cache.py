@@ -31,7 +31,7 @@ _lock = threading.Lock()
 
 def _home_cache() -> Path | None:
     xdg = os.environ.get("XDG_CACHE_HOME")
-    if xdg:
+    if xdg and os.path.isabs(xdg):  # (the XDG spec: a relative one is invalid, ignored)
         return Path(xdg) / "fastsoftmax" / "cuda"
     try:
         return Path.home() / ".cache" / "fastsoftmax" / "cuda"
@@ -75,7 +75,10 @@ def directory() -> Path | None:
         _refuse(d, f"cannot create it ({e.strerror or e})", "directory")
         return None
     if not stat.S_ISDIR(st.st_mode):
-        _refuse(d, "it is not a directory", "directory")
+        why = (
+            "it is a symbolic link (name the directory itself)" if stat.S_ISLNK(st.st_mode) else "it is not a directory"
+        )
+        _refuse(d, why, "directory")
         return None
     if why := _owned_privately(st):
         _refuse(d, why, "directory")
@@ -101,17 +104,24 @@ def load(name: str) -> bytes | None:
     if d is None:
         return None
     path = d / name
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    try:  # (O_NONBLOCK: opening a FIFO planted there must not wait for a writer)
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
     except FileNotFoundError:
         return None
     except OSError as e:
         _refuse(path, f"cannot open it ({e.strerror or e})", "entry")
         return None
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
+    try:
+        st = os.fstat(fd)
         why = "it is not a regular file" if not stat.S_ISREG(st.st_mode) else _owned_privately(st)
-        raw = f.read() if why is None else b""
+        raw = b""
+        if why is None:
+            with os.fdopen(os.dup(fd), "rb") as f:
+                raw = f.read()
+    except OSError as e:
+        why = f"cannot read it ({e.strerror or e})"
+    finally:
+        os.close(fd)
     if why is None:
         n = len(_header(name, b""))
         if raw[:n] == _header(name, raw[n:]):

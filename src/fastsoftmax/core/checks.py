@@ -197,7 +197,7 @@ def cross_entropy(logits, tgt, ignore_index, reduction, label_smoothing, backend
 def _number(fn: str, name: str, value) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{fn}: {name} must be a float, got {type(value).__name__}")
-    if not math.isfinite(value):
+    if not -math.inf < value < math.inf:  # (not math.isfinite: Dynamo traces comparisons of a SymFloat)
         raise ValueError(f"{fn}: {name} must be finite, got {value}")
     return float(value)
 

@@ -26,6 +26,7 @@ dispatch_modes = torch._C._len_torch_dispatch_stack
 tracing = torch._C._get_tracing_state
 # (torch.compile's Dynamo folds this to True as it traces; export and AOT tracing run under a dispatch mode)
 compiling = getattr(torch.compiler, "is_dynamo_compiling", torch.compiler.is_compiling)
+exporting = getattr(torch.compiler, "is_exporting", lambda: False)
 grad_enabled = torch.is_grad_enabled
 PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
@@ -45,6 +46,13 @@ def is_dtensor(t) -> bool:
 def transformed() -> bool:
     """Inside a torch.func transform or a forward-mode AD level."""
     return transforms_active() or _fwad._current_level >= 0
+
+
+def guarded() -> bool:
+    """Whether a graph being captured now is re-captured when grad mode or an input's requires_grad changes:
+    torch.compile's (Dynamo guards on them), not torch.export's, torch.jit.trace's or make_fx's. An op whose
+    work depends on them takes them as arguments only then."""
+    return compiling() and not exporting()
 
 
 def route(*tensors) -> str:
@@ -148,6 +156,8 @@ class Op:
     def __init__(self, name, impl, fake, schema: str | None, *, setup_context=None, backward=None, jvp=None, vmap=None,
                  func=None, checked=None):  # fmt: skip
         op_impl = checked or impl
+        if schema is None and checked is not None:  # (impl's annotations give it: checked() need not repeat them)
+            schema = torch.library.infer_schema(impl, mutates_args=())
         self.custom = torch.library.custom_op(f"fastsoftmax::{name}", op_impl, mutates_args=(), schema=schema)
         self.custom.register_fake(fake)
         self.eager = self.transform = None

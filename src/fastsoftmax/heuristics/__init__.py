@@ -77,11 +77,12 @@ def force(*, poison: bool = False, **overrides):
     if "path" in overrides and overrides["path"] not in PATHS + CUDA_PATHS + LCE_DESIGNS:
         valid = ", ".join(dict.fromkeys(PATHS + CUDA_PATHS + LCE_DESIGNS))
         raise ValueError(f"unknown path {overrides['path']!r}; valid: {valid} (Triton: {', '.join(PATHS)})")
-    _open.append((overrides, poison))
+    entry = (overrides, poison)
+    _open.append(entry)
     try:
         yield
-    finally:
-        _open.pop()
+    finally:  # (its own entry: another thread's block may have opened after it and still be open)
+        del _open[next(i for i in range(len(_open) - 1, -1, -1) if _open[i] is entry)]
 
 
 def forced() -> dict | None:

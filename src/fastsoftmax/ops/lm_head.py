@@ -180,10 +180,13 @@ def _lce_grad(ctx, grad_loss, *_):
         return (None,) * 18
     if torch.is_grad_enabled() or compose.transformed():  # create_graph=True: torch ops, differentiable again
         return _composite_grads(ctx, grad_loss, x, weight, target, bias, class_weight)
-    if design == "lce_chunked" and not getattr(ctx, "scaled", False):
+    made = (not need[0] or dx.shape == x.shape) and (not need[1] or dw.shape == weight.shape)
+    made = made and (not need[3] or bias is None or db.shape == bias.shape)  # (by the forward: lce_chunked's)
+    if design == "lce_chunked" and made and not getattr(ctx, "scaled", False):
         gx, gw, gb = _scaled(ctx, grad_loss, backend, dx, dw, db)
         return (gx if need[0] else None), (gw if need[1] else None), None, (gb if need[3] else None), *([None] * 14)
     wants = (need[0], need[1], need[3] and bias is not None)  # lce_recompute, or lce_chunked's second backward
+    # (or one its forward did not make: a captured graph's, made without gradients)
     args = (x, weight, target, bias, class_weight, stats, grad_loss, ii, reduction, eps, cap, zl, memory, backend)
     route = compose.route(x, weight, grad_loss)
     gx, gw, gb = _lce_backward(*args, *wants) if route == "plain" else LCE_BACKWARD.call(route, *args, *wants)
@@ -236,9 +239,34 @@ def composite(x, weight, target, bias, class_weight, ii, reduction, eps, cap, zl
     return loss, z, None, empty, empty, empty
 
 
+def _op_checks(x, weight, target, bias, class_weight, ii, reduction, eps, cap, zl, memory, backend) -> None:
+    """The public function's checks of the custom ops' common arguments (x 2-d: the ops take rows), for the
+    ops called directly (torch.ops.fastsoftmax.linear_cross_entropy*)."""
+    fn = "linear_cross_entropy"
+    if isinstance(x, torch.Tensor) and x.dim() != 2:
+        raise ValueError(f"{fn}: the custom op takes 2-d x (rows, features), got {tuple(x.shape)}")
+    if isinstance(memory, bool) or not isinstance(memory, int) or memory < 0:
+        raise ValueError(f"{fn}: memory must be an int >= 0 (0: the rule's choice), got {memory!r}")
+    checks.linear_cross_entropy(x, weight, target, bias, memory or None)
+    checks.cross_entropy_options(fn, ii, reduction, eps, backend)
+    checks.loss_extras(fn, (weight.shape[0], weight.device), class_weight, cap, zl)
+
+
+def _lce_checked(x, weight, target, bias, class_weight, ii, reduction, eps, cap, zl, memory, backend, design, *rest):
+    """The custom op's implementation when called directly: the checks, the design's too, then _lce."""
+    _op_checks(x, weight, target, bias, class_weight, ii, reduction, eps, cap, zl, memory, backend)
+    if design not in rules.DESIGNS:
+        raise ValueError(f"linear_cross_entropy: unknown design {design!r}; valid: {', '.join(rules.DESIGNS)}")
+    if design == "lce_chunked" and reduction == "none":
+        raise ValueError("linear_cross_entropy: lce_chunked needs a scalar loss (reduction 'none': lce_recompute)")
+    checks.skip_eps("linear_cross_entropy", rest[0], reduction, eps)
+    return _lce(x, weight, target, bias, class_weight, ii, reduction, eps, cap, zl, memory, backend, design, *rest)
+
+
 LINEAR_CROSS_ENTROPY = compose.Op(
-    "linear_cross_entropy", _lce, _lce_fake, None, setup_context=_lce_setup, backward=_lce_grad, func=composite
-)
+    "linear_cross_entropy", _lce, _lce_fake, None, setup_context=_lce_setup, backward=_lce_grad, func=composite,
+    checked=_lce_checked,
+)  # fmt: skip
 
 
 def _lce_backward(
@@ -269,7 +297,7 @@ def _lce_backward(
     cw = values(class_weight).contiguous() if class_weight is not None else None
     with selected(x):
         return _sweep(x, weight, bias, values(target), cw, o, backend, memory, "lce_recompute",
-                      (want_x, want_w, want_b), g, values(stats))  # fmt: skip
+                      (want_x, want_w, want_b and bias is not None), g, values(stats))  # fmt: skip
 
 
 def _lce_backward_fake(x, weight, target, bias, class_weight, stats, grad, *rest):
@@ -280,7 +308,20 @@ def _lce_backward_fake(x, weight, target, bias, class_weight, stats, grad, *rest
     return dx, dw, db
 
 
-LCE_BACKWARD = compose.Op("linear_cross_entropy_backward", _lce_backward, _lce_backward_fake, None)
+def _lce_backward_checked(x, weight, target, bias, class_weight, stats, grad, *rest):
+    """The backward op's implementation when called directly: the checks, and stats' and grad's shapes."""
+    _op_checks(x, weight, target, bias, class_weight, *rest[:7])
+    n, reduction = x.shape[0], rest[1]
+    if not isinstance(stats, torch.Tensor) or stats.shape != (n + 3,) or not stats.dtype.is_floating_point:
+        raise ValueError(f"linear_cross_entropy: stats must be the forward's ({n + 3},) floating tensor")
+    if not isinstance(grad, torch.Tensor) or grad.numel() != (n if reduction == "none" else 1):
+        raise ValueError(f"linear_cross_entropy: grad must be the loss's gradient ({n if reduction == 'none' else 1})")
+    return _lce_backward(x, weight, target, bias, class_weight, stats, grad, *rest)
+
+
+LCE_BACKWARD = compose.Op(
+    "linear_cross_entropy_backward", _lce_backward, _lce_backward_fake, None, checked=_lce_backward_checked
+)
 
 
 # ---- the public function and module -----------------------------------------------------------------------
@@ -334,9 +375,11 @@ def linear_cross_entropy(
     wants += (grad_on and bias is not None and bias.requires_grad,)
     design = rules.design(reduction, (heuristics.forced() or {}).get("path"))
     cap = None if softcap is None else float(softcap)
+    route = compose.route(x2, weight, t, bias, class_weight)
+    if route == "op" and not compose.guarded():  # (a captured graph serves any flags: the backward computes)
+        wants = (False, False, False)
     args = (x2, weight, t, bias, class_weight, ignore_index, reduction, float(label_smoothing), cap, float(z_loss))
     args += (int(memory or 0), backend, design, float(skip_eps), *wants, out_dtype)
-    route = compose.route(x2, weight, t, bias, class_weight)
     if route == "plain":
         loss, z, *_ = _lce(*args)
     elif route == "function":
@@ -358,7 +401,14 @@ class LinearCrossEntropy(torch.nn.Module):
         bad = set(options) - _OPTIONS
         if bad:
             raise TypeError(f"LinearCrossEntropy: unknown options {sorted(bad)}; valid: {sorted(_OPTIONS)}")
+        o = {"ignore_index": -100, "reduction": "mean", "label_smoothing": 0.0, "backend": "auto"} | options
+        fn = "LinearCrossEntropy"  # (the option values checked now too, as the call will: not at the first forward)
+        checks.cross_entropy_options(fn, o["ignore_index"], o["reduction"], o["label_smoothing"], o["backend"])
+        checks.skip_eps(fn, o.get("skip_eps", 0.0), o["reduction"], o["label_smoothing"])
+        checks.memory_budget(fn, o.get("memory"))
         lin = torch.nn.Linear(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        extras = (o.get("class_weight"), o.get("softcap"), o.get("z_loss", 0.0), o.get("return_z_loss", False))
+        checks.loss_extras(fn, (out_features, lin.weight.device), *extras)
         self.weight = lin.weight
         self.bias = lin.bias
         self.register_buffer("class_weight", options.pop("class_weight", None))
