@@ -310,3 +310,34 @@ def test_default_memory_is_the_heads_gradient_share(device, monkeypatch):
     assert_loss_close(got.loss, want.loss)
     assert_grads_close(got_g, want_g)
     fst().revert(model)
+
+
+def test_two_dimensional_logits_to_keep(device):
+    """logits_to_keep as (B, P) positions or a (B, S) boolean mask selects hidden states as transformers does
+    (its slice_logits_to_keep, where it has one): the loss and gradients match the unpatched model's, and
+    positions whose count does not match the labels raise as there (a regression test: the patch indexed
+    hidden[:, keep, :], which raised on these and, with B * P == S, returned a loss of the wrong rows)."""
+    modeling = pytest.importorskip("transformers.modeling_utils")
+    if not hasattr(modeling, "slice_logits_to_keep"):
+        pytest.skip("this transformers takes no 2-D logits_to_keep")
+    model = make_model("llama", device)
+    inputs = batch(device)
+    b, s = inputs["input_ids"].shape
+    shifted = torch.nn.functional.pad(inputs["labels"], (0, 1), value=-100)[:, 1:]
+    pos = torch.stack([torch.arange(0, s, 2)[: s // 2], torch.arange(1, s, 2)[: s // 2]])[:b].to(device)
+    mask = torch.zeros(b, s, dtype=torch.bool, device=device)
+    mask[0, : s // 2] = True
+    mask[-1, s // 3 :] = True
+    cases = [
+        {"logits_to_keep": pos, "shift_labels": torch.take_along_dim(shifted, pos, 1)},
+        {"logits_to_keep": mask, "shift_labels": shifted[mask]},
+    ]
+    wants = [step(model, inputs, **kw) for kw in cases]
+    fst().apply(model)
+    for kw, (want, want_g) in zip(cases, wants, strict=True):
+        got, got_g = step(model, inputs, **kw)
+        assert_loss_close(got.loss, want.loss)
+        assert_grads_close(got_g, want_g)
+    wrong = torch.stack([torch.arange(0, s // b)] * b).to(device)  # (B * P == S: P rows a sample, not S)
+    with pytest.raises(ValueError, match="do not match"):
+        step(model, inputs, logits_to_keep=wrong)

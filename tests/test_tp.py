@@ -338,6 +338,9 @@ def test_options_are_checked_before_any_collective():
             fn(t)
         with pytest.raises(ValueError, match="split class dim"):
             fn(torch.tensor(1.0))
+        for bad in (torch.int64, torch.bool, torch.complex64):  # (a regression test: returned zeros, or integers)
+            with pytest.raises(TypeError, match="dtype must be None"):
+                fn(x, dtype=bad)
     with pytest.raises(TypeError, match="floating-point torch.Tensor shard"):
         fsd.cross_entropy(t, t)
 

@@ -39,8 +39,7 @@ def softmax(fn: str, x, dim, dtype, backend) -> tuple[int, torch.dtype]:
         raise TypeError(f"{fn}: expected a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in dtypes.FLOATS:
         raise TypeError(f"{fn}: expected a floating-point tensor ({dtypes.FLOAT_NAMES}), got {x.dtype}")
-    if dtype is not None and dtype not in dtypes.FLOATS:
-        raise TypeError(f"{fn}: dtype must be None, {dtypes.FLOAT_NAMES}, got {dtype}")
+    out_dtype(fn, dtype)
     if isinstance(dim, bool):
         raise TypeError(f"{fn}: dim must be an int, got bool")
     try:
@@ -145,15 +144,22 @@ def cross_entropy_options(fn: str, ignore_index, reduction, label_smoothing, bac
     loss_backend(fn, backend)
 
 
-def shard(fn: str, x, backend=None, tgt=None) -> None:
-    """fastsoftmax.distributed's checks of this rank's slice of the classes (and of a softmax's backend, and
-    the loss's target): what can fail before a collective."""
+def out_dtype(fn: str, dtype) -> None:
+    """dtype= of the softmax family: None or a floating dtype the library computes in."""
+    if dtype is not None and dtype not in dtypes.FLOATS:
+        raise TypeError(f"{fn}: dtype must be None, {dtypes.FLOAT_NAMES}, got {dtype}")
+
+
+def shard(fn: str, x, backend=None, tgt=None, dtype=None) -> None:
+    """fastsoftmax.distributed's checks of this rank's slice of the classes (and of a softmax's backend and
+    dtype=, and the loss's target): what can fail before a collective."""
     if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point:
         raise TypeError(f"{fn}: expected a floating-point torch.Tensor shard")
     if x.dim() < 1:
         raise ValueError(f"{fn}: the shard needs the split class dim (the last)")
     if backend is not None:
         loss_backend(fn, backend)
+    out_dtype(fn, dtype)
     if tgt is not None:
         target(fn, x, tgt)
 

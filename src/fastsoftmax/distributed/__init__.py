@@ -106,7 +106,7 @@ def softmax(
     backend: str = "auto",
 ) -> torch.Tensor:
     """Softmax along the last dim of logits whose last dim is split across ``group`` (this rank's slice)."""
-    checks.shard("distributed.softmax", x, backend)
+    checks.shard("distributed.softmax", x, backend, dtype=dtype)
     _need_group("distributed.softmax")
     return _Softmax.apply(x, False, group, dtype, backend)
 
@@ -119,7 +119,7 @@ def log_softmax(
     backend: str = "auto",
 ) -> torch.Tensor:
     """Log-softmax along the last dim of logits whose last dim is split across ``group``."""
-    checks.shard("distributed.log_softmax", x, backend)
+    checks.shard("distributed.log_softmax", x, backend, dtype=dtype)
     _need_group("distributed.log_softmax")
     return _Softmax.apply(x, True, group, dtype, backend)
 

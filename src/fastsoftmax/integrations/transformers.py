@@ -192,6 +192,17 @@ def _positional(names: tuple[str, ...], args: tuple, kwargs: dict) -> dict:
     return kwargs
 
 
+def _kept(hidden: torch.Tensor, keep) -> torch.Tensor:
+    """The hidden states whose logits ``logits_to_keep`` asks for: transformers' own rule where it has one
+    (slice_logits_to_keep: also (B, P) positions and (B, S) boolean masks), else its older one (the last
+    ``keep`` positions, or the positions a 1-D tensor names)."""
+    from transformers import modeling_utils
+
+    if (rule := getattr(modeling_utils, "slice_logits_to_keep", None)) is not None:
+        return rule(hidden, keep)
+    return hidden[:, slice(-keep, None) if isinstance(keep, int) else keep, :]
+
+
 def _fused(self, kwargs: dict, cls: type):
     """cls's forward with the logits and loss replaced by causal_lm_loss (labels given)."""
     return_dict = self.config.return_dict  # (can_return_tuple's rule)
@@ -200,8 +211,7 @@ def _fused(self, kwargs: dict, cls: type):
     labels = kwargs.pop("labels")
     keep = kwargs.pop("logits_to_keep", 0)
     outputs = getattr(self, self.base_model_prefix)(**kwargs)
-    hidden = outputs.last_hidden_state
-    hidden = hidden[:, slice(-keep, None) if isinstance(keep, int) else keep, :]
+    hidden = _kept(outputs.last_hidden_state, keep)
     loss = causal_lm_loss(
         hidden,
         self.lm_head,
