@@ -326,6 +326,8 @@ def test_options_are_checked_before_any_collective():
         fsd.linear_cross_entropy(xl, w, t, b, memory=0)
     with pytest.raises(ValueError, match="weight"):
         fsd.linear_cross_entropy(xl, torch.randn(5, 3), t)
+    with pytest.raises(TypeError, match="distributed.linear_cross_entropy: weight is torch.float64"):
+        fsd.linear_cross_entropy(xl, w.double(), t)  # (named its caller: it said "linear_cross_entropy")
     with pytest.raises(ValueError, match="bias"):
         fsd.linear_cross_entropy(xl, w, t, torch.randn(4))
     with pytest.raises(ValueError, match="backend"):

@@ -260,7 +260,7 @@ def linear_cross_entropy(
         if t is not None and not t.dtype.is_floating_point:
             raise TypeError(f"{fn}: {name} must be floating point, got {t.dtype}")
     if same_dtype:
-        linear_dtypes(x, weight, bias)
+        linear_dtypes(x, weight, bias, fn)
     for name, t in (("weight", weight), ("target", tgt), ("bias", bias)):
         if t is not None and t.device != x.device:
             raise ValueError(f"{fn}: {name} is on {t.device} but x on {x.device}")
@@ -287,9 +287,7 @@ def memory_budget(fn: str, memory) -> None:
         raise ValueError(f"{fn}: memory must be None or a positive int (bytes of logits a chunk holds), got {memory!r}")
 
 
-def linear_dtypes(x, weight, bias) -> None:
+def linear_dtypes(x, weight, bias, fn: str = "linear_cross_entropy") -> None:
     for name, t in (("weight", weight), ("bias", bias)):
         if t is not None and t.dtype != x.dtype:
-            raise TypeError(
-                f"linear_cross_entropy: {name} is {t.dtype} but x is {x.dtype} (one dtype, as F.linear needs)"
-            )
+            raise TypeError(f"{fn}: {name} is {t.dtype} but x is {x.dtype} (one dtype, as F.linear needs)")
