@@ -26,7 +26,6 @@ dispatch_modes = torch._C._len_torch_dispatch_stack
 tracing = torch._C._get_tracing_state
 # (torch.compile's Dynamo folds this to True as it traces; export and AOT tracing run under a dispatch mode)
 compiling = getattr(torch.compiler, "is_dynamo_compiling", torch.compiler.is_compiling)
-exporting = getattr(torch.compiler, "is_exporting", lambda: False)
 grad_enabled = torch.is_grad_enabled
 PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
@@ -46,13 +45,6 @@ def is_dtensor(t) -> bool:
 def transformed() -> bool:
     """Inside a torch.func transform or a forward-mode AD level."""
     return transforms_active() or _fwad._current_level >= 0
-
-
-def guarded() -> bool:
-    """Whether a graph being captured now is re-captured when grad mode or an input's requires_grad changes:
-    torch.compile's (Dynamo guards on them), not torch.export's, torch.jit.trace's or make_fx's. An op whose
-    work depends on them takes them as arguments only then."""
-    return compiling() and not exporting()
 
 
 def route(*tensors) -> str:

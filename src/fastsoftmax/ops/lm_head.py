@@ -376,8 +376,8 @@ def linear_cross_entropy(
     design = rules.design(reduction, (heuristics.forced() or {}).get("path"))
     cap = None if softcap is None else float(softcap)
     route = compose.route(x2, weight, t, bias, class_weight)
-    if route == "op" and not compose.guarded():  # (a captured graph serves any flags: the backward computes)
-        wants = (False, False, False)
+    if route == "op" and not compose.compiling():  # (a graph captured by make_fx, jit.trace or non-strict
+        wants = (False, False, False)  # export serves any flags: its backward computes; Dynamo guards on them)
     args = (x2, weight, t, bias, class_weight, ignore_index, reduction, float(label_smoothing), cap, float(z_loss))
     args += (int(memory or 0), backend, design, float(skip_eps), *wants, out_dtype)
     if route == "plain":
