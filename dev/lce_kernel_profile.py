@@ -1,11 +1,11 @@
 """Where the LM-head loss's GPU time goes at CCE's memory (issue 40): per shape, the three-GEMM floor, then
 fs.linear_cross_entropy forward + backward to dx and dW at a small budget (fastsoftmax_mem), the same with
 the fused forward forced (lce_fused), with skip_eps (fastsoftmax_skip; fused and lce_sliced forced too) and
-at the default budget. For each: the median time of eager calls (CUDA events); the host's time to issue a call while the
-GPU is busy (host_ms); the call replayed from a CUDA graph (no host in the way; not for the skip, which
-synchronises); one call under torch.profiler: kernel time by kind (GEMMs, the loss kernels, the rest), the
-GPU's busy time (the union of kernel intervals) and its span. Eager minus replayed is what the host costs
-the call.
+at the default budget. For each: the median time of eager calls (CUDA events); the host's time to issue a
+call while the GPU is busy (host_ms); the call replayed from a CUDA graph (no host in the way; not for the
+skip, which synchronises); one call under torch.profiler: kernel time by kind (GEMMs, the loss kernels, the
+rest), the GPU's busy time (the union of kernel intervals) and its span. Eager minus replayed is what the
+host costs the call.
 Usage (GPU): python dev/lce_kernel_profile.py OUT.json [NxdxV ...] [--spread S] [--memory BYTES]
 (default shapes 8192x4096x128256 16384x2304x256000 8192x2048x32000; memory: 4.5% of x and W's bytes, about
 bench --lce's budget from CCE's peak, which is x and W's bytes and a few MB)."""

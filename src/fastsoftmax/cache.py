@@ -114,10 +114,7 @@ def load(name: str) -> bytes | None:
     try:
         st = os.fstat(fd)
         why = "it is not a regular file" if not stat.S_ISREG(st.st_mode) else _owned_privately(st)
-        raw = b""
-        if why is None:
-            with os.fdopen(os.dup(fd), "rb") as f:
-                raw = f.read()
+        raw = b"".join(iter(lambda: os.read(fd, 1 << 20), b"")) if why is None else b""
     except OSError as e:
         why = f"cannot read it ({e.strerror or e})"
     finally:

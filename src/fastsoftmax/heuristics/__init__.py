@@ -81,8 +81,8 @@ def force(*, poison: bool = False, **overrides):
     _open.append(entry)
     try:
         yield
-    finally:  # (its own entry: another thread's block may have opened after it and still be open)
-        del _open[next(i for i in range(len(_open) - 1, -1, -1) if _open[i] is entry)]
+    finally:  # (its own entry, or one equal to it: another thread's block may have opened after it)
+        _open.remove(entry)
 
 
 def forced() -> dict | None:

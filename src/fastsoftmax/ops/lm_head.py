@@ -29,6 +29,9 @@ under autocast x, W and b are cast to the autocast dtype, as torch does for F.li
 
 from __future__ import annotations
 
+import functools
+import inspect
+
 import torch
 
 from .. import dispatch, heuristics
@@ -239,27 +242,34 @@ def composite(x, weight, target, bias, class_weight, ii, reduction, eps, cap, zl
     return loss, z, None, empty, empty, empty
 
 
-def _op_checks(x, weight, target, bias, class_weight, ii, reduction, eps, cap, zl, memory, backend) -> None:
-    """The public function's checks of the custom ops' common arguments (x 2-d: the ops take rows), for the
-    ops called directly (torch.ops.fastsoftmax.linear_cross_entropy*)."""
+def _option_checks(fn, v_device, ignore_index, reduction, label_smoothing, backend, class_weight=None, softcap=None,
+                   z_loss=0.0, return_z_loss=False, skip_eps=0.0) -> None:  # fmt: skip
+    """The loss options' checks (all but memory=, which checks.linear_cross_entropy checks with the tensors), for
+    the public function, the module's constructor and the custom ops called directly; ``v_device``: (V, the
+    weight's device)."""
+    checks.cross_entropy_options(fn, ignore_index, reduction, label_smoothing, backend)
+    checks.skip_eps(fn, skip_eps, reduction, label_smoothing)
+    checks.loss_extras(fn, v_device, class_weight, softcap, z_loss, return_z_loss)
+
+
+def _op_checks(x, weight, target, bias, class_weight, ii, reduction, eps, cap, zl, memory, backend, skip_eps=0.0):
+    """The public function's checks of the custom ops' arguments (x 2-d: the ops take rows; memory 0: the
+    rule's choice), for the ops called directly (torch.ops.fastsoftmax.linear_cross_entropy*)."""
     fn = "linear_cross_entropy"
     if isinstance(x, torch.Tensor) and x.dim() != 2:
         raise ValueError(f"{fn}: the custom op takes 2-d x (rows, features), got {tuple(x.shape)}")
-    if isinstance(memory, bool) or not isinstance(memory, int) or memory < 0:
-        raise ValueError(f"{fn}: memory must be an int >= 0 (0: the rule's choice), got {memory!r}")
     checks.linear_cross_entropy(x, weight, target, bias, memory or None)
-    checks.cross_entropy_options(fn, ii, reduction, eps, backend)
-    checks.loss_extras(fn, (weight.shape[0], weight.device), class_weight, cap, zl)
+    _option_checks(fn, (weight.shape[0], weight.device), ii, reduction, eps, backend, class_weight, cap, zl,
+                   skip_eps=skip_eps)  # fmt: skip
 
 
 def _lce_checked(x, weight, target, bias, class_weight, ii, reduction, eps, cap, zl, memory, backend, design, *rest):
     """The custom op's implementation when called directly: the checks, the design's too, then _lce."""
-    _op_checks(x, weight, target, bias, class_weight, ii, reduction, eps, cap, zl, memory, backend)
+    _op_checks(x, weight, target, bias, class_weight, ii, reduction, eps, cap, zl, memory, backend, rest[0])
     if design not in rules.DESIGNS:
         raise ValueError(f"linear_cross_entropy: unknown design {design!r}; valid: {', '.join(rules.DESIGNS)}")
     if design == "lce_chunked" and reduction == "none":
         raise ValueError("linear_cross_entropy: lce_chunked needs a scalar loss (reduction 'none': lce_recompute)")
-    checks.skip_eps("linear_cross_entropy", rest[0], reduction, eps)
     return _lce(x, weight, target, bias, class_weight, ii, reduction, eps, cap, zl, memory, backend, design, *rest)
 
 
@@ -360,11 +370,8 @@ def linear_cross_entropy(
         return dtensor.linear_cross_entropy(x, weight, target, bias, class_weight, return_z_loss, **opts)
     autocast = isinstance(x, torch.Tensor) and compose.autocasting(x.device.type)  # (mixed dtypes allowed then)
     checks.linear_cross_entropy(x, weight, target, bias, memory, same_dtype=not autocast)
-    checks.cross_entropy_options("linear_cross_entropy", ignore_index, reduction, label_smoothing, backend)
-    checks.skip_eps("linear_cross_entropy", skip_eps, reduction, label_smoothing)
-    checks.loss_extras(
-        "linear_cross_entropy", (weight.shape[0], weight.device), class_weight, softcap, z_loss, return_z_loss
-    )
+    _option_checks("linear_cross_entropy", (weight.shape[0], weight.device), ignore_index, reduction,
+                   label_smoothing, backend, class_weight, softcap, z_loss, return_z_loss, skip_eps)  # fmt: skip
     if autocast:  # as F.linear under autocast: x, W and b in the autocast dtype, then one dtype for them
         x, weight, bias = compose.autocast_linear(x, weight, bias)
         checks.linear_dtypes(x, weight, bias)
@@ -398,17 +405,15 @@ class LinearCrossEntropy(torch.nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, *, device=None, dtype=None, **options):
         super().__init__()
-        bad = set(options) - _OPTIONS
+        defaults = _options()
+        bad = set(options) - set(defaults)
         if bad:
-            raise TypeError(f"LinearCrossEntropy: unknown options {sorted(bad)}; valid: {sorted(_OPTIONS)}")
-        o = {"ignore_index": -100, "reduction": "mean", "label_smoothing": 0.0, "backend": "auto"} | options
-        fn = "LinearCrossEntropy"  # (the option values checked now too, as the call will: not at the first forward)
-        checks.cross_entropy_options(fn, o["ignore_index"], o["reduction"], o["label_smoothing"], o["backend"])
-        checks.skip_eps(fn, o.get("skip_eps", 0.0), o["reduction"], o["label_smoothing"])
-        checks.memory_budget(fn, o.get("memory"))
+            raise TypeError(f"LinearCrossEntropy: unknown options {sorted(bad)}; valid: {sorted(defaults)}")
+        o = defaults | options  # (the values checked now, as the call will: not at the first forward)
+        memory = o.pop("memory")
+        checks.memory_budget("LinearCrossEntropy", memory)
         lin = torch.nn.Linear(in_features, out_features, bias=bias, device=device, dtype=dtype)
-        extras = (o.get("class_weight"), o.get("softcap"), o.get("z_loss", 0.0), o.get("return_z_loss", False))
-        checks.loss_extras(fn, (out_features, lin.weight.device), *extras)
+        _option_checks("LinearCrossEntropy", (out_features, lin.weight.device), **o)
         self.weight = lin.weight
         self.bias = lin.bias
         self.register_buffer("class_weight", options.pop("class_weight", None))
@@ -421,17 +426,9 @@ class LinearCrossEntropy(torch.nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-_OPTIONS = frozenset(
-    (
-        "ignore_index",
-        "reduction",
-        "label_smoothing",
-        "class_weight",
-        "softcap",
-        "z_loss",
-        "return_z_loss",
-        "memory",
-        "backend",
-        "skip_eps",
-    )
-)
+@functools.cache
+def _options() -> dict:
+    """linear_cross_entropy's options (its keyword-only parameters) and their defaults: what
+    LinearCrossEntropy(**options) takes."""
+    params = inspect.signature(linear_cross_entropy).parameters.values()
+    return {p.name: p.default for p in params if p.kind is p.KEYWORD_ONLY}
