@@ -170,6 +170,29 @@ def test_revert_restores_exactly(device):
         module.revert(model)
 
 
+def test_a_patched_model_pickles_and_copies_patched(device, monkeypatch):
+    """pickle (torch.save of a whole model) and copy.deepcopy keep the patch: the copy's training step takes
+    the fused loss and matches the unpatched model; the copy reverts on its own, the original stays patched."""
+    import copy
+    import pickle
+
+    model = make_model("llama", device)
+    inputs = batch(device)
+    want, want_g = step(make_model("llama", device), inputs)
+    fst().apply(model, attention_softmax=False)
+    for clone in (pickle.loads(pickle.dumps(model)), copy.deepcopy(model)):
+        calls = Calls(monkeypatch)
+        got, got_g = step(clone, inputs)
+        assert len(calls.lce) == 1 and got.logits is None
+        assert_loss_close(got.loss, want.loss)
+        assert_grads_close(got_g, want_g)
+        assert clone.forward.__self__ is clone
+        assert inspect.signature(clone.forward) == inspect.signature(model.forward)
+        fst().revert(clone)
+        assert "forward" not in vars(clone) and "forward" in vars(model)
+    fst().revert(model)
+
+
 def test_revert_under_a_later_wrapper(device, monkeypatch):
     """A wrapper set on the instance after apply() (accelerate's prepare() does that) keeps our function;
     revert() says so, and the function then calls the model's own forward."""

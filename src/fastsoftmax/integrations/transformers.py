@@ -89,12 +89,32 @@ _LOW = (torch.float16, torch.bfloat16)
 
 
 class _Patch:
-    """What apply() changed on one model: the forward function set on the instance (or None) with the class's
-    output class, and the attention implementation before (or None when unchanged)."""
+    """What apply() changed on one model: the supported class whose forward the instance's forward wraps (or
+    None: the loss not patched) with its output class, and the attention implementation before (or None when
+    unchanged). Classes and values only: a patched model pickles."""
 
-    def __init__(self, forward, output: type | None, attention_before: str | None, memory: int | None = None):
-        self.forward, self.output, self.attention_before = forward, output, attention_before
+    def __init__(self, cls: type | None, output: type | None, attention_before: str | None, memory: int | None = None):
+        self.cls, self.output, self.attention_before = cls, output, attention_before
         self.memory = memory  # the LM-head loss's memory= (None: lm_rules.step_memory at each call)
+
+
+class _Forward:
+    """model.forward after apply(): _forward_for(cls) bound to the model as a method, with its signature, that
+    pickle and copy.deepcopy rebuild from the model and the class (a method of a function made at run time
+    pickles as a lookup of its name on the model, which finds nothing, or the class's forward)."""
+
+    def __init__(self, model, cls: type):
+        self.__self__, self.__func__, self._cls = model, _forward_for(cls), cls
+
+    def __call__(self, *args, **kwargs):
+        return self.__func__(self.__self__, *args, **kwargs)
+
+    def __reduce__(self):
+        return _Forward, (self.__self__, self._cls)
+
+    @property
+    def __signature__(self) -> inspect.Signature:  # (inspect.signature reads it: the Trainer's columns)
+        return inspect.signature(types.MethodType(self.__func__, self.__self__))
 
 
 def _transformers():
@@ -351,7 +371,7 @@ def apply(model, *, loss: bool = True, attention_softmax: bool = False, memory: 
     if loss:
         _check_loss(model, cls)
     before = _check_attention(model) if attention_softmax else None
-    state = _Patch(_forward_for(cls) if loss else None, _output_class(cls) if loss else None, None, memory)
+    state = _Patch(cls if loss else None, _output_class(cls) if loss else None, None, memory)
     if before is not None:
         register()
         model.set_attn_implementation(NAME)
@@ -359,7 +379,7 @@ def apply(model, *, loss: bool = True, attention_softmax: bool = False, memory: 
             raise ValueError(f"fastsoftmax.apply: {type(model).__name__} did not take attn_implementation={NAME!r}")
         state.attention_before = before
     if loss:
-        model.forward = types.MethodType(state.forward, model)
+        model.forward = _Forward(model, cls)
     setattr(model, _STATE, state)
     return model
 
@@ -406,9 +426,9 @@ def revert(model):
     if state is None:
         raise ValueError("fastsoftmax.revert: this model is not patched (apply() was not called, or revert() was)")
     delattr(model, _STATE)
-    if state.forward is not None:
+    if state.cls is not None:
         current = vars(model).get("forward")
-        if getattr(current, "__func__", None) is state.forward:
+        if type(current) is _Forward and current.__self__ is model:
             del model.forward
         else:  # (our function, now a pass-through, stays inside whatever wrapped it after apply())
             warnings.warn(
