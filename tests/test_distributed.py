@@ -298,12 +298,13 @@ def test_z_loss_term_without_a_z_loss_as_fs_cross_entropys(one_rank, backend, de
 
 
 @pytest.mark.parametrize("wide", [torch.float32, torch.float64])
-def test_merge_of_the_ranks_logsumexps(wide):
-    """merge_lse, the one merge every distributed forward makes, against the logsumexp of the whole row (in
-    the default run: no process group needed). Rows whose ranks' logsumexps lie 1000 apart, where taking any
-    one rank's own maximum instead of the global one overflows exp; a row -inf on one rank, on every rank;
-    NaN and +inf on one rank."""
-    from fastsoftmax.distributed.merge import merge_lse
+def test_merge_of_the_ranks_statistics(wide):
+    """merge_max_sum, the one merge every distributed forward makes, against the whole row (in the default
+    run: no process group needed): the max and the log of the sum of exp(x - max). Rows whose ranks' slices
+    lie 1000 apart, where taking any one rank's own maximum instead of the global one overflows exp; a row
+    -inf on one rank, on every rank (max -inf, log-sum 0); NaN and +inf on one rank (log-sum NaN)."""
+    from fastsoftmax.core.reference import max_sum_torch
+    from fastsoftmax.distributed.merge import merge_max_sum
 
     g = torch.Generator().manual_seed(0)
     slices = [torch.randn(6, w, generator=g, dtype=torch.float64) * 4 for w in (5, 3, 7)]
@@ -313,10 +314,16 @@ def test_merge_of_the_ranks_logsumexps(wide):
     for s in slices:
         s[4] = float("-inf")  # every rank: the row is fully masked
     slices[2][5, 1] = float("nan")
-    lses = torch.stack([torch.logsumexp(s, -1) for s in slices]).to(wide)
-    lses[0, 0] = float("inf")  # a row holding +inf on one rank
-    got = merge_lse(lses)
-    want = torch.logsumexp(torch.cat(slices, -1), -1).to(wide)
-    torch.testing.assert_close(got[1:4], want[1:4], rtol=1e-6 if wide == torch.float32 else 1e-12, atol=0.0)
-    assert got[4] == float("-inf") and got[0].isnan() and got[5].isnan()
-    assert got.dtype == wide
+    slices[0][0, 2] = float("inf")  # a row holding +inf on one rank
+    stats = torch.stack([torch.stack(max_sum_torch(s.to(wide)), -1) for s in slices])
+    m, ls = merge_max_sum(stats)
+    full = torch.cat(slices, -1).to(wide).double()  # (the reference of the rounded input)
+    want_m = full[1:4].amax(-1)
+    want_ls = (full[1:4] - want_m[:, None]).exp().sum(-1).log()
+    # (log S, S >= 1 summed in ``wide``: an absolute error of a few ulps of 1)
+    tol = dict(rtol=1e-6 if wide == torch.float32 else 1e-12, atol=4 * torch.finfo(wide).eps)
+    torch.testing.assert_close(m[1:4], want_m.to(wide), rtol=0.0, atol=0.0)
+    torch.testing.assert_close(ls[1:4], want_ls.to(wide), **tol)
+    assert m[4] == float("-inf") and ls[4] == 0.0
+    assert ls[0].isnan() and ls[5].isnan()
+    assert m.dtype == ls.dtype == wide
