@@ -4,8 +4,9 @@ or of the LM head's weight rows), in rank order; slices may differ in width, hol
 
 Per forward, the same collectives on every rank whatever its inputs:
   1. an all-gather of each rank's signature (its slice's width, its row count, its dtype, a digest of the
-     call's options, the sum of its class weights), from which every rank checks that the ranks agree and
-     finds its slice's offset in the vocabulary, as a device tensor;
+     call's options, a digest of its targets, whether its argument checks failed, the sum of its class
+     weights), from which every rank checks that the ranks agree and finds its slice's offset in the
+     vocabulary, as a device tensor; a rank whose checks fail sends it flagged, then raises;
   2. an all-gather of per-row statistics of each slice (its max and sum of exp(x - max), and for the losses
      the target's logit and class weight where the target falls in the slice, and the weighted sum of its
      logits for label smoothing), merged into the row's global numbers. Megatron-LM's vocabulary-parallel
@@ -28,6 +29,7 @@ transforms of these functions.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -86,6 +88,23 @@ class _Softmax(torch.autograd.Function):
         return dx.reshape(dy.shape), None, None, None, None
 
 
+def _collectives_possible() -> bool:
+    return dist.is_initialized() and not (compose.transforms_active() or compose.dispatch_modes())
+
+
+@contextlib.contextmanager
+def _local_checks(fn: str, x, group):
+    """The block's argument checks, local to this rank. Where one fails and collectives can run, this rank
+    still takes part in the first collective, flagged (merge.refuse), so that every other rank raises
+    there, naming this one, instead of waiting in it; then this rank raises its own error."""
+    try:
+        yield
+    except Exception:
+        if _collectives_possible():
+            shard_merge.refuse(fn, x, group)
+        raise
+
+
 def _need_group(fn: str) -> None:
     """An initialised process group, and no torch.func transform or dispatch mode (fake tensors): the
     statistics cross ranks through collectives, which neither can carry."""
@@ -106,7 +125,8 @@ def softmax(
     backend: str = "auto",
 ) -> torch.Tensor:
     """Softmax along the last dim of logits whose last dim is split across ``group`` (this rank's slice)."""
-    checks.shard("distributed.softmax", x, backend, dtype=dtype)
+    with _local_checks("distributed.softmax", x, group):
+        checks.shard("distributed.softmax", x, backend, dtype=dtype)
     _need_group("distributed.softmax")
     return _Softmax.apply(x, False, group, dtype, backend)
 
@@ -119,7 +139,8 @@ def log_softmax(
     backend: str = "auto",
 ) -> torch.Tensor:
     """Log-softmax along the last dim of logits whose last dim is split across ``group``."""
-    checks.shard("distributed.log_softmax", x, backend, dtype=dtype)
+    with _local_checks("distributed.log_softmax", x, group):
+        checks.shard("distributed.log_softmax", x, backend, dtype=dtype)
     _need_group("distributed.log_softmax")
     return _Softmax.apply(x, True, group, dtype, backend)
 
@@ -144,7 +165,7 @@ class _CrossEntropy(torch.autograd.Function):
         xf = x.reshape(t.shape[0], x.shape[-1])
         if xf.stride(-1) != 1:
             xf = xf.contiguous()
-        offset, v_total, w_total = shard_merge.agree(fn, x, xf.shape[1], t.shape[0], group, _options_key(o, w), w)
+        offset, v_total, w_total = shard_merge.agree(fn, x, xf.shape[1], t.shape[0], group, _options_key(o, w), w, t)
         checks.targets(t, v_total, o.ignore_index, fn)
         rows = shard_merge.Rows(t, o, offset, xf.shape[-1], w)
         impl = shard_merge.slice_work(xf, backend)
@@ -198,11 +219,21 @@ def cross_entropy(
     is this rank's slice and ``class_weight`` its slice of the class weights) with global class indices as
     targets, on every rank."""
     fn = "distributed.cross_entropy"
-    checks.shard(fn, logits, tgt=target)
-    v_device = (logits.shape[-1], logits.device)
-    o = _loss_checks(
-        fn, ignore_index, reduction, label_smoothing, backend, v_device, class_weight, softcap, z_loss, return_z_loss
-    )
+    with _local_checks(fn, logits, group):
+        checks.shard(fn, logits, tgt=target)
+        v_device = (logits.shape[-1], logits.device)
+        o = _loss_checks(
+            fn,
+            ignore_index,
+            reduction,
+            label_smoothing,
+            backend,
+            v_device,
+            class_weight,
+            softcap,
+            z_loss,
+            return_z_loss,
+        )
     _need_group(fn)
     w = class_weight.contiguous() if class_weight is not None else None
     loss, z = _CrossEntropy.apply(logits, target, w, o, group, backend, compose.loss_dtype(logits))
@@ -222,7 +253,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         t = flat_target(target)
         x2 = x.reshape(t.shape[0], x.shape[-1])
         n, v_local = x2.shape[0], weight.shape[0]
-        offset, v_total, w_total = shard_merge.agree(fn, x2, v_local, n, group, _options_key(o, w, (x.shape[-1],)), w)
+        key = _options_key(o, w, (x.shape[-1],))
+        offset, v_total, w_total = shard_merge.agree(fn, x2, v_local, n, group, key, w, t)
         checks.targets(t, v_total, o.ignore_index, fn)
         rows = shard_merge.Rows(t, o, offset, v_local, w)
         wide = shard_merge.wide_dtype(x2)
@@ -356,11 +388,21 @@ def linear_cross_entropy(
     the weight's and bias's this rank's slice. memory: bytes of logits a chunk may hold, as
     fs.linear_cross_entropy's."""
     fn = "distributed.linear_cross_entropy"
-    checks.linear_cross_entropy(x, weight, target, bias, memory, fn=fn, min_v=0)
-    v_device = (weight.shape[0], weight.device)
-    o = _loss_checks(
-        fn, ignore_index, reduction, label_smoothing, backend, v_device, class_weight, softcap, z_loss, return_z_loss
-    )
+    with _local_checks(fn, x, group):
+        checks.linear_cross_entropy(x, weight, target, bias, memory, fn=fn, min_v=0)
+        v_device = (weight.shape[0], weight.device)
+        o = _loss_checks(
+            fn,
+            ignore_index,
+            reduction,
+            label_smoothing,
+            backend,
+            v_device,
+            class_weight,
+            softcap,
+            z_loss,
+            return_z_loss,
+        )
     _need_group(fn)
     w = class_weight.contiguous() if class_weight is not None else None
     out_dtype = compose.loss_dtype(x)

@@ -41,6 +41,37 @@ def gather(stats: torch.Tensor, group) -> torch.Tensor:
     return out.reshape(world, *stats.shape)
 
 
+def refuse(fn: str, x, group) -> None:
+    """This rank's arguments failed its checks: it takes part in agree's collective all the same, its
+    signature flagged, so that the other ranks raise there (naming it) rather than wait; its caller then
+    raises its own error. The collective's device: x's, else the group's (cuda for NCCL)."""
+    if isinstance(x, torch.Tensor) and x.device.type in ("cpu", "cuda"):
+        device = x.device
+    else:
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+    sig = torch.zeros(SIGNATURE, dtype=torch.float64, device=device)
+    sig[FAILED].fill_(1.0)
+    gather(sig, group)
+
+
+def _disagreement(fn: str, every: list) -> str:
+    """agree's error, the same on every rank (from the gathered signatures)."""
+    failed = [r for r, sig in enumerate(every) if sig[FAILED]]
+    if failed:
+        who = f"rank {failed[0]}'s arguments failed its" if len(failed) == 1 else f"ranks {failed} failed their"
+        return f"{fn}: {who} checks (the error there names the argument); the call stops on every rank"
+    names = {v: dtypes.NAME[k] for k, v in dtypes.CODE.items()}
+    seen = []
+    for r, (_, rows_r, code, digest_r, targets_r, *_) in enumerate(every):
+        other = "" if digest_r == every[0][3] else ", other options"
+        other += "" if targets_r == every[0][TARGETS] or rows_r != every[0][ROWS] else ", other targets"
+        seen.append(f"rank {r}: {int(rows_r)} rows of {names[int(code)]}{other}")
+    return (
+        f"{fn}: the ranks must pass shards of the same rows and dtype, with the same options and targets "
+        f"({'; '.join(seen)})"
+    )
+
+
 def merge_max_sum(ms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge per-rank (max, sum of exp(z - max)) pairs, (world, rows, 2), into each row's (m, ls): its max
     and the log of its sum of exp(z - m), so that log_softmax is (z - m) - ls and the logsumexp m + ls. A row
@@ -55,31 +86,44 @@ def merge_max_sum(ms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return m, torch.where(bad, float("nan"), ls)
 
 
-def agree(fn: str, x: torch.Tensor, width: int, rows: int, group, opts: tuple, w_local=None):
-    """The first collective: every rank's (width of its slice, rows, x's dtype, options digest, class-weight
-    sum), checked for agreement. Returns (this rank's offset in the vocabulary, the vocabulary's size, the
-    sum of the class weights over every rank or None), 0-d tensors on x's device."""
+# the signature's entries: slice width, rows, dtype code, options digest, targets digest, the rank's checks
+# failed (1) or passed (0), class-weight sum; entries ROWS to FAILED must agree across ranks
+SIGNATURE, ROWS, TARGETS, FAILED = 7, 1, 4, 5
+_P = 2**31 - 1  # (a prime: targets that differ in one row never have the same digest)
+
+
+def targets_digest(t: torch.Tensor) -> torch.Tensor:
+    """sum_i (t_i mod p) * r_i mod p, r_i in [1, p) a function of the row i: a 0-d int64 tensor on t's device
+    (no host synchronisation), equal for equal targets, different for targets that differ in one row
+    (or are permuted, but for a chance of 1 in p)."""
+    i = torch.arange(t.numel(), device=t.device, dtype=torch.int64)
+    r = (i * 48271 + 12345) % (_P - 1) + 1
+    return ((t.reshape(-1).long() % _P) * r % _P).sum() % _P
+
+
+def agree(fn: str, x: torch.Tensor, width: int, rows: int, group, opts: tuple, w_local=None, target=None):
+    """The first collective: every rank's signature (its slice's width, rows, x's dtype, options digest,
+    targets digest, whether its checks failed, class-weight sum), checked for agreement. Returns (this rank's
+    offset in the vocabulary, the vocabulary's size, the sum of the class weights over every rank or None),
+    0-d tensors on x's device."""
     digest = float(int(hashlib.sha256(repr(opts).encode()).hexdigest()[:13], 16))  # < 2^52: exact in float64
-    sig = torch.empty(5, dtype=torch.float64, device=x.device)
-    for i, v in enumerate((width, rows, dtypes.CODE[x.dtype], digest, 0.0)):
+    sig = torch.zeros(SIGNATURE, dtype=torch.float64, device=x.device)
+    for i, v in enumerate((width, rows, dtypes.CODE[x.dtype], digest)):
         sig[i].fill_(v)  # a fill kernel each: no host-to-device copy, so a CUDA graph can capture it
+    if target is not None:
+        sig[TARGETS].copy_(targets_digest(target))
     if w_local is not None:
-        sig[4].copy_(w_local.sum(dtype=torch.float64))
-    every = gather(sig, group)  # (world, 5)
-    same = (every[:, 1:4] == every[:1, 1:4]).all()
+        sig[SIGNATURE - 1].copy_(w_local.sum(dtype=torch.float64))
+    every = gather(sig, group)  # (world, SIGNATURE)
+    same = (every[:, ROWS:FAILED] == every[:1, ROWS:FAILED]).all() & (every[:, FAILED] == 0).all()
     if x.is_cuda:
-        torch._assert_async(same, f"{fn}: the ranks disagree on the row count, dtype or options")
-    elif not bool(same):
-        names = {v: dtypes.NAME[k] for k, v in dtypes.CODE.items()}
-        seen = []
-        for r, (_, rows_r, code, digest_r, _) in enumerate(every.tolist()):
-            other = "" if digest_r == every[0, 3] else ", other options"
-            seen.append(f"rank {r}: {int(rows_r)} rows of {names[int(code)]}{other}")
-        raise ValueError(
-            f"{fn}: the ranks must pass shards of the same rows and dtype, with the same options ({'; '.join(seen)})"
+        torch._assert_async(
+            same, f"{fn}: the ranks disagree on the row count, dtype, options or targets, or a rank's checks failed"
         )
+    elif not bool(same):
+        raise ValueError(_disagreement(fn, every.tolist()))
     widths = every[:, 0].long()
-    w_total = every[:, 4].sum() if w_local is not None else None
+    w_total = every[:, SIGNATURE - 1].sum() if w_local is not None else None
     return widths[: dist.get_rank(group)].sum(), widths.sum(), w_total
 
 
