@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from helpers import spawn_gloo
+from helpers import ZL, spawn_gloo
 
 from fastsoftmax.core.reference import softmax_torch
 
@@ -295,6 +295,35 @@ def test_z_loss_term_without_a_z_loss_as_fs_cross_entropys(one_rank, backend, de
             for z in got:
                 assert z.shape == want.shape and (z.isnan() == want.isnan()).all(), (reduction, t, z, want)
                 assert (z[~z.isnan()] == 0).all()
+
+
+def test_linear_cross_entropy_follows_autocast(one_rank, device):
+    """Under torch.autocast (bf16) a bf16 x with an fp32 weight and bias: distributed.linear_cross_entropy
+    casts them as F.linear's autocast does, as fs.linear_cross_entropy does (a regression test: it raised
+    TypeError 'weight is torch.float32 but x is torch.bfloat16'); the loss fp32, the gradients in each
+    input's dtype, equal to the single-process function's within bf16's tolerance, for every reduction."""
+    import fastsoftmax as fs
+    import fastsoftmax.distributed as fsd
+    from fastsoftmax.core.reference import TOLERANCE
+
+    g = torch.Generator().manual_seed(4)
+    x = (torch.randn(12, 16, generator=g) * 2).to(device, torch.bfloat16)
+    w, b = torch.randn(37, 16, generator=g).to(device), torch.randn(37, generator=g).to(device)
+    t = torch.randint(0, 37, (12,), generator=g).to(device)
+    t[3] = -100
+    rtol, atol = TOLERANCE[torch.bfloat16]
+    for reduction in ("none", "mean", "sum"):
+        outs = []
+        for f in (fs.linear_cross_entropy, fsd.linear_cross_entropy):
+            leaves = [p.clone().requires_grad_() for p in (x, w, b)]
+            with torch.autocast(device, dtype=torch.bfloat16):
+                loss = f(*leaves[:2], t, leaves[2], reduction=reduction, z_loss=ZL)
+            grads = torch.autograd.grad(loss, leaves, torch.ones_like(loss))
+            outs.append((loss, *grads))
+        for name, want, got in zip(("loss", "dx", "dW", "db"), *outs, strict=True):
+            assert got.dtype == want.dtype and got.shape == want.shape, (reduction, name, got.dtype, want.dtype)
+            torch.testing.assert_close(got, want, rtol=rtol, atol=atol + rtol, msg=f"{reduction} {name}")
+        assert outs[0][0].dtype == torch.float32
 
 
 @pytest.mark.parametrize("wide", [torch.float32, torch.float64])

@@ -221,18 +221,9 @@ def cross_entropy(
     fn = "distributed.cross_entropy"
     with _local_checks(fn, logits, group):
         checks.shard(fn, logits, tgt=target)
-        v_device = (logits.shape[-1], logits.device)
+        extras = (class_weight, softcap, z_loss, return_z_loss)
         o = _loss_checks(
-            fn,
-            ignore_index,
-            reduction,
-            label_smoothing,
-            backend,
-            v_device,
-            class_weight,
-            softcap,
-            z_loss,
-            return_z_loss,
+            fn, ignore_index, reduction, label_smoothing, backend, (logits.shape[-1], logits.device), *extras
         )
     _need_group(fn)
     w = class_weight.contiguous() if class_weight is not None else None
@@ -389,20 +380,12 @@ def linear_cross_entropy(
     fs.linear_cross_entropy's."""
     fn = "distributed.linear_cross_entropy"
     with _local_checks(fn, x, group):
-        checks.linear_cross_entropy(x, weight, target, bias, memory, fn=fn, min_v=0)
-        v_device = (weight.shape[0], weight.device)
+        checks.linear_cross_entropy(x, weight, target, bias, memory, autocast=True, fn=fn, min_v=0)
+        extras = (class_weight, softcap, z_loss, return_z_loss)
         o = _loss_checks(
-            fn,
-            ignore_index,
-            reduction,
-            label_smoothing,
-            backend,
-            v_device,
-            class_weight,
-            softcap,
-            z_loss,
-            return_z_loss,
+            fn, ignore_index, reduction, label_smoothing, backend, (weight.shape[0], weight.device), *extras
         )
+        x, weight, bias = checks.linear_autocast(x, weight, bias, fn)  # (as fs.linear_cross_entropy's)
     _need_group(fn)
     w = class_weight.contiguous() if class_weight is not None else None
     out_dtype = compose.loss_dtype(x)
