@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from helpers import ZL, spawn_gloo
+from helpers import ZL, ref_cross_entropy, spawn_gloo, upstream
 
 from fastsoftmax.core.reference import softmax_torch
 
@@ -324,6 +324,42 @@ def test_linear_cross_entropy_follows_autocast(one_rank, device):
             assert got.dtype == want.dtype and got.shape == want.shape, (reduction, name, got.dtype, want.dtype)
             torch.testing.assert_close(got, want, rtol=rtol, atol=atol + rtol, msg=f"{reduction} {name}")
         assert outs[0][0].dtype == torch.float32
+
+
+def test_fully_masked_kept_row_with_a_z_loss(one_rank, device):
+    """A kept row that is -inf everywhere, with a z-loss: its gradient is the library's for a fully masked
+    row (p taken as 0, so the z-loss's 2 k lse p adds nothing: -g at the target), never NaN, on
+    fs.cross_entropy (auto, torch, triton) and distributed.cross_entropy (auto, triton) alike, and equal to
+    the same call's without a z-loss; the other rows' gradients match float64 torch. A regression test: the
+    one-process paths gave NaN across the row (2 k lse with lse = -inf, times p = 0)."""
+    import fastsoftmax as fs
+    import fastsoftmax.distributed as fsd
+
+    g = torch.Generator().manual_seed(6)
+    x = (torch.randn(5, 11, generator=g) * 3).to(device)
+    x[1] = float("-inf")
+    t = torch.tensor([0, 4, 10, -100, 7], device=device)
+    calls = [(f"fs {b}", fs.cross_entropy, b) for b in ("auto", "torch", "triton")]
+    calls += [(f"distributed {b}", fsd.cross_entropy, b) for b in ("auto", "triton")]
+    for reduction in ("none", "mean", "sum"):
+        up = upstream(reduction, (x.shape[0],), torch.float32).to(device)
+        for name, f, backend in calls:
+            grads = []
+            for zl in (ZL, 0.0):
+                xs = x.clone().requires_grad_()
+                loss = f(xs, t, reduction=reduction, z_loss=zl, backend=backend)
+                grads.append(torch.autograd.grad(loss, xs, up)[0])
+            dx, dx_no_z = grads
+            what = f"{name} {reduction}"
+            assert dx.isfinite().all(), (what, dx[1])
+            torch.testing.assert_close(dx[1], dx_no_z[1], rtol=0, atol=0, msg=what)
+            assert dx[1, 4] < 0 and (dx[1, :4] == 0).all() and (dx[1, 5:] == 0).all(), (what, dx[1])
+            rows = torch.tensor([0, 2, 3, 4])  # (the reference on the rows that are not fully masked)
+            x64 = x[rows].double().requires_grad_()
+            ref, _ = ref_cross_entropy(x64, t[rows].cpu(), reduction="none", z_loss=ZL)
+            scale = up[rows] if reduction == "none" else up / (4 if reduction == "mean" else 1)
+            (want,) = torch.autograd.grad(ref, x64, scale.double().expand(4).cpu())
+            torch.testing.assert_close(dx[rows].double().cpu(), want, rtol=1e-5, atol=1e-6, msg=what)
 
 
 @pytest.mark.parametrize("wide", [torch.float32, torch.float64])

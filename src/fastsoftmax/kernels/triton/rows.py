@@ -466,8 +466,8 @@ def row_grads(row, row_ok, t_ptr, lse_ptr, g_ptr, g_stride, cnt_ptr, w_ptr, wsum
         b = (1.0 - smoothing) * b
         cc = g_ce * (smoothing / v)
         a = b + cc * wsum
-    if ZLOSS:
-        a += g_z * 2.0 * zl * lse
+    if ZLOSS:  # (a fully masked row: p = 0 and lse taken as 0, as in dlogits, so 2 k lse p adds 0, not NaN)
+        a += g_z * 2.0 * zl * safe_max(lse)
     return t, keep, inside, lse, a, b, cc
 
 
