@@ -81,13 +81,13 @@ GLOO_TIMEOUT_S = 120  # a collective left waiting this long raises on its rank: 
 DEADLINE_S = 420  # a spawn still running after this is killed and the test fails (a hang)
 
 
-def _gloo_child(rank, world, init_file, fn, args):
+def _gloo_child(rank, world, init_file, fn, args, timeout_s=GLOO_TIMEOUT_S):
     dist.init_process_group(
         "gloo",
         init_method=f"file://{init_file}",
         rank=rank,
         world_size=world,
-        timeout=datetime.timedelta(seconds=GLOO_TIMEOUT_S),
+        timeout=datetime.timedelta(seconds=timeout_s),
     )
     try:
         fn(rank, world, *args)
@@ -106,18 +106,21 @@ def _gloo_child(rank, world, init_file, fn, args):
     os._exit(0)
 
 
-def spawn_gloo(tmp_path, monkeypatch, fn, world, *args, interpret=False):
+def spawn_gloo(
+    tmp_path, monkeypatch, fn, world, *args, interpret=False, timeout_s=GLOO_TIMEOUT_S, deadline_s=DEADLINE_S
+):
     """fn(rank, world, *args) on ``world`` CPU processes in one gloo group (a file:// store in tmp_path, no
-    network ports); fails, the processes killed, after DEADLINE_S. ``interpret``: the children keep
-    TRITON_INTERPRET=1 (backend='triton' runs the kernels in Triton's interpreter); else torch ops only."""
+    network ports) whose collectives raise after waiting ``timeout_s``; fails, the processes killed, after
+    ``deadline_s``. ``interpret``: the children keep TRITON_INTERPRET=1 (backend='triton' runs the kernels in
+    Triton's interpreter); else torch ops only."""
     if interpret:
         monkeypatch.setenv("TRITON_INTERPRET", "1")
     else:
         monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     if os.path.exists("/sys/class/net/lo") and "GLOO_SOCKET_IFNAME" not in os.environ:
         monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")  # gloo's traffic stays on the loopback interface
-    ctx = mp.spawn(_gloo_child, args=(world, str(tmp_path / "store"), fn, args), nprocs=world, join=False)
-    end = time.monotonic() + DEADLINE_S
+    ctx = mp.spawn(_gloo_child, args=(world, str(tmp_path / "store"), fn, args, timeout_s), nprocs=world, join=False)
+    end = time.monotonic() + deadline_s
     while not ctx.join(timeout=max(1.0, end - time.monotonic())):
         if time.monotonic() >= end:
             for p in ctx.processes:
@@ -125,7 +128,7 @@ def spawn_gloo(tmp_path, monkeypatch, fn, world, *args, interpret=False):
                     p.kill()
             for p in ctx.processes:
                 p.join()
-            pytest.fail(f"{fn.__name__} on {world} processes: no result after {DEADLINE_S} s (a hang?)")
+            pytest.fail(f"{fn.__name__} on {world} processes: no result after {deadline_s} s (a hang?)")
 
 
 def ref_loss(logits, target, ignore_index=-100, reduction="mean", eps=0.0, class_weight=None, softcap=None, z_loss=0.0):

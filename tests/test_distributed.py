@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from helpers import spawn_gloo
+from helpers import ZL, ref_cross_entropy, spawn_gloo, upstream
 
 from fastsoftmax.core.reference import softmax_torch
 
@@ -297,13 +297,79 @@ def test_z_loss_term_without_a_z_loss_as_fs_cross_entropys(one_rank, backend, de
                 assert (z[~z.isnan()] == 0).all()
 
 
+def test_linear_cross_entropy_follows_autocast(one_rank, device):
+    """Under torch.autocast (bf16) a bf16 x with an fp32 weight and bias: distributed.linear_cross_entropy
+    casts them as F.linear's autocast does, as fs.linear_cross_entropy does (a regression test: it raised
+    TypeError 'weight is torch.float32 but x is torch.bfloat16'); the loss fp32, the gradients in each
+    input's dtype, equal to the single-process function's within bf16's tolerance, for every reduction."""
+    import fastsoftmax as fs
+    import fastsoftmax.distributed as fsd
+    from fastsoftmax.core.reference import TOLERANCE
+
+    g = torch.Generator().manual_seed(4)
+    x = (torch.randn(12, 16, generator=g) * 2).to(device, torch.bfloat16)
+    w, b = torch.randn(37, 16, generator=g).to(device), torch.randn(37, generator=g).to(device)
+    t = torch.randint(0, 37, (12,), generator=g).to(device)
+    t[3] = -100
+    rtol, atol = TOLERANCE[torch.bfloat16]
+    for reduction in ("none", "mean", "sum"):
+        outs = []
+        for f in (fs.linear_cross_entropy, fsd.linear_cross_entropy):
+            leaves = [p.clone().requires_grad_() for p in (x, w, b)]
+            with torch.autocast(device, dtype=torch.bfloat16):
+                loss = f(*leaves[:2], t, leaves[2], reduction=reduction, z_loss=ZL)
+            grads = torch.autograd.grad(loss, leaves, torch.ones_like(loss))
+            outs.append((loss, *grads))
+        for name, want, got in zip(("loss", "dx", "dW", "db"), *outs, strict=True):
+            assert got.dtype == want.dtype and got.shape == want.shape, (reduction, name, got.dtype, want.dtype)
+            torch.testing.assert_close(got, want, rtol=rtol, atol=atol + rtol, msg=f"{reduction} {name}")
+        assert outs[0][0].dtype == torch.float32
+
+
+def test_fully_masked_kept_row_with_a_z_loss(one_rank, device):
+    """A kept row that is -inf everywhere, with a z-loss: its gradient is the library's for a fully masked
+    row (p taken as 0, so the z-loss's 2 k lse p adds nothing: -g at the target), never NaN, on
+    fs.cross_entropy (auto, torch, triton) and distributed.cross_entropy (auto, triton) alike, and equal to
+    the same call's without a z-loss; the other rows' gradients match float64 torch. A regression test: the
+    one-process paths gave NaN across the row (2 k lse with lse = -inf, times p = 0)."""
+    import fastsoftmax as fs
+    import fastsoftmax.distributed as fsd
+
+    g = torch.Generator().manual_seed(6)
+    x = (torch.randn(5, 11, generator=g) * 3).to(device)
+    x[1] = float("-inf")
+    t = torch.tensor([0, 4, 10, -100, 7], device=device)
+    calls = [(f"fs {b}", fs.cross_entropy, b) for b in ("auto", "torch", "triton")]
+    calls += [(f"distributed {b}", fsd.cross_entropy, b) for b in ("auto", "triton")]
+    for reduction in ("none", "mean", "sum"):
+        up = upstream(reduction, (x.shape[0],), torch.float32).to(device)
+        for name, f, backend in calls:
+            grads = []
+            for zl in (ZL, 0.0):
+                xs = x.clone().requires_grad_()
+                loss = f(xs, t, reduction=reduction, z_loss=zl, backend=backend)
+                grads.append(torch.autograd.grad(loss, xs, up)[0])
+            dx, dx_no_z = grads
+            what = f"{name} {reduction}"
+            assert dx.isfinite().all(), (what, dx[1])
+            torch.testing.assert_close(dx[1], dx_no_z[1], rtol=0, atol=0, msg=what)
+            assert dx[1, 4] < 0 and (dx[1, :4] == 0).all() and (dx[1, 5:] == 0).all(), (what, dx[1])
+            rows = torch.tensor([0, 2, 3, 4])  # (the reference on the rows that are not fully masked)
+            x64 = x[rows].double().requires_grad_()
+            ref, _ = ref_cross_entropy(x64, t[rows].cpu(), reduction="none", z_loss=ZL)
+            scale = up[rows] if reduction == "none" else up / (4 if reduction == "mean" else 1)
+            (want,) = torch.autograd.grad(ref, x64, scale.double().expand(4).cpu())
+            torch.testing.assert_close(dx[rows].double().cpu(), want, rtol=1e-5, atol=1e-6, msg=what)
+
+
 @pytest.mark.parametrize("wide", [torch.float32, torch.float64])
-def test_merge_of_the_ranks_logsumexps(wide):
-    """merge_lse, the one merge every distributed forward makes, against the logsumexp of the whole row (in
-    the default run: no process group needed). Rows whose ranks' logsumexps lie 1000 apart, where taking any
-    one rank's own maximum instead of the global one overflows exp; a row -inf on one rank, on every rank;
-    NaN and +inf on one rank."""
-    from fastsoftmax.distributed.merge import merge_lse
+def test_merge_of_the_ranks_statistics(wide):
+    """merge_max_sum, the one merge every distributed forward makes, against the whole row (in the default
+    run: no process group needed): the max and the log of the sum of exp(x - max). Rows whose ranks' slices
+    lie 1000 apart, where taking any one rank's own maximum instead of the global one overflows exp; a row
+    -inf on one rank, on every rank (max -inf, log-sum 0); NaN and +inf on one rank (log-sum NaN)."""
+    from fastsoftmax.core.reference import max_sum_torch
+    from fastsoftmax.distributed.merge import merge_max_sum
 
     g = torch.Generator().manual_seed(0)
     slices = [torch.randn(6, w, generator=g, dtype=torch.float64) * 4 for w in (5, 3, 7)]
@@ -313,10 +379,16 @@ def test_merge_of_the_ranks_logsumexps(wide):
     for s in slices:
         s[4] = float("-inf")  # every rank: the row is fully masked
     slices[2][5, 1] = float("nan")
-    lses = torch.stack([torch.logsumexp(s, -1) for s in slices]).to(wide)
-    lses[0, 0] = float("inf")  # a row holding +inf on one rank
-    got = merge_lse(lses)
-    want = torch.logsumexp(torch.cat(slices, -1), -1).to(wide)
-    torch.testing.assert_close(got[1:4], want[1:4], rtol=1e-6 if wide == torch.float32 else 1e-12, atol=0.0)
-    assert got[4] == float("-inf") and got[0].isnan() and got[5].isnan()
-    assert got.dtype == wide
+    slices[0][0, 2] = float("inf")  # a row holding +inf on one rank
+    stats = torch.stack([torch.stack(max_sum_torch(s.to(wide)), -1) for s in slices])
+    m, ls = merge_max_sum(stats)
+    full = torch.cat(slices, -1).to(wide).double()  # (the reference of the rounded input)
+    want_m = full[1:4].amax(-1)
+    want_ls = (full[1:4] - want_m[:, None]).exp().sum(-1).log()
+    # (log S, S >= 1 summed in ``wide``: an absolute error of a few ulps of 1)
+    tol = dict(rtol=1e-6 if wide == torch.float32 else 1e-12, atol=4 * torch.finfo(wide).eps)
+    torch.testing.assert_close(m[1:4], want_m.to(wide), rtol=0.0, atol=0.0)
+    torch.testing.assert_close(ls[1:4], want_ls.to(wide), **tol)
+    assert m[4] == float("-inf") and ls[4] == 0.0
+    assert ls[0].isnan() and ls[5].isnan()
+    assert m.dtype == ls.dtype == wide

@@ -1,7 +1,7 @@
-"""fastsoftmax.distributed on 2 gloo processes whose calls disagree (rows, dtypes, options): every rank
-raises the same ValueError and no collective hangs; a target outside [0, V) raises IndexError on every rank;
-ranks passing different memory= agree; double backward is refused (tests/helpers.py's tensor-parallel
-problems)."""
+"""fastsoftmax.distributed on 2 gloo processes whose calls disagree (rows, dtypes, options, targets): every
+rank raises the same ValueError and no collective hangs; a target outside [0, V) raises IndexError on every
+rank; ranks passing different memory= agree; double backward is refused; an argument check that fails on one
+rank raises there and on every other rank (tests/helpers.py's tensor-parallel problems)."""
 
 import json
 
@@ -35,12 +35,16 @@ def _disagreements(rank):
         ("cross_entropy", "z_loss", lambda: ce(x, t, z_loss=ZL * r)),
         ("cross_entropy", "ignore_index", lambda: ce(x, kept, ignore_index=7 if r else -100)),
         ("cross_entropy", "class_weight", lambda: ce(x, t, class_weight=w if r else None)),
+        ("cross_entropy", "targets permuted", lambda: ce(x, t.roll(r))),
+        ("cross_entropy", "an ignored row", lambda: ce(x, torch.where(torch.arange(M) == 0, -100 if r else 0, t))),
+        ("cross_entropy", "targets int32", lambda: ce(x, kept.int() if r else torch.where(kept == 3, 4, kept))),
         ("linear_cross_entropy", "rows", lambda: lce(xl[: N - r], wl, tl[: N - r], bl)),
         ("linear_cross_entropy", "dtype", lambda: lce(xl.double(), wl.double(), tl) if r else lce(xl, wl, tl)),
         ("linear_cross_entropy", "softcap", lambda: lce(xl, wl, tl, bl, softcap=CAP if r else None)),
         ("linear_cross_entropy", "label_smoothing", lambda: lce(xl, wl, tl, bl, label_smoothing=EPS * r)),
         ("linear_cross_entropy", "class_weight", lambda: lce(xl, wl, tl, bl, class_weight=w if r else None)),
         ("linear_cross_entropy", "reduction", lambda: lce(xl, wl, tl, bl, reduction="none" if r else "sum")),
+        ("linear_cross_entropy", "targets", lambda: lce(xl, wl, torch.where(torch.arange(N) == N - 1, r, tl), bl)),
         ("softmax", "dtype", lambda: fsd.softmax(x.double() if r else x)),
     ]
 
@@ -142,3 +146,68 @@ def test_disagreeing_ranks_bad_targets_double_backward(tmp_path, monkeypatch):
             prefix = f"ValueError: distributed.{fn}: the ranks must pass shards of the same rows and dtype"
             assert r0[case].startswith(prefix), (case, r0[case])
     assert r0.get("double backward") == "refused", r0
+
+
+# ---- an argument check that fails on one rank --------------------------------------------------------------
+
+
+def _one_rank_fails(rank):
+    """(function, case, call): rank 1's arguments fail the local checks, rank 0's pass."""
+    import fastsoftmax.distributed as fsd
+
+    bad = rank == 1
+    x = ce_logits(torch.float32, masked=False)[:, rank * 11 : rank * 11 + 11 + rank]
+    t = targets()
+    xl, wl, bl, tl = lce_problem(torch.float32)
+    wl, bl = wl[rank * 11 : rank * 11 + 11 + rank], bl[rank * 11 : rank * 11 + 11 + rank]
+    ce, lce = fsd.cross_entropy, fsd.linear_cross_entropy
+    return [
+        ("cross_entropy", "softcap", lambda: ce(x, t, softcap=-1.0 if bad else None)),
+        ("cross_entropy", "label_smoothing", lambda: ce(x, t, label_smoothing=1.5 if bad else 0.0)),
+        ("cross_entropy", "logits dtype", lambda: ce(x.long() if bad else x, t)),
+        ("cross_entropy", "target dtype", lambda: ce(x, t.float() if bad else t)),
+        ("cross_entropy", "logits not a tensor", lambda: ce(x.tolist() if bad else x, t)),
+        ("softmax", "dtype", lambda: fsd.softmax(x, dtype=torch.int64 if bad else None)),
+        ("log_softmax", "backend", lambda: fsd.log_softmax(x, backend="cuda" if bad else "auto")),
+        ("linear_cross_entropy", "memory", lambda: lce(xl, wl, tl, bl, memory=0 if bad else None)),
+        ("linear_cross_entropy", "weight", lambda: lce(xl, wl[:, 1:] if bad else wl, tl, bl)),
+        ("linear_cross_entropy", "z_loss", lambda: lce(xl, wl, tl, bl, z_loss=-1.0 if bad else 0.0)),
+    ]
+
+
+def _failing_checks(rank, world, out_dir):
+    results = {}
+    for fn, case, call in _one_rank_fails(rank):
+        try:
+            call()
+            results[f"{fn} {case}"] = "returned"
+        except Exception as e:  # noqa: BLE001 (recorded, compared across ranks by the test)
+            results[f"{fn} {case}"] = f"{type(e).__name__}: {e}"
+        _record(out_dir, rank, results)  # after each case: a hang shows where
+        dist.barrier()  # (a rank left waiting in a collective fails here, after the group's timeout)
+
+
+def test_a_check_failing_on_one_rank_raises_on_every_rank(tmp_path, monkeypatch):
+    """Rank 1's arguments fail a local check (an option, a dtype, a tensor that is not one, memory=, the
+    weight's shape), rank 0's pass: rank 1 raises its own error and rank 0 a ValueError naming rank 1, in
+    every case and in step (a regression left rank 0 waiting in the first collective: the group's 20 s
+    timeout and the spawn's deadline turn a hang into a failure)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    try:
+        spawn_gloo(tmp_path, monkeypatch, _failing_checks, 2, out, timeout_s=20, deadline_s=240)
+    finally:
+        got = [json.loads(p.read_text()) if p.exists() else {} for p in (out / "rank0.json", out / "rank1.json")]
+        print(json.dumps(got, indent=1))  # (shown when the test fails: what each rank saw, up to a hang)
+    r0, r1 = got
+    cases = [f"{fn} {case}" for fn, case, _ in _one_rank_fails(1)]
+    assert list(r0) == list(r1) == cases, (r0, r1)
+    own = {"softcap": "softcap", "label_smoothing": "label_smoothing", "logits dtype": "floating-point",
+           "target dtype": "integer dtype", "logits not a tensor": "torch.Tensor", "dtype": "dtype must be None",
+           "backend": "backend", "memory": "memory", "weight": "weight", "z_loss": "z_loss"}  # fmt: skip
+    for key in cases:
+        fn, case = key.split(" ", 1)
+        assert r1[key].split(":")[0] in ("TypeError", "ValueError") and own[case] in r1[key], (key, r1[key])
+        assert f"distributed.{fn}" in r1[key], (key, r1[key])
+        want = f"ValueError: distributed.{fn}: rank 1's arguments failed its checks"
+        assert r0[key].startswith(want), (key, r0[key])

@@ -52,8 +52,8 @@ KERNEL_FAMILIES = {
     "triton.shard": {
         "kernels": ["shard_stats", "shard_apply"],
         "use": "fastsoftmax.distributed: a rank's slice of the classes (statistics, then outputs or dlogits)",
-        "exp": "exp2((z - lse) * log2(e)): ex2.approx.ftz.f32",
-        "accumulation": "fp32; ranks' logsumexps merged in torch ops (fp32, fp64 for fp64)",
+        "exp": "exp2(((z - max) - log(sum)) * log2(e)): ex2.approx.ftz.f32",
+        "accumulation": "fp32; ranks' (max, sum of exp(z - max)) merged in torch ops (fp32, fp64 for fp64)",
         "build_flags": "Triton defaults (no fast-math flag)",
     },
     "lm_head": {

@@ -8,7 +8,7 @@ import operator
 
 import torch
 
-from . import dtypes, masking
+from . import compose, dtypes, masking
 
 REDUCTIONS = ("none", "mean", "sum")
 BACKENDS = ("auto", "triton", "cuda", "torch")  # the names backend= takes (dispatch.py maps them to code)
@@ -235,11 +235,12 @@ def loss_extras(fn: str, logits, class_weight, softcap, z_loss, return_z_loss: b
 
 
 def linear_cross_entropy(
-    x, weight, tgt, bias, memory, same_dtype: bool = True, fn: str = "linear_cross_entropy", min_v: int = 1
+    x, weight, tgt, bias, memory, autocast: bool = False, fn: str = "linear_cross_entropy", min_v: int = 1
 ) -> None:
     """x (..., d), weight (V, d) with V >= min_v (a rank's slice may be empty: 0), bias (V,) or None:
-    floating, on one device, of one dtype (``same_dtype``; under autocast linear_dtypes checks it after the
-    cast); target x's shape without d; memory None or an int > 0."""
+    floating, on one device, of one dtype (with ``autocast``, the public functions', not where autocast is
+    on for x's device: linear_autocast casts them and checks that after the cast); target x's shape without
+    d; memory None or an int > 0."""
     for name, t in (("x", x), ("weight", weight), ("target", tgt)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
@@ -259,7 +260,7 @@ def linear_cross_entropy(
     for name, t in (("weight", weight), ("bias", bias)):
         if t is not None and not t.dtype.is_floating_point:
             raise TypeError(f"{fn}: {name} must be floating point, got {t.dtype}")
-    if same_dtype:
+    if not (autocast and compose.autocasting(x.device.type)):
         linear_dtypes(x, weight, bias, fn)
     for name, t in (("weight", weight), ("target", tgt), ("bias", bias)):
         if t is not None and t.device != x.device:
@@ -285,6 +286,17 @@ def memory_budget(fn: str, memory) -> None:
     """The LM-head loss's memory=: None or an int > 0 (bytes of logits a chunk holds)."""
     if memory is not None and (isinstance(memory, bool) or not isinstance(memory, int) or memory < 1):
         raise ValueError(f"{fn}: memory must be None or a positive int (bytes of logits a chunk holds), got {memory!r}")
+
+
+def linear_autocast(x, weight, bias, fn: str = "linear_cross_entropy"):
+    """The LM head's (x, weight, bias) as F.linear's autocast casts them where autocast is on for x's device
+    (compose.autocast_linear), then checked to be of one dtype; as given otherwise. After
+    linear_cross_entropy(..., autocast=True): the public functions' one rule, one- and multi-GPU."""
+    if not compose.autocasting(x.device.type):
+        return x, weight, bias
+    x, weight, bias = compose.autocast_linear(x, weight, bias)
+    linear_dtypes(x, weight, bias, fn)
+    return x, weight, bias
 
 
 def linear_dtypes(x, weight, bias, fn: str = "linear_cross_entropy") -> None:

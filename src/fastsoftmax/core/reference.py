@@ -35,10 +35,18 @@ def softmax_torch(
 def logsumexp_torch(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """Per-row logsumexp with softmax_torch's conventions, fp32 (fp64 for fp64 x): -inf for an all -inf row,
     NaN for a row holding NaN or +inf. Precondition: x.shape[dim] > 0."""
+    m, s = max_sum_torch(x, dim)
+    return torch.where(m == float("-inf"), 0.0, m) + s.log()
+
+
+def max_sum_torch(x: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, its max and its sum of exp(x - max), fp32 (fp64 for fp64 x): -inf and 0 for an all -inf row,
+    NaN in the sum for a row holding NaN or +inf (the logsumexp is their max + log(sum)). Precondition:
+    x.shape[dim] > 0."""
     xc = x.to(torch.float64 if x.dtype == torch.float64 else torch.float32)
     m = xc.amax(dim, keepdim=True)
     m_safe = torch.where(m == float("-inf"), 0.0, m)
-    return (m_safe + (xc - m_safe).exp().sum(dim, keepdim=True).log()).squeeze(dim)
+    return m.squeeze(dim), (xc - m_safe).exp().sum(dim)
 
 
 def softmax_backward_torch(

@@ -4,13 +4,14 @@ or of the LM head's weight rows), in rank order; slices may differ in width, hol
 
 Per forward, the same collectives on every rank whatever its inputs:
   1. an all-gather of each rank's signature (its slice's width, its row count, its dtype, a digest of the
-     call's options, the sum of its class weights), from which every rank checks that the ranks agree and
-     finds its slice's offset in the vocabulary, as a device tensor;
-  2. an all-gather of per-row statistics of each slice (its logsumexp, and for the losses the target's
-     logit and class weight where the target falls in the slice, and the weighted sum of its logits for
-     label smoothing), merged into the row's global numbers. Megatron-LM's vocabulary-parallel
-     cross-entropy sends three all-reduces (max, sum of exp, target logit); a logsumexp carries the max
-     and the sum in one number.
+     call's options, a digest of its targets, whether its argument checks failed, the sum of its class
+     weights), from which every rank checks that the ranks agree and finds its slice's offset in the
+     vocabulary, as a device tensor; a rank whose checks fail sends it flagged, then raises;
+  2. an all-gather of per-row statistics of each slice (its max and sum of exp(x - max), and for the losses
+     the target's logit and class weight where the target falls in the slice, and the weighted sum of its
+     logits for label smoothing), merged into the row's global numbers. Megatron-LM's vocabulary-parallel
+     cross-entropy sends three all-reduces (max, sum of exp, target logit); one all-gather carries them.
+     The outputs are (x - max) - log(sum), whose error does not grow with the logits (merge.py).
 The backward of the losses needs no collective but the LM head's one all-reduce of dx; softmax and
 log_softmax need one all-reduce of a per-row sum. No host synchronisation anywhere (a step can be captured
 in a CUDA graph): on CUDA tensors ranks that disagree stop at the same device-side assertion before the
@@ -28,6 +29,7 @@ transforms of these functions.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -62,28 +64,45 @@ class _Softmax(torch.autograd.Function):
             x2 = x2.double()
         shard_merge.agree(fn, x, x2.shape[1], x2.shape[0], group, (log, str(dtype)))
         impl = shard_merge.slice_work(x2, backend)
-        local = shard_merge.slice_stats(impl, x2, None, None, False)[0]
-        lse = shard_merge.merge_lse(shard_merge.gather(local, group))
+        top, sum_e, _ = shard_merge.slice_stats(impl, x2, None, None, False)
+        m, ls = shard_merge.merge_max_sum(shard_merge.gather(torch.stack([top, sum_e], -1), group))
         out = shard_merge.empty_out(x2.shape, dtype or x.dtype, x.device)
-        y = impl.normalise(x2, lse.to(shard_merge.wide_dtype(x2)), log, out) if x2.numel() else out
-        ctx.save_for_backward(y, lse)
+        y = impl.normalise(x2, m, ls, log, out) if x2.numel() else out
+        ctx.save_for_backward(y, m)
         ctx.log, ctx.group, ctx.x_dtype, ctx.backend, ctx.fn = log, group, x.dtype, backend, fn
         return y.reshape(x.shape)
 
     @staticmethod
     def backward(ctx, dy):
         _no_double_backward(ctx.fn)
-        y, lse = ctx.saved_tensors
+        y, m = ctx.saved_tensors
         dy2 = dy.reshape(y.shape)
         if dy2.stride(-1) != 1:
             dy2 = dy2.contiguous()
         impl = shard_merge.slice_work(y, ctx.backend, backward=True)
-        s = impl.dot(y, dy2, ctx.log) if y.numel() else torch.zeros(y.shape[0], dtype=lse.dtype, device=y.device)
+        s = impl.dot(y, dy2, ctx.log) if y.numel() else torch.zeros(y.shape[0], dtype=m.dtype, device=y.device)
         dist.all_reduce(s, group=ctx.group)
         dx = shard_merge.empty_out(y.shape, ctx.x_dtype, y.device)
         if y.numel():
-            impl.softmax_backward(y, dy2, s.to(lse.dtype), lse, ctx.log, dx)
+            impl.softmax_backward(y, dy2, s.to(m.dtype), m, ctx.log, dx)
         return dx.reshape(dy.shape), None, None, None, None
+
+
+def _collectives_possible() -> bool:
+    return dist.is_initialized() and not (compose.transforms_active() or compose.dispatch_modes())
+
+
+@contextlib.contextmanager
+def _local_checks(fn: str, x, group):
+    """The block's argument checks, local to this rank. Where one fails and collectives can run, this rank
+    still takes part in the first collective, flagged (merge.refuse), so that every other rank raises
+    there, naming this one, instead of waiting in it; then this rank raises its own error."""
+    try:
+        yield
+    except Exception:
+        if _collectives_possible():
+            shard_merge.refuse(fn, x, group)
+        raise
 
 
 def _need_group(fn: str) -> None:
@@ -106,7 +125,8 @@ def softmax(
     backend: str = "auto",
 ) -> torch.Tensor:
     """Softmax along the last dim of logits whose last dim is split across ``group`` (this rank's slice)."""
-    checks.shard("distributed.softmax", x, backend, dtype=dtype)
+    with _local_checks("distributed.softmax", x, group):
+        checks.shard("distributed.softmax", x, backend, dtype=dtype)
     _need_group("distributed.softmax")
     return _Softmax.apply(x, False, group, dtype, backend)
 
@@ -119,7 +139,8 @@ def log_softmax(
     backend: str = "auto",
 ) -> torch.Tensor:
     """Log-softmax along the last dim of logits whose last dim is split across ``group``."""
-    checks.shard("distributed.log_softmax", x, backend, dtype=dtype)
+    with _local_checks("distributed.log_softmax", x, group):
+        checks.shard("distributed.log_softmax", x, backend, dtype=dtype)
     _need_group("distributed.log_softmax")
     return _Softmax.apply(x, True, group, dtype, backend)
 
@@ -144,7 +165,7 @@ class _CrossEntropy(torch.autograd.Function):
         xf = x.reshape(t.shape[0], x.shape[-1])
         if xf.stride(-1) != 1:
             xf = xf.contiguous()
-        offset, v_total, w_total = shard_merge.agree(fn, x, xf.shape[1], t.shape[0], group, _options_key(o, w), w)
+        offset, v_total, w_total = shard_merge.agree(fn, x, xf.shape[1], t.shape[0], group, _options_key(o, w), w, t)
         checks.targets(t, v_total, o.ignore_index, fn)
         rows = shard_merge.Rows(t, o, offset, xf.shape[-1], w)
         impl = shard_merge.slice_work(xf, backend)
@@ -168,8 +189,7 @@ class _CrossEntropy(torch.autograd.Function):
         if xf.numel():
             impl = shard_merge.slice_work(xf, ctx.backend, backward=True)
             o = rows.o
-            lse = rows.lse.to(shard_merge.wide_dtype(xf))
-            impl.dlogits(xf, lse, a, b, cc, rows.code, rows.w_local, o.softcap, o.smoothing != 0, dx)
+            impl.dlogits(xf, rows.m, rows.ls, a, b, cc, rows.code, rows.w_local, o.softcap, o.smoothing != 0, dx)
         return dx.reshape(ctx.shape), None, None, None, None, None, None
 
 
@@ -199,11 +219,12 @@ def cross_entropy(
     is this rank's slice and ``class_weight`` its slice of the class weights) with global class indices as
     targets, on every rank."""
     fn = "distributed.cross_entropy"
-    checks.shard(fn, logits, tgt=target)
-    v_device = (logits.shape[-1], logits.device)
-    o = _loss_checks(
-        fn, ignore_index, reduction, label_smoothing, backend, v_device, class_weight, softcap, z_loss, return_z_loss
-    )
+    with _local_checks(fn, logits, group):
+        checks.shard(fn, logits, tgt=target)
+        extras = (class_weight, softcap, z_loss, return_z_loss)
+        o = _loss_checks(
+            fn, ignore_index, reduction, label_smoothing, backend, (logits.shape[-1], logits.device), *extras
+        )
     _need_group(fn)
     w = class_weight.contiguous() if class_weight is not None else None
     loss, z = _CrossEntropy.apply(logits, target, w, o, group, backend, compose.loss_dtype(logits))
@@ -223,11 +244,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
         t = flat_target(target)
         x2 = x.reshape(t.shape[0], x.shape[-1])
         n, v_local = x2.shape[0], weight.shape[0]
-        offset, v_total, w_total = shard_merge.agree(fn, x2, v_local, n, group, _options_key(o, w, (x.shape[-1],)), w)
+        key = _options_key(o, w, (x.shape[-1],))
+        offset, v_total, w_total = shard_merge.agree(fn, x2, v_local, n, group, key, w, t)
         checks.targets(t, v_total, o.ignore_index, fn)
         rows = shard_merge.Rows(t, o, offset, v_local, w)
         wide = shard_merge.wide_dtype(x2)
-        local = torch.empty((n, 4), dtype=wide, device=x.device)
+        local = torch.empty((n, 5), dtype=wide, device=x.device)
         step = rules.rows_per_chunk(x2, v_local, memory) if n and v_local else max(n, 1)
         if n and v_local:
             buf = torch.empty((min(step, n), v_local), dtype=x2.dtype, device=x.device)
@@ -271,7 +293,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         )
         db = torch.zeros(v_local, dtype=wide, device=x2.device) if need_b else None
         if n and v_local:
-            coef = (rows.lse.to(wide), a, b, cc)
+            coef = (rows.m, rows.ls, a, b, cc)
             if sliced:
                 _slices_backward(x2, weight, bias, rows, coef, ctx.memory, ctx.backend, dx, dw, db)
             else:
@@ -286,7 +308,7 @@ def _chunks_backward(x2, weight, bias, rows, coef, step, backend, dx, dw, db):
     """The head's backward in chunks of ``step`` rows, each with all the slice's classes: the logits again,
     dlogits in place, dx's rows, dW_r written by the first chunk and added to by the others, db_r."""
     n, v_local = x2.shape[0], weight.shape[0]
-    lse, a, b, cc = coef
+    top, ls, a, b, cc = coef
     o = rows.o
     buf = torch.empty((min(step, n), v_local), dtype=x2.dtype, device=x2.device)
     impl = shard_merge.slice_work(buf, backend, backward=True)
@@ -294,7 +316,8 @@ def _chunks_backward(x2, weight, bias, rows, coef, step, backend, dx, dw, db):
         r1 = min(r0 + step, n)
         xc, s = x2[r0:r1], slice(r0, r1)
         logits = chunk_logits(xc, weight, bias, buf[: r1 - r0])
-        impl.dlogits(logits, lse[s], a[s], b[s], cc[s], rows.code[s], rows.w_local, o.softcap, o.smoothing != 0, logits)
+        code, w_local, smooth = rows.code[s], rows.w_local, o.smoothing != 0
+        impl.dlogits(logits, top[s], ls[s], a[s], b[s], cc[s], code, w_local, o.softcap, smooth, logits)
         tile_grads(logits, xc, weight, dw, dx[r0:r1] if dx is not None else None, db, add_dw=r0 > 0, add_dx=False)
     heuristics.record(heuristics.Plan(impl.name, "lce_recompute", rows=step, splits=-(-n // step)))
 
@@ -306,12 +329,12 @@ def _slices_backward(x2, weight, bias, rows, coef, memory, backend, dx, dw, db):
     chunks make one a chunk); a group's dx summed over the slices in fp32, then rounded once."""
     n, d = x2.shape
     v_local = weight.shape[0]
-    lse, a, b, cc = coef
+    top, ls, a, b, cc = coef
     o, w_local = rows.o, rows.w_local
     group, cols = rules.slice_plan(n, d, v_local, x2.element_size(), memory)
     buf = torch.empty(group * cols, dtype=x2.dtype, device=x2.device)
     impl = shard_merge.slice_work(buf.view(group, cols), backend, backward=True)
-    acc = torch.empty((group, d), dtype=lse.dtype, device=x2.device) if dx is not None else None
+    acc = torch.empty((group, d), dtype=top.dtype, device=x2.device) if dx is not None else None
     if heuristics.poisoning() and dw is not None:  # (tests: the first group's GEMMs must write all of dW_r)
         dw.fill_(float("nan"))
     tiles = 0
@@ -323,8 +346,8 @@ def _slices_backward(x2, weight, bias, rows, coef, memory, backend, dx, dw, db):
             w_s = weight[v0:v1]
             logits = chunk_logits(xg, w_s, bias[v0:v1] if bias is not None else None, buf[: m * (v1 - v0)].view(m, -1))
             ws = w_local[v0:v1] if w_local is not None else None
-            impl.dlogits(logits, lse[s], a[s], b[s], cc[s], rows.code_in(s, v0, v1), ws, o.softcap, o.smoothing != 0,
-                         logits)  # fmt: skip
+            impl.dlogits(logits, top[s], ls[s], a[s], b[s], cc[s], rows.code_in(s, v0, v1), ws, o.softcap,
+                         o.smoothing != 0, logits)  # fmt: skip
             dw_s, db_s = (dw[v0:v1] if dw is not None else None), (db[v0:v1] if db is not None else None)
             tile_grads(logits, xg, w_s, dw_s, acc[:m] if acc is not None else None, db_s, add_dw=r0 > 0, add_dx=v0 > 0)
             tiles += 1
@@ -356,11 +379,13 @@ def linear_cross_entropy(
     the weight's and bias's this rank's slice. memory: bytes of logits a chunk may hold, as
     fs.linear_cross_entropy's."""
     fn = "distributed.linear_cross_entropy"
-    checks.linear_cross_entropy(x, weight, target, bias, memory, fn=fn, min_v=0)
-    v_device = (weight.shape[0], weight.device)
-    o = _loss_checks(
-        fn, ignore_index, reduction, label_smoothing, backend, v_device, class_weight, softcap, z_loss, return_z_loss
-    )
+    with _local_checks(fn, x, group):
+        checks.linear_cross_entropy(x, weight, target, bias, memory, autocast=True, fn=fn, min_v=0)
+        extras = (class_weight, softcap, z_loss, return_z_loss)
+        o = _loss_checks(
+            fn, ignore_index, reduction, label_smoothing, backend, (weight.shape[0], weight.device), *extras
+        )
+        x, weight, bias = checks.linear_autocast(x, weight, bias, fn)  # (as fs.linear_cross_entropy's)
     _need_group(fn)
     w = class_weight.contiguous() if class_weight is not None else None
     out_dtype = compose.loss_dtype(x)

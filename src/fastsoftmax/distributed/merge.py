@@ -2,9 +2,13 @@
 merge of their statistics, and the slice's own work.
 
 The collectives: agree (the first all-gather: each rank's signature, checked for agreement, giving the slice's
-offset in the vocabulary) and gather (the second: per-row statistics, in rank order). merge_lse and Rows.merge
-turn the gathered statistics into each row's global numbers; Rows.coefficients turns those into the three
-numbers per row of the losses' backward. Between the two collectives is O(rows) work in torch ops.
+offset in the vocabulary) and gather (the second: per-row statistics, in rank order). merge_max_sum and
+Rows.merge turn the gathered statistics into each row's global numbers; Rows.coefficients turns those into
+the three numbers per row of the losses' backward. Between the two collectives is O(rows) work in torch ops.
+
+A row's statistics are its max m and the sum of exp(z - m), not its logsumexp: outputs are (z - m) - log(sum),
+whose error does not grow with the logits, where z - lse with lse rounded to fp32 errs by up to |z| * 2^-24
+(3.7e-4 at logits of 1e4).
 
 The slice's own work is the kernels' (triton/shard.py: one read of the slice for its statistics, one read
 and one write for the output or dlogits) on CUDA tensors, torch ops on the CPU and for float64 (``backend``
@@ -20,7 +24,7 @@ import torch.distributed as dist
 
 from .. import dispatch, heuristics
 from ..core import dtypes
-from ..core.reference import logsumexp_torch
+from ..core.reference import max_sum_torch
 from ..kernels.torch_loss import capped, row_grads
 
 # ---- the collectives and the merge -------------------------------------------------------------------------
@@ -37,41 +41,89 @@ def gather(stats: torch.Tensor, group) -> torch.Tensor:
     return out.reshape(world, *stats.shape)
 
 
-def merge_lse(lses: torch.Tensor) -> torch.Tensor:
-    """Merge per-rank logsumexps (dim 0): -inf if all are, NaN if any is NaN or +inf (the library's rule for
-    a row holding NaN or +inf)."""
-    bad = lses.isnan().any(0) | (lses == float("inf")).any(0)
-    m = lses.amax(0)
-    m_safe = torch.where(m == float("-inf"), torch.zeros_like(m), m)
-    out = m_safe + (lses - m_safe).exp().sum(0).log()
-    return torch.where(bad, float("nan"), out)
+def refuse(fn: str, x, group) -> None:
+    """This rank's arguments failed its checks: it takes part in agree's collective all the same, its
+    signature flagged, so that the other ranks raise there (naming it) rather than wait; its caller then
+    raises its own error. The collective's device: x's, else the group's (cuda for NCCL)."""
+    if isinstance(x, torch.Tensor) and x.device.type in ("cpu", "cuda"):
+        device = x.device
+    else:
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+    sig = torch.zeros(SIGNATURE, dtype=torch.float64, device=device)
+    sig[FAILED].fill_(1.0)
+    gather(sig, group)
 
 
-def agree(fn: str, x: torch.Tensor, width: int, rows: int, group, opts: tuple, w_local=None):
-    """The first collective: every rank's (width of its slice, rows, x's dtype, options digest, class-weight
-    sum), checked for agreement. Returns (this rank's offset in the vocabulary, the vocabulary's size, the
-    sum of the class weights over every rank or None), 0-d tensors on x's device."""
+def _disagreement(fn: str, every: list) -> str:
+    """agree's error, the same on every rank (from the gathered signatures)."""
+    failed = [r for r, sig in enumerate(every) if sig[FAILED]]
+    if failed:
+        who = f"rank {failed[0]}'s arguments failed its" if len(failed) == 1 else f"ranks {failed} failed their"
+        return f"{fn}: {who} checks (the error there names the argument); the call stops on every rank"
+    names = {v: dtypes.NAME[k] for k, v in dtypes.CODE.items()}
+    seen = []
+    for r, (_, rows_r, code, digest_r, targets_r, *_) in enumerate(every):
+        other = "" if digest_r == every[0][3] else ", other options"
+        other += "" if targets_r == every[0][TARGETS] or rows_r != every[0][ROWS] else ", other targets"
+        seen.append(f"rank {r}: {int(rows_r)} rows of {names[int(code)]}{other}")
+    return (
+        f"{fn}: the ranks must pass shards of the same rows and dtype, with the same options and targets "
+        f"({'; '.join(seen)})"
+    )
+
+
+def merge_max_sum(ms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge per-rank (max, sum of exp(z - max)) pairs, (world, rows, 2), into each row's (m, ls): its max
+    and the log of its sum of exp(z - m), so that log_softmax is (z - m) - ls and the logsumexp m + ls. A row
+    -inf on every rank has m = -inf and ls = 0 ((z - m) - ls is then -inf with m taken as 0); a row holding
+    NaN or +inf on any rank has ls NaN (the library's rule: NaN across the row)."""
+    m_r, s_r = ms[..., 0], ms[..., 1]
+    bad = m_r.isnan().any(0) | (m_r == float("inf")).any(0) | s_r.isnan().any(0)
+    m = m_r.amax(0)
+    masked = m == float("-inf")
+    s = (s_r * (m_r - torch.where(masked, 0.0, m)).exp()).sum(0)
+    ls = torch.where(masked, 0.0, s.log())
+    return m, torch.where(bad, float("nan"), ls)
+
+
+# the signature's entries: slice width, rows, dtype code, options digest, targets digest, the rank's checks
+# failed (1) or passed (0), class-weight sum; entries ROWS to FAILED must agree across ranks
+SIGNATURE, ROWS, TARGETS, FAILED = 7, 1, 4, 5
+_P = 2**31 - 1  # (a prime: targets that differ in one row never have the same digest)
+
+
+def targets_digest(t: torch.Tensor) -> torch.Tensor:
+    """sum_i (t_i mod p) * r_i mod p, r_i in [1, p) a function of the row i: a 0-d int64 tensor on t's device
+    (no host synchronisation), equal for equal targets, different for targets that differ in one row
+    (or are permuted, but for a chance of 1 in p)."""
+    i = torch.arange(t.numel(), device=t.device, dtype=torch.int64)
+    r = (i * 48271 + 12345) % (_P - 1) + 1
+    return ((t.reshape(-1).long() % _P) * r % _P).sum() % _P
+
+
+def agree(fn: str, x: torch.Tensor, width: int, rows: int, group, opts: tuple, w_local=None, target=None):
+    """The first collective: every rank's signature (its slice's width, rows, x's dtype, options digest,
+    targets digest, whether its checks failed, class-weight sum), checked for agreement. Returns (this rank's
+    offset in the vocabulary, the vocabulary's size, the sum of the class weights over every rank or None),
+    0-d tensors on x's device."""
     digest = float(int(hashlib.sha256(repr(opts).encode()).hexdigest()[:13], 16))  # < 2^52: exact in float64
-    sig = torch.empty(5, dtype=torch.float64, device=x.device)
-    for i, v in enumerate((width, rows, dtypes.CODE[x.dtype], digest, 0.0)):
+    sig = torch.zeros(SIGNATURE, dtype=torch.float64, device=x.device)
+    for i, v in enumerate((width, rows, dtypes.CODE[x.dtype], digest)):
         sig[i].fill_(v)  # a fill kernel each: no host-to-device copy, so a CUDA graph can capture it
+    if target is not None:
+        sig[TARGETS].copy_(targets_digest(target))
     if w_local is not None:
-        sig[4].copy_(w_local.sum(dtype=torch.float64))
-    every = gather(sig, group)  # (world, 5)
-    same = (every[:, 1:4] == every[:1, 1:4]).all()
+        sig[SIGNATURE - 1].copy_(w_local.sum(dtype=torch.float64))
+    every = gather(sig, group)  # (world, SIGNATURE)
+    same = (every[:, ROWS:FAILED] == every[:1, ROWS:FAILED]).all() & (every[:, FAILED] == 0).all()
     if x.is_cuda:
-        torch._assert_async(same, f"{fn}: the ranks disagree on the row count, dtype or options")
-    elif not bool(same):
-        names = {v: dtypes.NAME[k] for k, v in dtypes.CODE.items()}
-        seen = []
-        for r, (_, rows_r, code, digest_r, _) in enumerate(every.tolist()):
-            other = "" if digest_r == every[0, 3] else ", other options"
-            seen.append(f"rank {r}: {int(rows_r)} rows of {names[int(code)]}{other}")
-        raise ValueError(
-            f"{fn}: the ranks must pass shards of the same rows and dtype, with the same options ({'; '.join(seen)})"
+        torch._assert_async(
+            same, f"{fn}: the ranks disagree on the row count, dtype, options or targets, or a rank's checks failed"
         )
+    elif not bool(same):
+        raise ValueError(_disagreement(fn, every.tolist()))
     widths = every[:, 0].long()
-    w_total = every[:, 4].sum() if w_local is not None else None
+    w_total = every[:, SIGNATURE - 1].sum() if w_local is not None else None
     return widths[: dist.get_rank(group)].sum(), widths.sum(), w_total
 
 
@@ -94,29 +146,29 @@ class _Kernels:
         self.k, self.shape = kernels("shard"), kernels("cross_entropy").shape(x.shape[-1], x.element_size(), backward)
 
     def stats(self, x, w, cap, smooth):
-        """(each row's logsumexp of capped x, its sum of w * z or None), fp32."""
-        m = x.shape[0]
-        lse = empty_out(m, torch.float32, x.device)
-        sums = empty_out(m, torch.float32, x.device) if smooth else lse
-        self.k.stats(x, None, w, lse, sums, cap, self.shape, smooth=smooth)
-        return lse, (sums if smooth else None)
+        """(each row's max of capped x, its sum of exp(z - max), its sum of w * z or None), fp32."""
+        n = x.shape[0]
+        m, s = empty_out(n, torch.float32, x.device), empty_out(n, torch.float32, x.device)
+        sums = empty_out(n, torch.float32, x.device) if smooth else s
+        self.k.stats(x, None, w, m, s, sums, cap, self.shape, smooth=smooth)
+        return m, s, (sums if smooth else None)
 
     def dot(self, y, dy, log: bool):
         """Each row's sum of dy (log) or of y * dy, fp32."""
         s = empty_out(y.shape[0], torch.float32, y.device)
-        self.k.stats(y, dy, None, s, s, None, self.shape, dot=not log, logdot=log)
+        self.k.stats(y, dy, None, s, s, s, None, self.shape, dot=not log, logdot=log)
         return s
 
-    def normalise(self, x, lse, log: bool, out):
-        self.k.apply(1 if log else 0, x, None, out, lse, lse, lse, lse, lse, None, None, self.shape)
+    def normalise(self, x, m, ls, log: bool, out):
+        self.k.apply(1 if log else 0, x, None, out, m, ls, m, m, m, m, None, None, self.shape)
         return out
 
-    def dlogits(self, x, lse, a, b, cc, t, w, cap, smooth, out):
-        self.k.apply(2, x, None, out, lse, a, b, cc, t, w, cap, self.shape, smooth=smooth)
+    def dlogits(self, x, m, ls, a, b, cc, t, w, cap, smooth, out):
+        self.k.apply(2, x, None, out, m, ls, a, b, cc, t, w, cap, self.shape, smooth=smooth)
         return out
 
-    def softmax_backward(self, y, dy, s, lse, log: bool, out):
-        self.k.apply(4 if log else 3, y, dy, out, lse, s, s, s, s, None, None, self.shape)
+    def softmax_backward(self, y, dy, s, m, log: bool, out):
+        self.k.apply(4 if log else 3, y, dy, out, m, m, s, s, s, s, None, None, self.shape)
         return out
 
 
@@ -127,37 +179,37 @@ class TorchOps:
 
     def stats(self, x, w, cap, smooth):
         z = capped(x.to(wide_dtype(x)), cap)
-        lse = logsumexp_torch(z)
+        m, s = max_sum_torch(z)
         if not smooth:
-            return lse, None
-        return lse, (z * w.to(z.dtype) if w is not None else z).sum(-1)
+            return m, s, None
+        return m, s, (z * w.to(z.dtype) if w is not None else z).sum(-1)
 
     def dot(self, y, dy, log: bool):
         acc = wide_dtype(y) if dy.dtype != torch.float64 else torch.float64
         return (dy.to(acc) if log else y.to(acc) * dy.to(acc)).sum(-1)
 
-    def normalise(self, x, lse, log: bool, out):
-        d = x.to(lse.dtype) - _safe(lse)[:, None]
+    def normalise(self, x, m, ls, log: bool, out):
+        d = (x.to(m.dtype) - _safe(m)[:, None]) - ls[:, None]
         return out.copy_(d if log else d.exp())
 
-    def dlogits(self, x, lse, a, b, cc, t, w, cap, smooth, out):
-        z = capped(x.to(lse.dtype), cap)
+    def dlogits(self, x, m, ls, a, b, cc, t, w, cap, smooth, out):
+        z = capped(x.to(m.dtype), cap)
         hot = torch.arange(x.shape[-1], device=x.device) == t[:, None]
-        d = a[:, None] * (z - _safe(lse)[:, None]).exp() - b[:, None] * hot
+        d = a[:, None] * ((z - _safe(m)[:, None]) - ls[:, None]).exp() - b[:, None] * hot
         if smooth:
             d = d - cc[:, None] * (w.to(d.dtype) if w is not None else 1.0)
         if cap is not None:
             d = d * (1 - (z / cap) ** 2)
         return out.copy_(torch.where((t != -2)[:, None], d, 0.0))
 
-    def softmax_backward(self, y, dy, s, lse, log: bool, out):
+    def softmax_backward(self, y, dy, s, m, log: bool, out):
         yc, dyc = y.to(s.dtype), dy.to(s.dtype)
         dx = dyc - yc.exp() * s[:, None] if log else yc * (dyc - s[:, None])
-        return out.copy_(torch.where((lse == float("-inf"))[:, None], 0.0, dx))
+        return out.copy_(torch.where((m == float("-inf"))[:, None], 0.0, dx))
 
 
-def _safe(lse):
-    return torch.where(lse == float("-inf"), 0.0, lse)
+def _safe(m):
+    return torch.where(m == float("-inf"), 0.0, m)
 
 
 def slice_work(x, backend: str, backward: bool = False):
@@ -176,10 +228,11 @@ def empty_out(shape, dtype, device):
 
 
 def slice_stats(impl, x, w, cap, smooth):
-    """impl.stats, or for an empty slice -inf logsumexps and zero sums."""
+    """impl.stats: (each row's max, sum of exp(z - max), smoothing sum or None); for an empty slice -inf
+    maxima and zero sums."""
     if x.shape[-1] == 0 or x.shape[0] == 0:
-        lse = torch.full(x.shape[:1], float("-inf"), dtype=wide_dtype(x), device=x.device)
-        return lse, (torch.zeros_like(lse) if smooth else None)
+        m = torch.full(x.shape[:1], float("-inf"), dtype=wide_dtype(x), device=x.device)
+        return m, torch.zeros_like(m), (torch.zeros_like(m) if smooth else None)
     return impl.stats(x, w, cap, smooth)
 
 
@@ -206,11 +259,11 @@ class Rows:
         return torch.where((c >= v0) & (c < v1), c - v0, c.clamp(max=-1))
 
     def local_stats(self, impl, x, stats_dtype, r0: int = 0):
-        """(m, 4) this slice's [logsumexp, target's z, target's class weight, sum of w * z] for x (m, V_r):
-        rows r0 to r0 + m of the call."""
+        """(m, 5) this slice's [max z, sum of exp(z - max), target's z, target's class weight, sum of w * z]
+        for x (m, V_r): rows r0 to r0 + m of the call."""
         o = self.o
         smooth = o.smoothing != 0.0
-        lse, swz = slice_stats(impl, x, self.w_local, o.softcap, smooth)
+        top, sum_e, swz = slice_stats(impl, x, self.w_local, o.softcap, smooth)
         m = x.shape[0]
         if x.shape[-1] and m:
             own, local = self.own[r0 : r0 + m], self.local[r0 : r0 + m]
@@ -220,16 +273,17 @@ class Rows:
         else:
             z_t = w_t = torch.zeros(m, dtype=stats_dtype, device=x.device)
         swz = swz if swz is not None else torch.zeros(m, dtype=stats_dtype, device=x.device)
-        return torch.stack([lse.to(stats_dtype), z_t, w_t, swz.to(stats_dtype)], -1)
+        return torch.stack([top.to(stats_dtype), sum_e.to(stats_dtype), z_t, w_t, swz.to(stats_dtype)], -1)
 
     def merge(self, gathered, v_total, w_total):
-        """The loss per row, and the numbers its backward needs, from every rank's local_stats (world, M, 4)."""
+        """The loss per row, and the numbers its backward needs, from every rank's local_stats (world, M, 5)."""
         o = self.o
-        self.lse = merge_lse(gathered[..., 0])
-        z_t, self.w_t, swz = gathered[..., 1].sum(0), gathered[..., 2].sum(0), gathered[..., 3].sum(0)
+        self.m, self.ls = merge_max_sum(gathered[..., :2])
+        self.lse = self.m + self.ls
+        z_t, self.w_t, swz = gathered[..., 2].sum(0), gathered[..., 3].sum(0), gathered[..., 4].sum(0)
         self.v_total = v_total.to(self.lse.dtype)
         self.w_total = w_total.to(self.lse.dtype) if w_total is not None else self.v_total
-        ce = self.w_t * (self.lse - z_t)
+        ce = self.w_t * ((self.m - z_t) + self.ls)  # (lse - z_t without rounding lse: m - z_t is exact)
         if o.smoothing:
             ce = (1 - o.smoothing) * ce + (o.smoothing / self.v_total) * (self.lse * self.w_total - swz)
         ce = torch.where(self.keep, ce, 0.0)

@@ -66,7 +66,7 @@ def error_name(code: int) -> str:
     return name.value.decode()
 
 
-MAX_PARAMS, MAX_BYTES, MAX_ADDRESSES, MAX_FILLS = 64, 1024, 16, 32  # fastlaunch.c's (shard_apply: 9 addresses)
+MAX_PARAMS, MAX_BYTES, MAX_ADDRESSES, MAX_FILLS = 64, 1024, 16, 32  # fastlaunch.c's (shard_apply: 10 addresses)
 
 
 class Desc(ctypes.Structure):

@@ -88,7 +88,8 @@ def dlogits_options(x, t, lse, g_ce, g_z, o, w=None):
     differentiable in x, g_ce and g_z."""
     wide = lse.dtype
     z = capped(x.to(wide), o.softcap)
-    p = (z - torch.where(lse == float("-inf"), 0.0, lse)[:, None]).exp()
+    lse = torch.where(lse == float("-inf"), 0.0, lse)  # (a fully masked row: p = 0, its z-loss term adds 0)
+    p = (z - lse[:, None]).exp()
     t = t.long()
     keep = t != o.ignore_index
     v = x.shape[-1]

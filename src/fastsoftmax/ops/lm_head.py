@@ -368,13 +368,10 @@ def linear_cross_entropy(
         if skip_eps:
             raise NotImplementedError("linear_cross_entropy: skip_eps with a weight sharded across ranks")
         return dtensor.linear_cross_entropy(x, weight, target, bias, class_weight, return_z_loss, **opts)
-    autocast = isinstance(x, torch.Tensor) and compose.autocasting(x.device.type)  # (mixed dtypes allowed then)
-    checks.linear_cross_entropy(x, weight, target, bias, memory, same_dtype=not autocast)
+    checks.linear_cross_entropy(x, weight, target, bias, memory, autocast=True)  # (mixed dtypes under autocast)
     _option_checks("linear_cross_entropy", (weight.shape[0], weight.device), ignore_index, reduction,
                    label_smoothing, backend, class_weight, softcap, z_loss, return_z_loss, skip_eps)  # fmt: skip
-    if autocast:  # as F.linear under autocast: x, W and b in the autocast dtype, then one dtype for them
-        x, weight, bias = compose.autocast_linear(x, weight, bias)
-        checks.linear_dtypes(x, weight, bias)
+    x, weight, bias = checks.linear_autocast(x, weight, bias)  # (as F.linear's autocast casts them)
     out_dtype = compose.loss_dtype(x)
     x2, t = x.reshape(target.numel(), x.shape[-1]), flat_target(target)  # (d may be 0)
     grad_on = torch.is_grad_enabled()

@@ -32,7 +32,7 @@ from ...heuristics import poisoning
 from ...heuristics.device import selected
 from .. import launch as fastlaunch
 from .launch import launch
-from .rows import LN2, dlogits, merge_stats, row_grads, row_lse, row_terms, safe_max, softcapped
+from .rows import LN2, dlogits, merge_stats, row_grads, row_max_sum, row_terms, safe_max, softcapped
 
 
 @triton.jit
@@ -82,7 +82,8 @@ def ce_fwd(
     row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     row_ok = row < n_rows
     base = x_ptr + row * sx
-    lse, sum_z, top = row_lse(base, row_ok, nc, w_ptr + col0, cap, ROWS, BLOCK_N, SMOOTH, WEIGHT, SOFTCAP)
+    top, sum_e, sum_z = row_max_sum(base, row_ok, nc, w_ptr + col0, cap, ROWS, BLOCK_N, SMOOTH, WEIGHT, SOFTCAP)
+    lse = safe_max(top) + tl.math.log2(sum_e) * LN2
     if PART:
         tl.store(part_ptr + row, top, mask=row_ok)
     t = tl.load(t_ptr + row, mask=row_ok, other=ignore_index).to(tl.int64)

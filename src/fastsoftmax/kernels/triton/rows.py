@@ -1,7 +1,7 @@
 """What the softmax kernels share (kernels/triton/softmax_fwd.py, softmax_bwd.py, and the loss kernels): a
 program's rows and their addressing, 16-byte access with scalar edges, the mask's load, the running
 (max, sum) of a row read in chunks, and the loss kernels' (cross_entropy.py, shard.py, lm_head.py) softcap,
-row logsumexp and per-row terms: the loss (row_terms), the backward's numbers (row_grads) and dlogits.
+row (max, sum) and per-row terms: the loss (row_terms), the backward's numbers (row_grads) and dlogits.
 
 Rows: (b, i) x N with strides from core/layout.py, an anchor input x (forward: x; backward: y) and an
 output. 16-byte access for any N: a row that does not start on a 16-byte boundary (N = 513, a sliced view)
@@ -261,7 +261,7 @@ def softcapped(x, cap):
 
 
 @triton.jit
-def row_lse(
+def row_max_sum(
     base,
     row_ok,
     v,
@@ -273,9 +273,10 @@ def row_lse(
     WEIGHT: tl.constexpr,
     SOFTCAP: tl.constexpr,
 ):
-    """One sweep of ROWS rows of v logits (base: each row's first element): each row's logsumexp of z (z the
-    softcapped logits with SOFTCAP), with SMOOTH its sum of w_j * z_j (w = 1 without WEIGHT), and its max z
-    (-inf for a row of -inf), fp32."""
+    """One sweep of ROWS rows of v logits (base: each row's first element): each row's max z (z the softcapped
+    logits with SOFTCAP; -inf for a row of -inf), its sum of exp(z - max) (0 for a row of -inf) and with
+    SMOOTH its sum of w_j * z_j (w = 1 without WEIGHT), fp32. The pair keeps what a logsumexp rounded to fp32
+    loses: z - max is exact where z - lse is not (logits in the thousands)."""
     c = tl.arange(0, BLOCK_N)[None, :]
     m = tl.full([ROWS], float("-inf"), tl.float32)
     s = tl.zeros([ROWS], tl.float32)
@@ -295,7 +296,7 @@ def row_lse(
                 sum_z += tl.sum(tl.where(ok, x * wj, 0.0), axis=1)
             else:
                 sum_z += tl.sum(tl.where(ok, x, 0.0), axis=1)
-    return safe_max(m) + tl.math.log2(s) * LN2, sum_z, m
+    return m, s, sum_z
 
 
 @triton.jit
@@ -465,8 +466,8 @@ def row_grads(row, row_ok, t_ptr, lse_ptr, g_ptr, g_stride, cnt_ptr, w_ptr, wsum
         b = (1.0 - smoothing) * b
         cc = g_ce * (smoothing / v)
         a = b + cc * wsum
-    if ZLOSS:
-        a += g_z * 2.0 * zl * lse
+    if ZLOSS:  # (a fully masked row: p = 0 and lse taken as 0, as in dlogits, so 2 k lse p adds 0, not NaN)
+        a += g_z * 2.0 * zl * safe_max(lse)
     return t, keep, inside, lse, a, b, cc
 
 

@@ -3,18 +3,21 @@
 over the slice alone, and the merge of the ranks' statistics is O(M) work between them.
 
 Traffic, on the slice:
-  shard_stats   1 read: each row's logsumexp of z (z = c * tanh(x / c) with a softcap, else x), and with
-                SMOOTH the row's sum of w_j * z_j (w = 1 without class weights); or with DOT the row's sum of
-                x_j * d_j (d = dy, x = y: the softmax backward's) or of d_j (LOGDOT: log_softmax's).
-  shard_apply   1 read + 1 write (2 reads for the backwards), from per-row numbers merged across ranks:
-                MODE 0 softmax   y = exp(x - lse)
-                MODE 1 log       y = x - lse
-                MODE 2 dlogits   d = a * p - b * [j == t] - cc * w_j, p = exp(z - lse); times
+  shard_stats   1 read: each row's max of z (z = c * tanh(x / c) with a softcap, else x) and sum of
+                exp(z - max), and with SMOOTH the row's sum of w_j * z_j (w = 1 without class weights); or
+                with DOT the row's sum of x_j * d_j (d = dy, x = y: the softmax backward's) or of d_j
+                (LOGDOT: log_softmax's).
+  shard_apply   1 read + 1 write (2 reads for the backwards), from per-row numbers merged across ranks, the
+                row's max m and log of its sum of exp(z - m), ls (their sum, the logsumexp, is never formed:
+                rounded to fp32 it would cost x - lse an error that grows with |x|):
+                MODE 0 softmax   y = exp((x - m) - ls)
+                MODE 1 log       y = (x - m) - ls
+                MODE 2 dlogits   d = a * p - b * [j == t] - cc * w_j, p = exp((z - m) - ls); times
                                  (1 - (z / c)^2) with a softcap (the cross-entropy's, see cross_entropy.py)
                 MODE 3 softmax backward      dx = y * (dy - s)
                 MODE 4 log_softmax backward  dx = dy - exp(y) * s
-A row whose logsumexp is -inf (-inf on every rank) gives softmax 0, log_softmax -inf; t holds each row's
-target within the slice, -1 where another rank holds it and -2 where the row is ignored (dlogits 0).
+A row whose max is -inf (-inf on every rank; its ls is 0) gives softmax 0, log_softmax -inf; t holds each
+row's target within the slice, -1 where another rank holds it and -2 where the row is ignored (dlogits 0).
 Rows are (M, V_r) with unit stride along V_r; programs take ROWS rows and sweep V_r in BLOCK_N chunks.
 """
 
@@ -24,7 +27,7 @@ import triton
 import triton.language as tl
 
 from .launch import launch
-from .rows import row_exp, row_lse, safe_max, softcapped
+from .rows import row_exp, row_max_sum, safe_max, softcapped
 
 
 @triton.jit
@@ -32,7 +35,8 @@ def shard_stats(
     x_ptr,
     d_ptr,
     w_ptr,
-    lse_ptr,
+    m_ptr,
+    s_ptr,
     sum_ptr,
     n_rows,
     v,
@@ -47,8 +51,8 @@ def shard_stats(
     DOT: tl.constexpr,
     LOGDOT: tl.constexpr,
 ):
-    """lse_ptr: each row's logsumexp (not with DOT or LOGDOT); sum_ptr: its weighted sum of z (SMOOTH), of
-    x * d (DOT) or of d (LOGDOT), fp32."""
+    """m_ptr, s_ptr: each row's max z and sum of exp(z - max) (not with DOT or LOGDOT); sum_ptr: its weighted
+    sum of z (SMOOTH), of x * d (DOT) or of d (LOGDOT), fp32."""
     row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     row_ok = row < n_rows
     if DOT or LOGDOT:
@@ -63,8 +67,9 @@ def shard_stats(
             acc += tl.sum(d, axis=1)
         tl.store(sum_ptr + row, acc, mask=row_ok)
     else:
-        lse, acc, _ = row_lse(x_ptr + row * sx, row_ok, v, w_ptr, cap, ROWS, BLOCK_N, SMOOTH, WEIGHT, SOFTCAP)
-        tl.store(lse_ptr + row, lse, mask=row_ok)
+        m, s, acc = row_max_sum(x_ptr + row * sx, row_ok, v, w_ptr, cap, ROWS, BLOCK_N, SMOOTH, WEIGHT, SOFTCAP)
+        tl.store(m_ptr + row, m, mask=row_ok)
+        tl.store(s_ptr + row, s, mask=row_ok)
         if SMOOTH:
             tl.store(sum_ptr + row, acc, mask=row_ok)
 
@@ -74,7 +79,8 @@ def shard_apply(
     x_ptr,
     d_ptr,
     out_ptr,
-    lse_ptr,
+    m_ptr,
+    ls_ptr,
     a_ptr,
     b_ptr,
     c_ptr,
@@ -93,14 +99,17 @@ def shard_apply(
     WEIGHT: tl.constexpr,
     SOFTCAP: tl.constexpr,
 ):
-    """out = MODE's function of the slice x (and d: dy in the backwards) and the row's merged numbers: lse
-    (modes 0-2, 4), a, b, cc and t (mode 2), s in a_ptr (modes 3, 4). out may be x (in place)."""
+    """out = MODE's function of the slice x (and d: dy in the backwards) and the row's merged numbers: m
+    (modes 0-2, 4), ls (modes 0-2), a, b, cc and t (mode 2), s in a_ptr (modes 3, 4). out may be x (in
+    place)."""
     row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     row_ok = row < n_rows
     if MODE <= 2 or MODE == 4:
-        lse = tl.load(lse_ptr + row, mask=row_ok, other=0.0)
-        masked = lse == float("-inf")  # (a row -inf on every rank: exp(-inf) = 0; its log_softmax gradient 0)
-        lse = safe_max(lse)
+        m = tl.load(m_ptr + row, mask=row_ok, other=0.0)
+        masked = m == float("-inf")  # (a row -inf on every rank: exp(-inf) = 0; its log_softmax gradient 0)
+        m = safe_max(m)
+    if MODE <= 2:
+        ls = tl.load(ls_ptr + row, mask=row_ok, other=0.0)
     if MODE >= 2:
         a = tl.load(a_ptr + row, mask=row_ok, other=0.0)
     if MODE == 2:
@@ -114,13 +123,13 @@ def shard_apply(
         ok = row_ok[:, None] & (cols < v)
         x = tl.load(x_ptr + row[:, None] * sx + cols, mask=ok, other=0.0).to(tl.float32)
         if MODE == 0:
-            y = row_exp(x - lse[:, None])
+            y = row_exp((x - m[:, None]) - ls[:, None])
         elif MODE == 1:
-            y = x - lse[:, None]
+            y = (x - m[:, None]) - ls[:, None]
         elif MODE == 2:
             if SOFTCAP:
                 x = softcapped(x, cap)
-            y = a[:, None] * row_exp(x - lse[:, None]) - b[:, None] * (cols == t[:, None]).to(tl.float32)
+            y = a[:, None] * row_exp((x - m[:, None]) - ls[:, None]) - b[:, None] * (cols == t[:, None]).to(tl.float32)
             if SMOOTH:
                 if WEIGHT:
                     y -= cc[:, None] * tl.load(w_ptr + cols, mask=cols < v, other=0.0).to(tl.float32)
@@ -139,26 +148,26 @@ def shard_apply(
         tl.store(out_ptr + row[:, None] * so + cols, y.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def stats(x, d, w, lse, sums, cap, shape, *, smooth=False, dot=False, logdot=False) -> None:
-    """shard_stats over (M, V_r) x (and d) into the (M,) fp32 buffers lse and sums (either may be a
-    placeholder where its flag does not ask for it)."""
-    m, v = x.shape
+def stats(x, d, w, m, s, sums, cap, shape, *, smooth=False, dot=False, logdot=False) -> None:
+    """shard_stats over (M, V_r) x (and d) into the (M,) fp32 buffers m, s and sums (placeholders where the
+    flags do not ask for them)."""
+    n, v = x.shape
     rows, block, warps, _ = shape
     d = d if d is not None else x
-    args = (x, d, w if w is not None else x, lse, sums, m, v, x.stride(0), d.stride(0), float(cap or 1.0))
+    args = (x, d, w if w is not None else x, m, s, sums, n, v, x.stride(0), d.stride(0), float(cap or 1.0))
     meta = dict(ROWS=rows, BLOCK_N=block, num_warps=warps, SMOOTH=smooth, WEIGHT=w is not None)
     meta |= dict(SOFTCAP=cap is not None, DOT=dot, LOGDOT=logdot)
-    launch(shard_stats, (-(-m // rows),), args, meta)
+    launch(shard_stats, (-(-n // rows),), args, meta)
 
 
-def apply(mode: int, x, d, out, lse, a, b, cc, t, w, cap, shape, *, smooth=False) -> None:
+def apply(mode: int, x, d, out, m, ls, a, b, cc, t, w, cap, shape, *, smooth=False) -> None:
     """shard_apply: out (M, V_r) from x (and d) and the per-row numbers (placeholders where MODE reads
     none)."""
-    m, v = x.shape
+    n, v = x.shape
     rows, block, warps, _ = shape
     d = d if d is not None else x
-    args = (x, d, out, lse, a, b, cc, t, w if w is not None else x, m, v, x.stride(0), d.stride(0), out.stride(0))
-    args += (float(cap or 1.0),)
+    args = (x, d, out, m, ls, a, b, cc, t, w if w is not None else x, n, v, x.stride(0), d.stride(0))
+    args += (out.stride(0), float(cap or 1.0))
     meta = dict(ROWS=rows, BLOCK_N=block, num_warps=warps, MODE=mode, SMOOTH=smooth, WEIGHT=w is not None)
     meta |= dict(SOFTCAP=cap is not None)
-    launch(shard_apply, (-(-m // rows),), args, meta)
+    launch(shard_apply, (-(-n // rows),), args, meta)
