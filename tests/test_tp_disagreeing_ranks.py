@@ -53,17 +53,26 @@ def _record(out_dir, rank, results):
     (out_dir / f"rank{rank}.json").write_text(json.dumps(results))
 
 
-def _errors(rank, world, out_dir):
-    import fastsoftmax.distributed as fsd
-
+def _outcomes(cases, rank, out_dir, after=None) -> dict:
+    """Each case's outcome ("returned", or the error it raised), recorded after each case (a hang shows
+    where); ``after`` called after each."""
     results = {}
-    for fn, case, call in _disagreements(rank):
+    for fn, case, call in cases:
         try:
             call()
             results[f"{fn} {case}"] = "returned"
         except Exception as e:  # noqa: BLE001 (recorded, compared across ranks by the test)
             results[f"{fn} {case}"] = f"{type(e).__name__}: {e}"
-        _record(out_dir, rank, results)  # after each case: a hang shows where
+        _record(out_dir, rank, results)
+        if after is not None:
+            after()
+    return results
+
+
+def _errors(rank, world, out_dir):
+    import fastsoftmax.distributed as fsd
+
+    results = _outcomes(_disagreements(rank), rank, out_dir)
     # a target outside [0, V) that is not ignore_index: IndexError on every rank
     lo, hi = rank * 11, rank * 11 + 11 + rank
     x = ce_logits(torch.float32, masked=False)[:, lo:hi]
@@ -176,15 +185,8 @@ def _one_rank_fails(rank):
 
 
 def _failing_checks(rank, world, out_dir):
-    results = {}
-    for fn, case, call in _one_rank_fails(rank):
-        try:
-            call()
-            results[f"{fn} {case}"] = "returned"
-        except Exception as e:  # noqa: BLE001 (recorded, compared across ranks by the test)
-            results[f"{fn} {case}"] = f"{type(e).__name__}: {e}"
-        _record(out_dir, rank, results)  # after each case: a hang shows where
-        dist.barrier()  # (a rank left waiting in a collective fails here, after the group's timeout)
+    # (a barrier after each case: a rank left waiting in a collective fails there, after the group's timeout)
+    _outcomes(_one_rank_fails(rank), rank, out_dir, dist.barrier)
 
 
 def test_a_check_failing_on_one_rank_raises_on_every_rank(tmp_path, monkeypatch):
