@@ -193,6 +193,27 @@ def test_a_patched_model_pickles_and_copies_patched(device, monkeypatch):
     fst().revert(model)
 
 
+def test_patched_forward_reads_as_the_method_and_a_shallow_copy_reverts(device):
+    """model.forward after apply() keeps the method's name, docstring and signature (help(), the Trainer);
+    revert() of a shallow copy (whose forward is the original's, bound to it) removes the copy's forward
+    without a warning, and the copy then runs its class's forward; the original stays patched."""
+    import copy
+    import warnings
+
+    model = make_model("llama", device)
+    cls = type(model)
+    fst().apply(model)
+    assert model.forward.__name__ == "forward" and model.forward.__doc__ == cls.forward.__doc__
+    assert list(inspect.signature(model.forward).parameters)[0] != "self"
+    clone = copy.copy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fst().revert(clone)
+    assert "forward" not in vars(clone) and clone.forward.__func__ is cls.forward
+    assert "forward" in vars(model)
+    fst().revert(model)
+
+
 def test_revert_under_a_later_wrapper(device, monkeypatch):
     """A wrapper set on the instance after apply() (accelerate's prepare() does that) keeps our function;
     revert() says so, and the function then calls the model's own forward."""

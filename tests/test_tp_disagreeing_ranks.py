@@ -38,6 +38,8 @@ def _disagreements(rank):
         ("cross_entropy", "targets permuted", lambda: ce(x, t.roll(r))),
         ("cross_entropy", "an ignored row", lambda: ce(x, torch.where(torch.arange(M) == 0, -100 if r else 0, t))),
         ("cross_entropy", "targets int32", lambda: ce(x, kept.int() if r else torch.where(kept == 3, 4, kept))),
+        ("cross_entropy", "targets moved +1 -2 +1", lambda: ce(x, kept + _moved(M, r, (1, -2, 1)))),
+        ("cross_entropy", "targets moved +1 -1 -1 +1", lambda: ce(x, kept + _moved(M, r, (1, -1, -1, 1)))),
         ("linear_cross_entropy", "rows", lambda: lce(xl[: N - r], wl, tl[: N - r], bl)),
         ("linear_cross_entropy", "dtype", lambda: lce(xl.double(), wl.double(), tl) if r else lce(xl, wl, tl)),
         ("linear_cross_entropy", "softcap", lambda: lce(xl, wl, tl, bl, softcap=CAP if r else None)),
@@ -47,6 +49,15 @@ def _disagreements(rank):
         ("linear_cross_entropy", "targets", lambda: lce(xl, wl, torch.where(torch.arange(N) == N - 1, r, tl), bl)),
         ("softmax", "dtype", lambda: fsd.softmax(x.double() if r else x)),
     ]
+
+
+def _moved(m: int, r: int, d: tuple) -> torch.Tensor:
+    """Rank 1's targets moved by d on rows 3 onwards, rank 0's not: differences whose sum and whose sum
+    weighted by the row are 0 (a digest whose row weights are affine in the row cannot see them)."""
+    out = torch.zeros(m, dtype=torch.int64)
+    if r:
+        out[3 : 3 + len(d)] = torch.tensor(d)
+    return out
 
 
 def _record(out_dir, rank, results):
@@ -177,6 +188,7 @@ def _one_rank_fails(rank):
         ("cross_entropy", "target dtype", lambda: ce(x, t.float() if bad else t)),
         ("cross_entropy", "logits not a tensor", lambda: ce(x.tolist() if bad else x, t)),
         ("softmax", "dtype", lambda: fsd.softmax(x, dtype=torch.int64 if bad else None)),
+        ("softmax", "float8 logits", lambda: fsd.softmax(x.to(torch.float8_e4m3fn) if bad else x)),
         ("log_softmax", "backend", lambda: fsd.log_softmax(x, backend="cuda" if bad else "auto")),
         ("linear_cross_entropy", "memory", lambda: lce(xl, wl, tl, bl, memory=0 if bad else None)),
         ("linear_cross_entropy", "weight", lambda: lce(xl, wl[:, 1:] if bad else wl, tl, bl)),
@@ -206,10 +218,38 @@ def test_a_check_failing_on_one_rank_raises_on_every_rank(tmp_path, monkeypatch)
     assert list(r0) == list(r1) == cases, (r0, r1)
     own = {"softcap": "softcap", "label_smoothing": "label_smoothing", "logits dtype": "floating-point",
            "target dtype": "integer dtype", "logits not a tensor": "torch.Tensor", "dtype": "dtype must be None",
-           "backend": "backend", "memory": "memory", "weight": "weight", "z_loss": "z_loss"}  # fmt: skip
+           "backend": "backend", "float8 logits": "floating-point", "memory": "memory", "weight": "weight",
+           "z_loss": "z_loss"}  # fmt: skip
     for key in cases:
         fn, case = key.split(" ", 1)
         assert r1[key].split(":")[0] in ("TypeError", "ValueError") and own[case] in r1[key], (key, r1[key])
         assert f"distributed.{fn}" in r1[key], (key, r1[key])
         want = f"ValueError: distributed.{fn}: rank 1's arguments failed its checks"
         assert r0[key].startswith(want), (key, r0[key])
+
+
+def _triton_without_interpreter(rank, world, out_dir):
+    import fastsoftmax.distributed as fsd
+
+    x = ce_logits(torch.float32, masked=False)[:, : 0 if rank == 0 else V]  # (rank 0: a slice of no classes)
+    cases = [
+        ("softmax", "backend triton", lambda: fsd.softmax(x, backend="triton")),
+        ("cross_entropy", "backend triton", lambda: fsd.cross_entropy(x, targets(), backend="triton")),
+    ]
+    _outcomes(cases, rank, out_dir, dist.barrier)
+
+
+def test_a_backend_that_cannot_run_is_refused_on_every_rank(tmp_path, monkeypatch):
+    """backend='triton' on CPU tensors without Triton's interpreter, rank 0's slice without classes: both
+    ranks refuse it before the first collective, each with the backend's error (a regression: whether the
+    backend runs the slice was asked only of slices with classes, after that collective, and rank 0 waited
+    in the second)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    spawn_gloo(tmp_path, monkeypatch, _triton_without_interpreter, 2, out, timeout_s=20, deadline_s=120)
+    got = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    for r, results in enumerate(got):
+        assert list(results) == ["softmax backend triton", "cross_entropy backend triton"], results
+        for key, text in results.items():
+            fn = key.split()[0]
+            assert text.startswith(f"RuntimeError: distributed.{fn}: backend='triton' cannot run"), (r, text)

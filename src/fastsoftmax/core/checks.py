@@ -153,8 +153,13 @@ def out_dtype(fn: str, dtype) -> None:
 def shard(fn: str, x, backend=None, tgt=None, dtype=None) -> None:
     """fastsoftmax.distributed's checks of this rank's slice of the classes (and of a softmax's backend and
     dtype=, and the loss's target): what can fail before a collective."""
-    if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point:
-        raise TypeError(f"{fn}: expected a floating-point torch.Tensor shard")
+    if compose.is_dtensor(x):
+        raise TypeError(
+            f"{fn}: takes this rank's slice as a plain tensor (DTensor.to_local()); a DTensor sharded on the "
+            "classes goes to fs.softmax, fs.log_softmax or fs.cross_entropy"
+        )
+    if not isinstance(x, torch.Tensor) or x.dtype not in _FLOATS:
+        raise TypeError(f"{fn}: expected a floating-point torch.Tensor shard ({dtypes.FLOAT_NAMES})")
     if x.dim() < 1:
         raise ValueError(f"{fn}: the shard needs the split class dim (the last)")
     if backend is not None:

@@ -35,7 +35,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from .. import heuristics
+from .. import dispatch, heuristics
 from ..core import checks, compose, options
 from ..core.layout import flat_target
 from ..heuristics import lm_head as rules
@@ -127,6 +127,7 @@ def softmax(
     """Softmax along the last dim of logits whose last dim is split across ``group`` (this rank's slice)."""
     with _local_checks("distributed.softmax", x, group):
         checks.shard("distributed.softmax", x, backend, dtype=dtype)
+        dispatch.loss_backend_runs("distributed.softmax", backend, x)
     _need_group("distributed.softmax")
     return _Softmax.apply(x, False, group, dtype, backend)
 
@@ -141,6 +142,7 @@ def log_softmax(
     """Log-softmax along the last dim of logits whose last dim is split across ``group``."""
     with _local_checks("distributed.log_softmax", x, group):
         checks.shard("distributed.log_softmax", x, backend, dtype=dtype)
+        dispatch.loss_backend_runs("distributed.log_softmax", backend, x)
     _need_group("distributed.log_softmax")
     return _Softmax.apply(x, True, group, dtype, backend)
 
@@ -225,6 +227,7 @@ def cross_entropy(
         o = _loss_checks(
             fn, ignore_index, reduction, label_smoothing, backend, (logits.shape[-1], logits.device), *extras
         )
+        dispatch.loss_backend_runs(fn, backend, logits)
     _need_group(fn)
     w = class_weight.contiguous() if class_weight is not None else None
     loss, z = _CrossEntropy.apply(logits, target, w, o, group, backend, compose.loss_dtype(logits))
@@ -386,6 +389,7 @@ def linear_cross_entropy(
             fn, ignore_index, reduction, label_smoothing, backend, (weight.shape[0], weight.device), *extras
         )
         x, weight, bias = checks.linear_autocast(x, weight, bias, fn)  # (as fs.linear_cross_entropy's)
+        dispatch.loss_backend_runs(fn, backend, x)
     _need_group(fn)
     w = class_weight.contiguous() if class_weight is not None else None
     out_dtype = compose.loss_dtype(x)

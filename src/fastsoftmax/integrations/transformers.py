@@ -105,6 +105,7 @@ class _Forward:
 
     def __init__(self, model, cls: type):
         self.__self__, self.__func__, self._cls = model, _forward_for(cls), cls
+        functools.update_wrapper(self, self.__func__, updated=())  # (the method's name, docstring, module)
 
     def __call__(self, *args, **kwargs):
         return self.__func__(self.__self__, *args, **kwargs)
@@ -428,7 +429,7 @@ def revert(model):
     delattr(model, _STATE)
     if state.cls is not None:
         current = vars(model).get("forward")
-        if type(current) is _Forward and current.__self__ is model:
+        if type(current) is _Forward and current._cls is state.cls:  # (also a shallow copy's: the original's)
             del model.forward
         else:  # (our function, now a pass-through, stays inside whatever wrapped it after apply())
             warnings.warn(

@@ -100,14 +100,13 @@ def shard_apply(
     SOFTCAP: tl.constexpr,
 ):
     """out = MODE's function of the slice x (and d: dy in the backwards) and the row's merged numbers: m
-    (modes 0-2, 4), ls (modes 0-2), a, b, cc and t (mode 2), s in a_ptr (modes 3, 4). out may be x (in
-    place)."""
+    (every mode: a row whose m is -inf is masked), ls (modes 0-2), a, b, cc and t (mode 2), s in a_ptr
+    (modes 3, 4). out may be x (in place)."""
     row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     row_ok = row < n_rows
-    if MODE <= 2 or MODE == 4:
-        m = tl.load(m_ptr + row, mask=row_ok, other=0.0)
-        masked = m == float("-inf")  # (a row -inf on every rank: exp(-inf) = 0; its log_softmax gradient 0)
-        m = safe_max(m)
+    m = tl.load(m_ptr + row, mask=row_ok, other=0.0)
+    masked = m == float("-inf")  # (a row -inf on every rank: exp(-inf) = 0; its gradient 0, whatever dy holds)
+    m = safe_max(m)
     if MODE <= 2:
         ls = tl.load(ls_ptr + row, mask=row_ok, other=0.0)
     if MODE >= 2:
@@ -142,7 +141,7 @@ def shard_apply(
         else:
             dy = tl.load(d_ptr + row[:, None] * sd + cols, mask=ok, other=0.0).to(tl.float32)
             if MODE == 3:
-                y = x * (dy - a[:, None])
+                y = tl.where(masked[:, None], 0.0, x * (dy - a[:, None]))
             else:
                 y = tl.where(masked[:, None], 0.0, dy - row_exp(x) * a[:, None])
         tl.store(out_ptr + row[:, None] * so + cols, y.to(out_ptr.dtype.element_ty), mask=ok)
