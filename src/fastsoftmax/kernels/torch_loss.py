@@ -36,7 +36,7 @@ def loss_rows_torch(x, t, o, w=None):
         zw = z * w.to(wide) if w is not None else z
         wsum = w.to(wide).sum() if w is not None else v
         ce = (1 - o.smoothing) * ce + (o.smoothing / v) * (lse * wsum - zw.sum(-1))
-    zr = o.z_loss * lse * lse
+    zr = o.z_loss * lse * lse if o.z_loss else torch.zeros_like(lse)  # (no z-loss: 0, not 0 * inf on a -inf row)
     return torch.where(keep, ce, 0.0), torch.where(keep, zr, 0.0), lse
 
 
