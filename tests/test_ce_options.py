@@ -302,13 +302,6 @@ def test_return_z_loss(device, backend, dtype):
     ref, zref = ref_of(x, t, "mean", {**opts, "z_loss": 0.0})
     assert zref == 0 and z == 0
     torch.testing.assert_close(loss.double(), ref, rtol=rtol, atol=atol * 10)
-    # ... also on a row holding NaN and on a row of -inf, whose loss is NaN (a regression: the torch backend
-    # gave 0 * lse^2 = NaN there, the kernels 0)
-    xb = x.reshape(-1, v)[:3].clone()
-    xb[0, 7], xb[1] = float("nan"), float("-inf")
-    tb = torch.tensor([0, 1, 2], device=device)
-    loss, z = fs.cross_entropy(xb, tb, reduction="none", backend=backend, return_z_loss=True)
-    assert (z == 0).all() and loss[:2].isnan().all(), (z, loss)
 
 
 # ---- all ignored, zero weight sum ----------------------------------------------------------------------

@@ -114,6 +114,16 @@ def test_all_ignored_mean_is_nan_like_torch(device):
     assert fs.cross_entropy(x, t, reduction="sum") == 0
 
 
+@pytest.mark.parametrize("backend", ["triton", "torch", "auto"])
+def test_no_z_loss_term_is_zero_on_nan_and_inf_rows(device, backend):
+    """return_z_loss=True with z_loss=0: the z term is 0 on a row holding NaN and on a kept row of -inf,
+    whose losses are NaN, on every backend (a regression: the torch backend gave 0 * lse^2 = NaN there)."""
+    x = torch.randn(3, 8, device=device)
+    x[0, 7], x[1] = float("nan"), float("-inf")
+    loss, z = fs.cross_entropy(x, torch.arange(3, device=device), reduction="none", backend=backend, return_z_loss=True)
+    assert (z == 0).all() and loss[:2].isnan().all() and loss[2].isfinite(), (z, loss)
+
+
 def test_custom_ignore_index_and_int32_targets(device):
     x, t = data(device, torch.float32, (6,), 11)
     t = torch.where(t == -100, 3, t).to(torch.int32)

@@ -357,7 +357,7 @@ def test_fully_masked_kept_row_with_a_z_loss(one_rank, device):
             torch.testing.assert_close(dx[1], dx_no_z[1], rtol=0, atol=0, msg=what)
             assert dx[1, 4] < 0 and (dx[1, :4] == 0).all() and (dx[1, 5:] == 0).all(), (what, dx[1])
             rows = torch.tensor([0, 2, 3, 4])  # (the reference on the rows that are not fully masked)
-            x64 = x[rows].double().requires_grad_()
+            x64 = x[rows].double().cpu().requires_grad_()
             ref, _ = ref_cross_entropy(x64, t[rows].cpu(), reduction="none", z_loss=ZL)
             scale = up[rows] if reduction == "none" else up / (4 if reduction == "mean" else 1)
             (want,) = torch.autograd.grad(ref, x64, scale.double().expand(4).cpu())

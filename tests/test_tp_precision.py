@@ -70,16 +70,16 @@ def within_tolerance(y, x, log, what):
     assert problem is None, f"{what}: {problem} (worst error / tolerance {err:.3g})"
 
 
-def _precision_checks(rank, world, backend):
+def _precision_checks(rank, world, backend, dev):
     from fastsoftmax import heuristics
 
     with heuristics.recording() as plans:
-        _precision_cases(rank, world, backend)
+        _precision_cases(rank, world, backend, dev)
     ran = {p.backend for p in plans if p.path == "shard"}
     assert ran == {backend}, f"rank {rank}: backend={backend!r} ran the slice's work on {ran}"
 
 
-def _precision_cases(rank, world, backend):
+def _precision_cases(rank, world, backend, dev):
     import fastsoftmax.distributed as fsd
 
     lo, hi = bounds(WIDTHS, rank)
@@ -94,32 +94,34 @@ def _precision_cases(rank, world, backend):
             failures.append(str(e))
 
     for log, fn in ((False, fsd.softmax), (True, fsd.log_softmax)):
-        y = fn(x[:, lo:hi], backend=backend)
+        y = fn(x[:, lo:hi].to(dev), backend=backend).cpu()
         parts = [None] * world
         dist.all_gather_object(parts, y)
         check(within_tolerance, torch.cat(parts, -1), x, log, f"rank {rank} {backend} {fn.__name__}")
     t = big_targets(x.shape[0])
     for name, opts in CE_CASES:
         what = f"rank {rank} {backend} cross_entropy {name}"
-        xs = x[:, lo:hi].clone().requires_grad_()
-        loss = fsd.cross_entropy(xs, t, reduction="none", backend=backend, **opts)
+        xs = x[:, lo:hi].to(dev).requires_grad_()
+        loss = fsd.cross_entropy(xs, t.to(dev), reduction="none", backend=backend, **opts)
         x64 = leaf64(x)
         ref, _ = ref_cross_entropy(x64, t, reduction="none", **opts)
         row_ok = ~ref.isinf()  # (row 7's target is finite; a smoothing term over -inf logits is inf, on both)
-        check(close, loss, ref, f32, f"{what}: loss")
+        check(close, loss.cpu(), ref, f32, f"{what}: loss")
         g = upstream("none", ref.shape, f32)
-        (dx,) = torch.autograd.grad(loss, xs, g)
+        (dx,) = torch.autograd.grad(loss, xs, g.to(dev))
+        dx = dx.cpu()
         want = ref_grad(torch.where(row_ok, ref, 0.0), x64, g, t, -100)[:, lo:hi]
         check(close, dx[row_ok], want[row_ok], f32, f"{what}: dlogits")
     xl, wl, bl, tl = lce_integer_problem()
-    xr, wr, br = xl.float().requires_grad_(), wl[lo:hi].float().requires_grad_(), bl[lo:hi].float().requires_grad_()
+    xr, wr, br = (a.float().to(dev).requires_grad_() for a in (xl, wl[lo:hi], bl[lo:hi]))
     what = f"rank {rank} {backend} linear_cross_entropy"
-    loss = fsd.linear_cross_entropy(xr, wr, tl, br, reduction="none", z_loss=ZL, backend=backend, memory=3 * 313 * 4)
+    loss = fsd.linear_cross_entropy(xr, wr, tl.to(dev), br, reduction="none", z_loss=ZL, backend=backend,
+                                    memory=3 * 313 * 4)  # fmt: skip
     x64, w64, b64 = leaf64(xl), leaf64(wl), leaf64(bl)
     ref, _ = ref_cross_entropy(F.linear(x64, w64, b64), tl, reduction="none", z_loss=ZL)
-    check(close, loss, ref, f32, f"{what}: loss", TP_LCE_TOL)
+    check(close, loss.cpu(), ref, f32, f"{what}: loss", TP_LCE_TOL)
     g = upstream("none", ref.shape, f32)
-    got = torch.autograd.grad(loss, (xr, wr, br), g)
+    got = [a.cpu() for a in torch.autograd.grad(loss, (xr, wr, br), g.to(dev))]
     want = torch.autograd.grad(ref, (x64, w64, b64), g.double())
     for name, dp, dref in zip(("dx", "dW", "db"), got, (want[0], want[1][lo:hi], want[2][lo:hi]), strict=True):
         check(close, dp, dref, f32, f"{what}: {name}", TP_LCE_TOL)
@@ -127,10 +129,13 @@ def _precision_cases(rank, world, backend):
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_error_does_not_grow_with_the_logits(tmp_path, monkeypatch, backend):
+def test_error_does_not_grow_with_the_logits(tmp_path, monkeypatch, backend, device):
     """2 ranks, 513 classes split 200 + 313, fp32 logits offset up to 3e4: softmax and log_softmax within
     the library's tolerance of the float64 oracle, cross_entropy (plain, z_loss, smoothing, softcap) and
-    linear_cross_entropy within TP_TOL of float64 torch, on torch ops and on the kernels (the interpreter).
+    linear_cross_entropy within TP_TOL of float64 torch, on torch ops and on the kernels (the interpreter on
+    the CPU; with --device cuda, compiled, every rank's tensors on GPU 0, gloo carrying the collectives).
     The output was x - lse with lse rounded to fp32: at logits 1e4 an error of ~5e-4 (25x the tolerance)."""
     assert sum(WIDTHS) == PV
-    spawn_gloo(tmp_path, monkeypatch, _precision_checks, 2, backend, interpret=backend == "triton")
+    dev = device if backend == "triton" else "cpu"
+    interpret = dev == "cpu" and backend == "triton"
+    spawn_gloo(tmp_path, monkeypatch, _precision_checks, 2, backend, dev, interpret=interpret)

@@ -96,6 +96,7 @@ class _Patch:
     def __init__(self, cls: type | None, output: type | None, attention_before: str | None, memory: int | None = None):
         self.cls, self.output, self.attention_before = cls, output, attention_before
         self.memory = memory  # the LM-head loss's memory= (None: lm_rules.step_memory at each call)
+        self.keep_rule = _keep_rule() if cls is not None else None
 
 
 class _Forward:
@@ -213,13 +214,19 @@ def _positional(names: tuple[str, ...], args: tuple, kwargs: dict) -> dict:
     return kwargs
 
 
-def _kept(hidden: torch.Tensor, keep) -> torch.Tensor:
-    """The hidden states whose logits ``logits_to_keep`` asks for: transformers' own rule where it has one
-    (slice_logits_to_keep: also (B, P) positions and (B, S) boolean masks), else its older one (the last
-    ``keep`` positions, or the positions a 1-D tensor names)."""
-    from transformers import modeling_utils
+def _keep_rule():
+    """transformers' rule for ``logits_to_keep`` (slice_logits_to_keep: also (B, P) positions and (B, S)
+    boolean masks), or None where this version has none. Looked up by apply(): an import inside the forward
+    breaks torch.compile's graph (transformers' lazy module)."""
+    from transformers import modeling_utils  # noqa: PLC0415 (an optional extra)
 
-    if (rule := getattr(modeling_utils, "slice_logits_to_keep", None)) is not None:
+    return getattr(modeling_utils, "slice_logits_to_keep", None)
+
+
+def _kept(hidden: torch.Tensor, keep, rule) -> torch.Tensor:
+    """The hidden states whose logits ``logits_to_keep`` asks for: by ``rule`` (_keep_rule()) where there is
+    one, else transformers' older rule (the last ``keep`` positions, or the positions a 1-D tensor names)."""
+    if rule is not None:
         return rule(hidden, keep)
     return hidden[:, slice(-keep, None) if isinstance(keep, int) else keep, :]
 
@@ -232,7 +239,7 @@ def _fused(self, kwargs: dict, cls: type):
     labels = kwargs.pop("labels")
     keep = kwargs.pop("logits_to_keep", 0)
     outputs = getattr(self, self.base_model_prefix)(**kwargs)
-    hidden = _kept(outputs.last_hidden_state, keep)
+    hidden = _kept(outputs.last_hidden_state, keep, getattr(self, _STATE).keep_rule)
     loss = causal_lm_loss(
         hidden,
         self.lm_head,
