@@ -39,7 +39,7 @@ def pytest_xdist_auto_num_workers(config):
 
 
 def pytest_runtest_teardown(item):
-    """On a GPU, each test's cached blocks go back to the driver: dev/gpu_checks.sh runs 14 pytest processes
+    """On a GPU, each test's cached blocks go back to the driver: dev/gpu_checks.sh runs 17 pytest processes
     on one card, and a process keeping what its largest test reserved (45.75 GiB seen on an H100) starved
     the others (CUDA out of memory, CUBLAS_STATUS_ALLOC_FAILED in tests that need a few MiB)."""
     if item.config.getoption("--device") == "cuda":
