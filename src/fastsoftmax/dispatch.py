@@ -78,25 +78,19 @@ def select_loss(name: str, x, o: Loss | None = None):
         return BACKENDS["torch"], ("native" if native else None)
     if name == "torch" or x.dtype == torch.float64 or not x.shape[0]:
         return BACKENDS["torch"], None
-    why = BACKENDS["triton"].unavailable(x, x.dtype)
-    if name == "triton" and why:
-        raise _cannot_run("cross_entropy", x, why)
-    if name == "auto" and why:
+    loss_backend_runs("cross_entropy", name, x)
+    if name == "auto" and BACKENDS["triton"].unavailable(x, x.dtype):
         return BACKENDS["torch"], None
     return BACKENDS["triton"], None
 
 
 def loss_backend_runs(fn: str, name: str, x) -> None:
-    """select_loss's refusal for tensors like x whatever their shape: a RuntimeError where ``name`` is
-    'triton' and the Triton kernels cannot run x's device and dtype (float64 runs torch ops). For
+    """select_loss's refusal, for tensors like x whatever their shape: a RuntimeError where ``name`` is
+    'triton' and the Triton kernels cannot run x's device and dtype (float64 runs torch ops). Also for
     fastsoftmax.distributed, before its first collective on every rank: a rank whose slice holds no classes
     launches nothing, while the others' slices would fail after that collective."""
     if name == "triton" and x.dtype != torch.float64 and (why := BACKENDS["triton"].unavailable(x, x.dtype)):
-        raise _cannot_run(fn, x, why)
-
-
-def _cannot_run(fn: str, x, why: str) -> RuntimeError:
-    return RuntimeError(f"{fn}: backend='triton' cannot run this tensor ({x.device}, {x.dtype}): {why}")
+        raise RuntimeError(f"{fn}: backend='triton' cannot run this tensor ({x.device}, {x.dtype}): {why}")
 
 
 # ---- softmax ------------------------------------------------------------------------------------------
