@@ -253,3 +253,76 @@ def test_a_backend_that_cannot_run_is_refused_on_every_rank(tmp_path, monkeypatc
         for key, text in results.items():
             fn = key.split()[0]
             assert text.startswith(f"RuntimeError: distributed.{fn}: backend='triton' cannot run"), (r, text)
+
+
+# ---- a dispatch mode on one rank -------------------------------------------------------------------------------
+
+
+def _under_a_mode(rank, world, out_dir):
+    """Each function forward and backward, rank 0 under FlopCounterMode (a dispatch mode that runs every op
+    it sees), rank 1 not; then both under it. Each result against the single-process fs call on the full
+    logits in float64."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    import fastsoftmax as fs
+    import fastsoftmax.distributed as fsd
+
+    lo, hi = rank * 11, rank * 11 + 11 + rank
+    full, t = ce_logits(torch.float64, masked=False), targets()
+    xl, wl, bl, tl = lce_problem(torch.float64)
+
+    def check(name, fsd_call, fs_call, sliced):
+        whole = (wl if sliced == "rows" else full).clone().requires_grad_()
+        part = (lambda a: a[lo:hi]) if sliced == "rows" else (lambda a: a[:, lo:hi])
+        a = part(whole).detach().requires_grad_()
+        out, ref = fsd_call(a), fs_call(whole)
+        dref = torch.linspace(-1, 1, ref.numel(), dtype=ref.dtype).reshape(ref.shape)  # (softmax: a rank its columns)
+        (da,) = torch.autograd.grad(out, a, part(dref) if out.shape != ref.shape else dref)
+        (dwhole,) = torch.autograd.grad(ref, whole, dref)
+        want = part(ref) if out.shape != ref.shape else ref
+        close = dict(rtol=1e-10, atol=1e-12)
+        if torch.allclose(out, want, **close) and torch.allclose(da, part(dwhole), **close):
+            return "right"
+        return f"wrong: {(out - want).abs().max()} {(da - part(dwhole)).abs().max()}"
+
+    cases = {
+        "softmax": (fsd.softmax, fs.softmax, "cols"),
+        "log_softmax": (fsd.log_softmax, fs.log_softmax, "cols"),
+        "cross_entropy": (lambda a: fsd.cross_entropy(a, t), lambda a: fs.cross_entropy(a, t), "cols"),
+        "linear_cross_entropy": (
+            lambda a: fsd.linear_cross_entropy(xl, a, tl, bl[lo:hi]),
+            lambda a: fs.linear_cross_entropy(xl, a, tl, bl),
+            "rows",
+        ),
+    }
+    results = {}
+    for who in ("rank 0", "both"):
+        for name, (fsd_call, fs_call, sliced) in cases.items():
+            try:
+                if rank == 0 or who == "both":
+                    with FlopCounterMode(display=False):
+                        results[f"{who} {name}"] = check(name, fsd_call, fs_call, sliced)
+                else:
+                    results[f"{who} {name}"] = check(name, fsd_call, fs_call, sliced)
+            except Exception as e:  # noqa: BLE001 (recorded, compared by the test)
+                results[f"{who} {name}"] = f"{type(e).__name__}: {e}"
+            _record(out_dir, rank, results)
+            dist.barrier()
+
+
+def test_a_dispatch_mode_on_one_rank_runs_on_every_rank(tmp_path, monkeypatch):
+    """A dispatch mode that runs the ops it sees (FlopCounterMode) on rank 0 alone, then on both: every
+    function runs, forward and backward, and gives the single-process result (a regression: the rank under
+    the mode refused the call before the first collective and the other waited there; fake tensors are
+    still refused, test_distributed.py)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    try:
+        spawn_gloo(tmp_path, monkeypatch, _under_a_mode, 2, out, timeout_s=20, deadline_s=240)
+    finally:
+        got = [json.loads(p.read_text()) if p.exists() else {} for p in (out / "rank0.json", out / "rank1.json")]
+        print(json.dumps(got, indent=1))
+    names = ("softmax", "log_softmax", "cross_entropy", "linear_cross_entropy")
+    cases = [f"{who} {n}" for who in ("rank 0", "both") for n in names]
+    for results in got:
+        assert list(results) == cases and set(results.values()) == {"right"}, results

@@ -88,8 +88,17 @@ class _Softmax(torch.autograd.Function):
         return dx.reshape(dy.shape), None, None, None, None
 
 
-def _collectives_possible() -> bool:
-    return dist.is_initialized() and not (compose.transforms_active() or compose.dispatch_modes())
+def _unsupported(*tensors) -> bool:
+    """A torch.func transform, or a tensor that holds no data here (fake, meta, another subclass): the
+    statistics cross ranks through collectives, which neither can carry. A dispatch mode over plain tensors
+    (FlopCounterMode, a logging mode) runs the collectives as it runs every other op."""
+    if compose.transforms_active():
+        return True
+    return any(t is not None and (type(t) not in compose.PLAIN_TYPES or t.is_meta) for t in tensors)
+
+
+def _collectives_possible(*tensors) -> bool:
+    return dist.is_initialized() and not _unsupported(*tensors)
 
 
 @contextlib.contextmanager
@@ -100,18 +109,17 @@ def _local_checks(fn: str, x, group):
     try:
         yield
     except Exception:
-        if _collectives_possible():
+        if _collectives_possible(x if isinstance(x, torch.Tensor) else None):
             shard_merge.refuse(fn, x, group)
         raise
 
 
-def _need_group(fn: str) -> None:
-    """An initialised process group, and no torch.func transform or dispatch mode (fake tensors): the
-    statistics cross ranks through collectives, which neither can carry."""
-    if compose.transforms_active() or compose.dispatch_modes():
+def _need_group(fn: str, *tensors) -> None:
+    """An initialised process group, and none of _unsupported's cases."""
+    if _unsupported(*tensors):
         raise NotImplementedError(
-            f"{fn}: torch.func transforms, fake tensors and dispatch modes are not supported (the statistics "
-            "cross ranks through collectives); call it outside them"
+            f"{fn}: torch.func transforms and fake, meta or other subclass tensors are not supported (the "
+            "statistics cross ranks through collectives); call it outside them, on the ranks' own tensors"
         )
     if not dist.is_initialized():
         raise RuntimeError(f"{fn}: torch.distributed is not initialised (init_process_group first)")
@@ -128,7 +136,7 @@ def softmax(
     with _local_checks("distributed.softmax", x, group):
         checks.shard("distributed.softmax", x, backend, dtype=dtype)
         dispatch.loss_backend_runs("distributed.softmax", backend, x)
-    _need_group("distributed.softmax")
+    _need_group("distributed.softmax", x)
     return _Softmax.apply(x, False, group, dtype, backend)
 
 
@@ -143,7 +151,7 @@ def log_softmax(
     with _local_checks("distributed.log_softmax", x, group):
         checks.shard("distributed.log_softmax", x, backend, dtype=dtype)
         dispatch.loss_backend_runs("distributed.log_softmax", backend, x)
-    _need_group("distributed.log_softmax")
+    _need_group("distributed.log_softmax", x)
     return _Softmax.apply(x, True, group, dtype, backend)
 
 
@@ -228,7 +236,7 @@ def cross_entropy(
             fn, ignore_index, reduction, label_smoothing, backend, (logits.shape[-1], logits.device), *extras
         )
         dispatch.loss_backend_runs(fn, backend, logits)
-    _need_group(fn)
+    _need_group(fn, logits, target, class_weight)
     w = class_weight.contiguous() if class_weight is not None else None
     loss, z = _CrossEntropy.apply(logits, target, w, o, group, backend, compose.loss_dtype(logits))
     return (loss, z) if return_z_loss else loss
@@ -390,7 +398,7 @@ def linear_cross_entropy(
         )
         x, weight, bias = checks.linear_autocast(x, weight, bias, fn)  # (as fs.linear_cross_entropy's)
         dispatch.loss_backend_runs(fn, backend, x)
-    _need_group(fn)
+    _need_group(fn, x, weight, target, bias, class_weight)
     w = class_weight.contiguous() if class_weight is not None else None
     out_dtype = compose.loss_dtype(x)
     loss, z = _LinearCrossEntropy.apply(x, weight, target, bias, w, o, group, backend, memory, out_dtype)
