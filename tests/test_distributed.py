@@ -390,6 +390,37 @@ def test_targets_digest_tells_targets_apart():
     assert len(set(seen.values())) == len(seen)  # (the changes' digests differ among themselves too)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+def test_shared_digest_tells_inputs_apart(dtype, device):
+    """merge.shared_digest, the LM head's check that every rank holds the same x: equal for the same values in
+    another layout and with NaN in the same place (bits, not values); different for x one ulp off at its
+    first or last element or at any element of a small x, for x's rows rolled (another rank's sequence
+    shard), and for +0 against -0; zeros for an empty x. Large x: only its SAMPLE elements are compared."""
+    from fastsoftmax.distributed.merge import SAMPLE, shared_digest
+
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(37, 11, generator=g) * 4).to(dtype).to(device)
+    x[5, 2] = float("nan")
+    base = shared_digest(x)
+    assert shared_digest(x.t().contiguous().t()) == base and shared_digest(x.clone()) == base
+    assert shared_digest(x.roll(1, 0)) != base
+    bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]
+    for i in range(x.numel()):
+        y = x.clone()
+        y.view(bits).view(-1)[i] += 1  # (one ulp; at the NaN another NaN)
+        assert shared_digest(y) != base, i
+    z = torch.zeros(4, dtype=dtype, device=device)
+    assert shared_digest(z) != shared_digest(-z)
+    assert shared_digest(x[:0]) == 0
+    big = torch.zeros(SAMPLE * 3, dtype=dtype, device=device)
+    moved = big.clone()
+    moved[-1] = 1  # (the last element is always in the sample; the one before it is not)
+    assert shared_digest(moved) != shared_digest(big)
+    moved = big.clone()
+    moved[-2] = 1
+    assert shared_digest(moved) == shared_digest(big)
+
+
 @pytest.mark.parametrize("wide", [torch.float32, torch.float64])
 def test_merge_of_the_ranks_statistics(wide):
     """merge_max_sum, the one merge every distributed forward makes, against the whole row (in the default

@@ -47,8 +47,19 @@ def _disagreements(rank):
         ("linear_cross_entropy", "class_weight", lambda: lce(xl, wl, tl, bl, class_weight=w if r else None)),
         ("linear_cross_entropy", "reduction", lambda: lce(xl, wl, tl, bl, reduction="none" if r else "sum")),
         ("linear_cross_entropy", "targets", lambda: lce(xl, wl, torch.where(torch.arange(N) == N - 1, r, tl), bl)),
+        ("linear_cross_entropy", "x", lambda: lce(xl.roll(r, 0), wl, tl, bl)),  # (another rank's sequence shard)
+        ("linear_cross_entropy", "x's last element", lambda: lce(_bumped(xl, r), wl, tl, bl)),
         ("softmax", "dtype", lambda: fsd.softmax(x.double() if r else x)),
     ]
+
+
+def _bumped(x: torch.Tensor, r: int) -> torch.Tensor:
+    """x with its last element one ulp higher on rank 1."""
+    x = x.clone()
+    if r:
+        last = x.view(-1)[-1:]
+        last.copy_(torch.nextafter(last, last + 1))
+    return x
 
 
 def _moved(m: int, r: int, d: tuple) -> torch.Tensor:
@@ -110,6 +121,15 @@ def _errors(rank, world, out_dir):
     except Exception as e:  # noqa: BLE001
         results["memory"] = f"{type(e).__name__}: {e}"
     _record(out_dir, rank, results)
+    # the same x on every rank, NaN in one row: the ranks agree (a digest of its bits, not of its values)
+    xn = xl.clone()
+    xn[2, 3] = float("nan")
+    try:
+        got = fsd.linear_cross_entropy(xn, wl[lo:hi], tl, bl[lo:hi], reduction="none")
+        results["x with NaN"] = f"returned, NaN rows {got.isnan().nonzero().flatten().tolist()}"
+    except Exception as e:  # noqa: BLE001
+        results["x with NaN"] = f"{type(e).__name__}: {e}"
+    _record(out_dir, rank, results)
     _double_backward(fsd, rank, lo, hi)
     results["double backward"] = "refused"
     _record(out_dir, rank, results)
@@ -160,6 +180,8 @@ def test_disagreeing_ranks_bad_targets_double_backward(tmp_path, monkeypatch):
         fn = case.split()[0]
         if " target " in case:
             assert r0[case].startswith("IndexError: "), (case, r0[case])
+        elif case == "x with NaN":
+            assert r0[case] == "returned, NaN rows [2]", r0[case]
         elif case == "memory":
             assert r0[case] == "right" or r0[case].startswith("ValueError: distributed."), r0[case]
         elif case != "double backward":

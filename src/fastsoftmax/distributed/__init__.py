@@ -256,7 +256,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         x2 = x.reshape(t.shape[0], x.shape[-1])
         n, v_local = x2.shape[0], weight.shape[0]
         key = _options_key(o, w, (x.shape[-1],))
-        offset, v_total, w_total = shard_merge.agree(fn, x2, v_local, n, group, key, w, t)
+        offset, v_total, w_total = shard_merge.agree(fn, x2, v_local, n, group, key, w, t, shared=x2)
         checks.targets(t, v_total, o.ignore_index, fn)
         rows = shard_merge.Rows(t, o, offset, v_local, w)
         wide = shard_merge.wide_dtype(x2)

@@ -62,12 +62,13 @@ def _disagreement(fn: str, every: list) -> str:
         return f"{fn}: {who} checks (the error there names the argument); the call stops on every rank"
     names = {v: dtypes.NAME[k] for k, v in dtypes.CODE.items()}
     seen = []
-    for r, (_, rows_r, code, digest_r, targets_r, *_) in enumerate(every):
+    for r, (_, rows_r, code, digest_r, targets_r, shared_r, *_) in enumerate(every):
         other = "" if digest_r == every[0][OPTIONS] else ", other options"
         other += "" if targets_r == every[0][TARGETS] or rows_r != every[0][ROWS] else ", other targets"
+        other += "" if shared_r == every[0][SHARED] or rows_r != every[0][ROWS] else ", another x"
         seen.append(f"rank {r}: {int(rows_r)} rows of {names[int(code)]}{other}")
     return (
-        f"{fn}: the ranks must pass shards of the same rows and dtype, with the same options and targets "
+        f"{fn}: the ranks must pass shards of the same rows and dtype, with the same options, targets and x "
         f"({'; '.join(seen)})"
     )
 
@@ -86,9 +87,10 @@ def merge_max_sum(ms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return m, torch.where(bad, float("nan"), ls)
 
 
-# the signature's entries: slice width, rows, dtype code, options digest, targets digest, the rank's checks
-# failed (1) or passed (0), class-weight sum; entries ROWS to FAILED must agree across ranks
-SIGNATURE, ROWS, OPTIONS, TARGETS, FAILED = 7, 1, 3, 4, 5
+# the signature's entries: slice width, rows, dtype code, options digest, targets digest, shared input's
+# digest, the rank's checks failed (1) or passed (0), class-weight sum; entries ROWS to FAILED must agree
+SIGNATURE, ROWS, OPTIONS, TARGETS, SHARED, FAILED = 8, 1, 3, 4, 5, 6
+SAMPLE = 4096  # elements of a shared input in its digest
 _P = 2**31 - 1  # (a prime: targets that differ in one row never have the same digest)
 # splitmix64's constants as signed int64 (torch's int64 multiplies wrap): a row's weight in the targets' digest
 _GOLDEN, _MIX1, _MIX2 = (c - 2**64 for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
@@ -106,24 +108,43 @@ def targets_digest(t: torch.Tensor) -> torch.Tensor:
     return ((t.reshape(-1).long() % _P) * r % _P).sum() % _P
 
 
-def agree(fn: str, x: torch.Tensor, width: int, rows: int, group, opts: tuple, w_local=None, target=None):
+_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def shared_digest(x: torch.Tensor) -> torch.Tensor:
+    """targets_digest of the bits of up to SAMPLE elements of x spread evenly over it, the first and the last
+    among them (bits: NaN equals NaN): equal on ranks that hold the same x, different, but by a chance of
+    about 1 in 2^31, where they hold different ones (another rank's rows, say) and the sample tells them
+    apart: an x that differs in a few elements outside it goes unseen. No copy of x."""
+    n = x.numel()
+    if not n:
+        return torch.zeros((), dtype=torch.int64, device=x.device)
+    k = min(n, SAMPLE)
+    idx = torch.arange(k, device=x.device, dtype=torch.int64) * (n - 1) // max(k - 1, 1)
+    return targets_digest(torch.take(x, idx).view(_BITS[x.element_size()]))
+
+
+def agree(fn: str, x: torch.Tensor, width: int, rows: int, group, opts: tuple, w_local=None, target=None,
+          shared=None):  # fmt: skip
     """The first collective: every rank's signature (its slice's width, rows, x's dtype, options digest,
-    targets digest, whether its checks failed, class-weight sum), checked for agreement. Returns (this rank's
-    offset in the vocabulary, the vocabulary's size, the sum of the class weights over every rank or None),
-    0-d tensors on x's device."""
+    targets digest, digest of ``shared``, an input every rank must hold the same, whether its checks failed,
+    class-weight sum), checked for agreement. Returns (this rank's offset in the vocabulary, the vocabulary's
+    size, the sum of the class weights over every rank or None), 0-d tensors on x's device."""
     digest = float(int(hashlib.sha256(repr(opts).encode()).hexdigest()[:13], 16))  # < 2^52: exact in float64
     sig = torch.zeros(SIGNATURE, dtype=torch.float64, device=x.device)
     for i, v in enumerate((width, rows, dtypes.CODE[x.dtype], digest)):
         sig[i].fill_(v)  # a fill kernel each: no host-to-device copy, so a CUDA graph can capture it
     if target is not None:
         sig[TARGETS].copy_(targets_digest(target))
+    if shared is not None:
+        sig[SHARED].copy_(shared_digest(shared))
     if w_local is not None:
         sig[SIGNATURE - 1].copy_(w_local.sum(dtype=torch.float64))
     every = gather(sig, group)  # (world, SIGNATURE)
     same = (every[:, ROWS:FAILED] == every[:1, ROWS:FAILED]).all() & (every[:, FAILED] == 0).all()
     if x.is_cuda:
         torch._assert_async(
-            same, f"{fn}: the ranks disagree on the row count, dtype, options or targets, or a rank's checks failed"
+            same, f"{fn}: the ranks disagree on the row count, dtype, options, targets or x, or a rank's checks failed"
         )
     elif not bool(same):
         raise ValueError(_disagreement(fn, every.tolist()))
