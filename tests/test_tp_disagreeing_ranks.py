@@ -75,6 +75,18 @@ def _record(out_dir, rank, results):
     (out_dir / f"rank{rank}.json").write_text(json.dumps(results))
 
 
+def _run_ranks(tmp_path, monkeypatch, fn, **spawn) -> list[dict]:
+    """fn on 2 gloo ranks: what each recorded (_record), printed when the test fails (up to a hang)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    try:
+        spawn_gloo(tmp_path, monkeypatch, fn, 2, out, **spawn)
+    finally:
+        got = [json.loads(p.read_text()) if p.exists() else {} for p in (out / "rank0.json", out / "rank1.json")]
+        print(json.dumps(got, indent=1))
+    return got
+
+
 def _outcomes(cases, rank, out_dir, after=None) -> dict:
     """Each case's outcome ("returned", or the error it raised), recorded after each case (a hang shows
     where); ``after`` called after each."""
@@ -166,13 +178,7 @@ def test_disagreeing_ranks_bad_targets_double_backward(tmp_path, monkeypatch):
     softmax): every rank raises the same ValueError, and no case hangs; a target outside [0, V) raises
     IndexError on every rank; ranks passing different memory= agree on the right loss (or raise the same
     error); create_graph=True through any backward raises NotImplementedError (double backward)."""
-    out = tmp_path / "out"
-    out.mkdir()
-    try:
-        spawn_gloo(tmp_path, monkeypatch, _errors, 2, out)
-    finally:
-        got = [json.loads(p.read_text()) if p.exists() else {} for p in (out / "rank0.json", out / "rank1.json")]
-        print(json.dumps(got, indent=1))  # (shown when the test fails: what each rank saw, up to a hang)
+    got = _run_ranks(tmp_path, monkeypatch, _errors)
     r0, r1 = got
     assert r0.keys() == r1.keys(), (r0, r1)
     for case in r0:
@@ -228,13 +234,7 @@ def test_a_check_failing_on_one_rank_raises_on_every_rank(tmp_path, monkeypatch)
     weight's shape), rank 0's pass: rank 1 raises its own error and rank 0 a ValueError naming rank 1, in
     every case and in step (a regression left rank 0 waiting in the first collective: the group's 20 s
     timeout and the spawn's deadline turn a hang into a failure)."""
-    out = tmp_path / "out"
-    out.mkdir()
-    try:
-        spawn_gloo(tmp_path, monkeypatch, _failing_checks, 2, out, timeout_s=20, deadline_s=240)
-    finally:
-        got = [json.loads(p.read_text()) if p.exists() else {} for p in (out / "rank0.json", out / "rank1.json")]
-        print(json.dumps(got, indent=1))  # (shown when the test fails: what each rank saw, up to a hang)
+    got = _run_ranks(tmp_path, monkeypatch, _failing_checks, timeout_s=20, deadline_s=240)
     r0, r1 = got
     cases = [f"{fn} {case}" for fn, case, _ in _one_rank_fails(1)]
     assert list(r0) == list(r1) == cases, (r0, r1)
@@ -266,10 +266,7 @@ def test_a_backend_that_cannot_run_is_refused_on_every_rank(tmp_path, monkeypatc
     ranks refuse it before the first collective, each with the backend's error (a regression: whether the
     backend runs the slice was asked only of slices with classes, after that collective, and rank 0 waited
     in the second)."""
-    out = tmp_path / "out"
-    out.mkdir()
-    spawn_gloo(tmp_path, monkeypatch, _triton_without_interpreter, 2, out, timeout_s=20, deadline_s=120)
-    got = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    got = _run_ranks(tmp_path, monkeypatch, _triton_without_interpreter, timeout_s=20, deadline_s=120)
     for r, results in enumerate(got):
         assert list(results) == ["softmax backend triton", "cross_entropy backend triton"], results
         for key, text in results.items():
@@ -337,13 +334,7 @@ def test_a_dispatch_mode_on_one_rank_runs_on_every_rank(tmp_path, monkeypatch):
     function runs, forward and backward, and gives the single-process result (a regression: the rank under
     the mode refused the call before the first collective and the other waited there; fake tensors are
     still refused, test_distributed.py)."""
-    out = tmp_path / "out"
-    out.mkdir()
-    try:
-        spawn_gloo(tmp_path, monkeypatch, _under_a_mode, 2, out, timeout_s=20, deadline_s=240)
-    finally:
-        got = [json.loads(p.read_text()) if p.exists() else {} for p in (out / "rank0.json", out / "rank1.json")]
-        print(json.dumps(got, indent=1))
+    got = _run_ranks(tmp_path, monkeypatch, _under_a_mode, timeout_s=20, deadline_s=240)
     names = ("softmax", "log_softmax", "cross_entropy", "linear_cross_entropy")
     cases = [f"{who} {n}" for who in ("rank 0", "both") for n in names]
     for results in got:
