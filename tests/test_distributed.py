@@ -3,6 +3,8 @@ ports): softmax, log_softmax and cross_entropy of logits split along the classes
 slices, a slice that is -inf on a row, fully masked rows, ignore_index rows, label smoothing, every
 reduction; values and gradients against torch on the concatenated logits."""
 
+import json
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -390,35 +392,75 @@ def test_targets_digest_tells_targets_apart():
     assert len(set(seen.values())) == len(seen)  # (the changes' digests differ among themselves too)
 
 
+def _compiled_losses(rank, world, out_dir):
+    import fastsoftmax.distributed as fsd
+
+    results = {}
+    for n in (48, 64):
+        g = torch.Generator().manual_seed(n)
+        x, t = torch.randn(n, 10, generator=g, dtype=torch.float64), torch.randint(0, 10, (n,), generator=g)
+        h, w = torch.randn(n, 6, generator=g, dtype=torch.float64), torch.randn(10, 6, generator=g, dtype=torch.float64)
+        for name, fn, args in (
+            ("cross_entropy", fsd.cross_entropy, (x, t)),
+            ("linear_cross_entropy", fsd.linear_cross_entropy, (h, w, t)),
+        ):
+            a = args[0].clone().requires_grad_()
+            want = fn(a, *args[1:])
+            (dwant,) = torch.autograd.grad(want, a)
+            got = torch.compile(fn)(a, *args[1:])
+            (dgot,) = torch.autograd.grad(got, a)
+            right = torch.allclose(got, want, rtol=1e-12, atol=0) and torch.allclose(dgot, dwant, rtol=1e-12, atol=0)
+            results[f"{name} {n}"] = "right" if right else f"wrong: {got} {want}"
+    (out_dir / "compiled.json").write_text(json.dumps(results))
+
+
+def test_torch_compile_of_the_losses_on_one_rank(tmp_path, monkeypatch):
+    """torch.compile of cross_entropy and linear_cross_entropy, forward and backward, on one gloo rank (its own
+    process: a crash fails the test) at 48 and 64 rows, against eager (a regression: Inductor's CPU code for
+    the targets digest's wrapping int64 products crashed the process at these sizes)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    spawn_gloo(tmp_path, monkeypatch, _compiled_losses, 1, out, deadline_s=600)
+    got = json.loads((out / "compiled.json").read_text())
+    assert got == {f"{f} {n}": "right" for n in (48, 64) for f in ("cross_entropy", "linear_cross_entropy")}, got
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
-def test_shared_digest_tells_inputs_apart(dtype, device):
-    """merge.shared_digest, the LM head's check that every rank holds the same x: equal for the same values in
-    another layout and with NaN in the same place (bits, not values); different for x one ulp off at its
-    first or last element or at any element of a small x, for x's rows rolled (another rank's sequence
-    shard), and for +0 against -0; zeros for an empty x. Large x: only its SAMPLE elements are compared."""
-    from fastsoftmax.distributed.merge import SAMPLE, shared_digest
+def test_x_sample_tells_another_x_from_drift(dtype, device):
+    """merge._sample and merge._another, the LM head's check that every rank holds x alike: the sample is the
+    same in any layout (transposed, expanded, 3-D) and takes the first and the last element; x a few ulps
+    off everywhere, or with NaN, infinities or zeros where rank 0 has them, is alike; x with its rows
+    rolled (another rank's sequence shard) or another draw is another x; at most half the sample moved is
+    not."""
+    from fastsoftmax.distributed.merge import SAMPLE, SIGNATURE, _another, _sample
 
     g = torch.Generator().manual_seed(3)
     x = (torch.randn(37, 11, generator=g) * 4).to(dtype).to(device)
-    x[5, 2] = float("nan")
-    base = shared_digest(x)
-    assert shared_digest(x.t().contiguous().t()) == base and shared_digest(x.clone()) == base
-    assert shared_digest(x.roll(1, 0)) != base
+    x[5, 2], x[9, 1], x[0, 0] = float("nan"), float("inf"), 0.0
+    base, k = _sample(x)
+    assert k == min(x.numel(), SAMPLE) and base[0].item() == 0.0 and base[-1] == x[-1, -1].double()
+    for y in (x.t().contiguous().t(), x.reshape(37, 1, 11), x[:, None].expand(37, 3, 11)[:, 0]):
+        assert torch.equal(_sample(y)[0].nan_to_num(), base.nan_to_num())
+
+    def another(y) -> bool:
+        xs = torch.zeros(2, SIGNATURE, dtype=torch.float64, device=device)[:, :SAMPLE]
+        xs[0, :k], xs[1, :k] = base, _sample(y)[0]
+        flags = _another(xs, k).tolist()
+        assert flags[0] is False
+        return flags[1]
+
     bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]
-    for i in range(x.numel()):
-        y = x.clone()
-        y.view(bits).view(-1)[i] += 1  # (one ulp; at the NaN another NaN)
-        assert shared_digest(y) != base, i
-    z = torch.zeros(4, dtype=dtype, device=device)
-    assert shared_digest(z) != shared_digest(-z)
-    assert shared_digest(x[:0]) == 0
-    big = torch.zeros(SAMPLE * 3, dtype=dtype, device=device)
-    moved = big.clone()
-    moved[-1] = 1  # (the last element is always in the sample; the one before it is not)
-    assert shared_digest(moved) != shared_digest(big)
-    moved = big.clone()
-    moved[-2] = 1
-    assert shared_digest(moved) == shared_digest(big)
+    drift = x.clone()
+    drift.view(bits).add_(3)  # (3 ulps everywhere; the NaN stays NaN, the inf a NaN)
+    assert not another(x.clone()) and not another(drift)
+    assert another(x.roll(1, 0)) and another((torch.randn(37, 11, generator=g) * 4).to(dtype).to(device))
+    half = x.clone().view(-1)
+    idx = torch.arange(k, device=device) * (x.numel() - 1) // (k - 1)
+    half[idx[: k // 2]] += 100.0  # (half the sample moved far: not most of it)
+    assert not another(half.view(x.shape))
+    half[idx[k // 2 : k // 2 + 2]] += 100.0
+    assert another(half.view(x.shape))
+    assert _sample(x[:0])[1] == 0
 
 
 @pytest.mark.parametrize("wide", [torch.float32, torch.float64])

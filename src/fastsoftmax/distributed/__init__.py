@@ -5,8 +5,9 @@ or of the LM head's weight rows), in rank order; slices may differ in width, hol
 Per forward, the same collectives on every rank whatever its inputs:
   1. an all-gather of each rank's signature (its slice's width, its row count, its dtype, a digest of the
      call's options, a digest of its targets, whether its argument checks failed, the sum of its class
-     weights), from which every rank checks that the ranks agree and finds its slice's offset in the
-     vocabulary, as a device tensor; a rank whose checks fail sends it flagged, then raises;
+     weights, and for the LM head a sample of x's values), from which every rank checks that the ranks
+     agree and finds its slice's offset in the vocabulary, as a device tensor; a rank whose checks fail
+     sends it flagged, then raises;
   2. an all-gather of per-row statistics of each slice (its max and sum of exp(x - max), and for the losses
      the target's logit and class weight where the target falls in the slice, and the weighted sum of its
      logits for label smoothing), merged into the row's global numbers. Megatron-LM's vocabulary-parallel
@@ -23,8 +24,9 @@ this module holds the public functions, their checks and their autograd Function
 Conventions as the rest of the library: a row that is -inf on every rank gives zeros (softmax) / -inf
 (log_softmax) and a zero gradient; NaN or +inf anywhere in a row gives NaN across it. Loss options as
 fs.cross_entropy's, with ``class_weight`` this rank's slice of the class weights. Not supported: double
-backward (create_graph=True through a backward raises: the second derivative crosses ranks) and torch.func
-transforms of these functions.
+backward (create_graph=True through a backward raises: the second derivative crosses ranks), torch.func
+transforms of these functions, and fake, meta or other subclass tensors (a dispatch mode over the ranks' own
+tensors, FlopCounterMode say, runs).
 """
 
 from __future__ import annotations
@@ -88,17 +90,16 @@ class _Softmax(torch.autograd.Function):
         return dx.reshape(dy.shape), None, None, None, None
 
 
-def _unsupported(*tensors) -> bool:
-    """A torch.func transform, or a tensor that holds no data here (fake, meta, another subclass): the
-    statistics cross ranks through collectives, which neither can carry. A dispatch mode over plain tensors
-    (FlopCounterMode, a logging mode) runs the collectives as it runs every other op."""
-    if compose.transforms_active():
-        return True
-    return any(t is not None and (type(t) not in compose.PLAIN_TYPES or t.is_meta) for t in tensors)
+def _makes_fake() -> bool:
+    """A dispatch mode that makes fake tensors (FakeTensorMode, a tracer's), asked of one it makes; a mode
+    over the ranks' own tensors (FlopCounterMode, a logging mode) runs the collectives as every other op."""
+    return bool(compose.dispatch_modes()) and type(torch.empty(0)) not in compose.PLAIN_TYPES
 
 
-def _collectives_possible(*tensors) -> bool:
-    return dist.is_initialized() and not _unsupported(*tensors)
+def _collectives_run() -> bool:
+    """Whether this rank can take part in a collective: a process group, and neither a torch.func transform
+    nor a dispatch mode that makes fake tensors."""
+    return dist.is_initialized() and not compose.transforms_active() and not _makes_fake()
 
 
 @contextlib.contextmanager
@@ -109,14 +110,19 @@ def _local_checks(fn: str, x, group):
     try:
         yield
     except Exception:
-        if _collectives_possible(x if isinstance(x, torch.Tensor) else None):
+        if _collectives_run():
             shard_merge.refuse(fn, x, group)
         raise
 
 
-def _need_group(fn: str, *tensors) -> None:
-    """An initialised process group, and none of _unsupported's cases."""
-    if _unsupported(*tensors):
+def _need_group(fn: str, group, *tensors) -> None:
+    """An initialised process group, no torch.func transform and no fake, meta or other subclass tensor: the
+    statistics cross ranks through collectives, which carry none of these. Where this rank can still take
+    part in one (a meta tensor, say), it does, flagged, so that the other ranks raise too."""
+    odd = any(t is not None and (type(t) not in compose.PLAIN_TYPES or t.is_meta) for t in tensors)
+    if odd or compose.transforms_active() or _makes_fake():
+        if _collectives_run():
+            shard_merge.refuse(fn, tensors[0], group)
         raise NotImplementedError(
             f"{fn}: torch.func transforms and fake, meta or other subclass tensors are not supported (the "
             "statistics cross ranks through collectives); call it outside them, on the ranks' own tensors"
@@ -136,7 +142,7 @@ def softmax(
     with _local_checks("distributed.softmax", x, group):
         checks.shard("distributed.softmax", x, backend, dtype=dtype)
         dispatch.loss_backend_runs("distributed.softmax", backend, x)
-    _need_group("distributed.softmax", x)
+    _need_group("distributed.softmax", group, x)
     return _Softmax.apply(x, False, group, dtype, backend)
 
 
@@ -151,7 +157,7 @@ def log_softmax(
     with _local_checks("distributed.log_softmax", x, group):
         checks.shard("distributed.log_softmax", x, backend, dtype=dtype)
         dispatch.loss_backend_runs("distributed.log_softmax", backend, x)
-    _need_group("distributed.log_softmax", x)
+    _need_group("distributed.log_softmax", group, x)
     return _Softmax.apply(x, True, group, dtype, backend)
 
 
@@ -236,7 +242,7 @@ def cross_entropy(
             fn, ignore_index, reduction, label_smoothing, backend, (logits.shape[-1], logits.device), *extras
         )
         dispatch.loss_backend_runs(fn, backend, logits)
-    _need_group(fn, logits, target, class_weight)
+    _need_group(fn, group, logits, target, class_weight)
     w = class_weight.contiguous() if class_weight is not None else None
     loss, z = _CrossEntropy.apply(logits, target, w, o, group, backend, compose.loss_dtype(logits))
     return (loss, z) if return_z_loss else loss
@@ -398,7 +404,7 @@ def linear_cross_entropy(
         )
         x, weight, bias = checks.linear_autocast(x, weight, bias, fn)  # (as fs.linear_cross_entropy's)
         dispatch.loss_backend_runs(fn, backend, x)
-    _need_group(fn, x, weight, target, bias, class_weight)
+    _need_group(fn, group, x, weight, target, bias, class_weight)
     w = class_weight.contiguous() if class_weight is not None else None
     out_dtype = compose.loss_dtype(x)
     loss, z = _LinearCrossEntropy.apply(x, weight, target, bias, w, o, group, backend, memory, out_dtype)

@@ -54,18 +54,21 @@ def refuse(fn: str, x, group) -> None:
     gather(sig, group)
 
 
-def _disagreement(fn: str, every: list) -> str:
-    """agree's error, the same on every rank (from the gathered signatures)."""
+def _disagreement(fn: str, every: torch.Tensor, k: int = 0) -> str:
+    """agree's error, the same on every rank (from the gathered signatures; ``k`` sampled values of x)."""
+    another = _another(every[:, BASE:], k).tolist() if k else [False] * len(every)
+    every = every[:, :BASE].tolist()
     failed = [r for r, sig in enumerate(every) if sig[FAILED]]
     if failed:
         who = f"rank {failed[0]}'s arguments failed its" if len(failed) == 1 else f"ranks {failed} failed their"
         return f"{fn}: {who} checks (the error there names the argument); the call stops on every rank"
     names = {v: dtypes.NAME[k] for k, v in dtypes.CODE.items()}
     seen = []
-    for r, (_, rows_r, code, digest_r, targets_r, shared_r, *_) in enumerate(every):
+    for r, (_, rows_r, code, digest_r, targets_r, *_) in enumerate(every):
+        like = rows_r == every[0][ROWS]
         other = "" if digest_r == every[0][OPTIONS] else ", other options"
-        other += "" if targets_r == every[0][TARGETS] or rows_r != every[0][ROWS] else ", other targets"
-        other += "" if shared_r == every[0][SHARED] or rows_r != every[0][ROWS] else ", another x"
+        other += "" if targets_r == every[0][TARGETS] or not like else ", other targets"
+        other += ", another x" if another[r] and like and code == every[0][2] else ""
         seen.append(f"rank {r}: {int(rows_r)} rows of {names[int(code)]}{other}")
     return (
         f"{fn}: the ranks must pass shards of the same rows and dtype, with the same options, targets and x "
@@ -87,69 +90,83 @@ def merge_max_sum(ms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return m, torch.where(bad, float("nan"), ls)
 
 
-# the signature's entries: slice width, rows, dtype code, options digest, targets digest, shared input's
-# digest, the rank's checks failed (1) or passed (0), class-weight sum; entries ROWS to FAILED must agree
-SIGNATURE, ROWS, OPTIONS, TARGETS, SHARED, FAILED = 8, 1, 3, 4, 5, 6
-SAMPLE = 4096  # elements of a shared input in its digest
+# the signature's entries: slice width, rows, dtype code, options digest, targets digest, the rank's checks
+# failed (1) or passed (0), class-weight sum (entries ROWS to FAILED must agree across ranks), then SAMPLE
+# values of an input every rank must hold alike (the LM head's x; zeros for the others)
+BASE, ROWS, OPTIONS, TARGETS, FAILED = 7, 1, 3, 4, 5
+SAMPLE = 64
+SIGNATURE = BASE + SAMPLE
+X_RTOL = 0.25  # a sampled value differs from rank 0's beyond this share of the larger of the two ...
+# ... and x differs where most of them do: ulps of drift between ranks pass, another rank's rows do not
 _P = 2**31 - 1  # (a prime: targets that differ in one row never have the same digest)
-# splitmix64's constants as signed int64 (torch's int64 multiplies wrap): a row's weight in the targets' digest
-_GOLDEN, _MIX1, _MIX2 = (c - 2**64 for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
+
+
+def _row_weights(n: int, device) -> torch.Tensor:
+    """r_i in [1, p) for rows 0..n-1: three rounds of an affine map mod p and a xor-shift of the row (every
+    product below 2^62: a wrapped int64 product broke torch.compile's CPU code, and splitmix64's and hash32's
+    outputs mod p kept r(2i) = 2 r(i) for some rows), so that no pattern of rows (a permutation, a shift,
+    +1 -2 +1, one row's change against another's) cancels in targets_digest but by chance."""
+    z = torch.arange(n, device=device, dtype=torch.int64)
+    for m in (0x2C1B3C6D, 0x297A2D39, 0x1B873593):
+        z = (z * m + 0x3C6EF372) % _P
+        z = z ^ (z >> 15)
+    return z % (_P - 1) + 1
 
 
 def targets_digest(t: torch.Tensor) -> torch.Tensor:
-    """sum_i (t_i mod p) * r_i mod p, r_i in [1, p) a hash of the row i (splitmix64's mixer, so that no
-    pattern of rows, a permutation or a shift, cancels): a 0-d int64 tensor on t's device (no host
+    """sum_i (t_i mod p) * r_i mod p (_row_weights): a 0-d int64 tensor on t's device (no host
     synchronisation), equal for equal targets, different for targets that differ in one row, and for others
     but by a chance of about 1 in p."""
-    z = torch.arange(t.numel(), device=t.device, dtype=torch.int64) * _GOLDEN
-    z = (z ^ (z >> 30)) * _MIX1
-    z = (z ^ (z >> 27)) * _MIX2
-    r = (z ^ (z >> 31)) % (_P - 1) + 1
-    return ((t.reshape(-1).long() % _P) * r % _P).sum() % _P
+    return ((t.reshape(-1).long() % _P) * _row_weights(t.numel(), t.device) % _P).sum() % _P
 
 
-_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def shared_digest(x: torch.Tensor) -> torch.Tensor:
-    """targets_digest of the bits of up to SAMPLE elements of x spread evenly over it, the first and the last
-    among them (bits: NaN equals NaN): equal on ranks that hold the same x, different, but by a chance of
-    about 1 in 2^31, where they hold different ones (another rank's rows, say) and the sample tells them
-    apart: an x that differs in a few elements outside it goes unseen. No copy of x."""
+def _sample(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(up to SAMPLE values of x spread evenly over it, the first and the last among them, in float64; how
+    many): what the ranks compare of an input they must hold alike. No copy of x."""
     n = x.numel()
-    if not n:
-        return torch.zeros((), dtype=torch.int64, device=x.device)
     k = min(n, SAMPLE)
-    idx = torch.arange(k, device=x.device, dtype=torch.int64) * (n - 1) // max(k - 1, 1)
-    return targets_digest(torch.take(x, idx).view(_BITS[x.element_size()]))
+    idx = torch.arange(k, device=x.device, dtype=torch.int64) * max(n - 1, 0) // max(k - 1, 1)
+    return torch.take(x, idx).double(), k
+
+
+def _another(xs: torch.Tensor, k: int) -> torch.Tensor:
+    """Per rank, whether its sampled values (xs: (world, SAMPLE), the first k compared) differ from rank 0's:
+    most of them by more than X_RTOL of the larger (NaN and infinities count as alike)."""
+    a, ref = xs[:, :k], xs[:1, :k]
+    far = (a - ref).abs() > X_RTOL * torch.maximum(a.abs(), ref.abs())
+    return far.sum(1) * 2 > k
 
 
 def agree(fn: str, x: torch.Tensor, width: int, rows: int, group, opts: tuple, w_local=None, target=None,
           shared=None):  # fmt: skip
     """The first collective: every rank's signature (its slice's width, rows, x's dtype, options digest,
-    targets digest, digest of ``shared``, an input every rank must hold the same, whether its checks failed,
-    class-weight sum), checked for agreement. Returns (this rank's offset in the vocabulary, the vocabulary's
-    size, the sum of the class weights over every rank or None), 0-d tensors on x's device."""
+    targets digest, whether its checks failed, class-weight sum, and a sample of ``shared``, an input every
+    rank must hold alike), checked for agreement. Returns (this rank's offset in the vocabulary, the
+    vocabulary's size, the sum of the class weights over every rank or None), 0-d tensors on x's device."""
     digest = float(int(hashlib.sha256(repr(opts).encode()).hexdigest()[:13], 16))  # < 2^52: exact in float64
     sig = torch.zeros(SIGNATURE, dtype=torch.float64, device=x.device)
     for i, v in enumerate((width, rows, dtypes.CODE[x.dtype], digest)):
         sig[i].fill_(v)  # a fill kernel each: no host-to-device copy, so a CUDA graph can capture it
     if target is not None:
         sig[TARGETS].copy_(targets_digest(target))
+    k = 0
     if shared is not None:
-        sig[SHARED].copy_(shared_digest(shared))
+        values, k = _sample(shared)
+        sig[BASE : BASE + k].copy_(values)
     if w_local is not None:
-        sig[SIGNATURE - 1].copy_(w_local.sum(dtype=torch.float64))
+        sig[BASE - 1].copy_(w_local.sum(dtype=torch.float64))
     every = gather(sig, group)  # (world, SIGNATURE)
     same = (every[:, ROWS:FAILED] == every[:1, ROWS:FAILED]).all() & (every[:, FAILED] == 0).all()
+    if k:
+        same = same & ~_another(every[:, BASE:], k).any()
     if x.is_cuda:
         torch._assert_async(
             same, f"{fn}: the ranks disagree on the row count, dtype, options, targets or x, or a rank's checks failed"
         )
     elif not bool(same):
-        raise ValueError(_disagreement(fn, every.tolist()))
+        raise ValueError(_disagreement(fn, every, k))
     widths = every[:, 0].long()
-    w_total = every[:, SIGNATURE - 1].sum() if w_local is not None else None
+    w_total = every[:, BASE - 1].sum() if w_local is not None else None
     return widths[: dist.get_rank(group)].sum(), widths.sum(), w_total
 
 
