@@ -3,6 +3,7 @@ rank raises the same ValueError and no collective hangs; a target outside [0, V)
 rank; ranks passing different memory= agree; double backward is refused; an argument check that fails on one
 rank raises there and on every other rank (tests/helpers.py's tensor-parallel problems)."""
 
+import contextlib
 import json
 
 import torch
@@ -294,7 +295,7 @@ def _under_a_mode(rank, world, out_dir):
     full, t = ce_logits(torch.float64, masked=False), targets()
     xl, wl, bl, tl = lce_problem(torch.float64)
 
-    def check(name, fsd_call, fs_call, sliced):
+    def check(fsd_call, fs_call, sliced):
         whole = (wl if sliced == "rows" else full).clone().requires_grad_()
         part = (lambda a: a[lo:hi]) if sliced == "rows" else (lambda a: a[:, lo:hi])
         a = part(whole).detach().requires_grad_()
@@ -321,12 +322,10 @@ def _under_a_mode(rank, world, out_dir):
     results = {}
     for who in ("rank 0", "both"):
         for name, (fsd_call, fs_call, sliced) in cases.items():
+            mode = FlopCounterMode(display=False) if rank == 0 or who == "both" else contextlib.nullcontext()
             try:
-                if rank == 0 or who == "both":
-                    with FlopCounterMode(display=False):
-                        results[f"{who} {name}"] = check(name, fsd_call, fs_call, sliced)
-                else:
-                    results[f"{who} {name}"] = check(name, fsd_call, fs_call, sliced)
+                with mode:
+                    results[f"{who} {name}"] = check(fsd_call, fs_call, sliced)
             except Exception as e:  # noqa: BLE001 (recorded, compared by the test)
                 results[f"{who} {name}"] = f"{type(e).__name__}: {e}"
             _record(out_dir, rank, results)

@@ -119,9 +119,9 @@ def _need_group(fn: str, group, *tensors) -> None:
     """An initialised process group, no torch.func transform and no fake, meta or other subclass tensor: the
     statistics cross ranks through collectives, which carry none of these. Where this rank can still take
     part in one (a meta tensor, say), it does, flagged, so that the other ranks raise too."""
-    odd = any(t is not None and (type(t) not in compose.PLAIN_TYPES or t.is_meta) for t in tensors)
-    if odd or compose.transforms_active() or _makes_fake():
-        if _collectives_run():
+    blocked = compose.transforms_active() or _makes_fake()  # (_collectives_run's, asked once)
+    if blocked or any(t is not None and (type(t) not in compose.PLAIN_TYPES or t.is_meta) for t in tensors):
+        if not blocked and dist.is_initialized():
             shard_merge.refuse(fn, tensors[0], group)
         raise NotImplementedError(
             f"{fn}: torch.func transforms and fake, meta or other subclass tensors are not supported (the "

@@ -68,7 +68,7 @@ def _disagreement(fn: str, every: torch.Tensor, k: int = 0) -> str:
         like = rows_r == every[0][ROWS]
         other = "" if digest_r == every[0][OPTIONS] else ", other options"
         other += "" if targets_r == every[0][TARGETS] or not like else ", other targets"
-        other += ", another x" if another[r] and like and code == every[0][2] else ""
+        other += ", another x" if another[r] and like and code == every[0][DTYPE] else ""
         seen.append(f"rank {r}: {int(rows_r)} rows of {names[int(code)]}{other}")
     return (
         f"{fn}: the ranks must pass shards of the same rows and dtype, with the same options, targets and x "
@@ -93,7 +93,7 @@ def merge_max_sum(ms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 # the signature's entries: slice width, rows, dtype code, options digest, targets digest, the rank's checks
 # failed (1) or passed (0), class-weight sum (entries ROWS to FAILED must agree across ranks), then SAMPLE
 # values of an input every rank must hold alike (the LM head's x; zeros for the others)
-BASE, ROWS, OPTIONS, TARGETS, FAILED = 7, 1, 3, 4, 5
+BASE, ROWS, DTYPE, OPTIONS, TARGETS, FAILED = 7, 1, 2, 3, 4, 5
 SAMPLE = 64
 SIGNATURE = BASE + SAMPLE
 X_RTOL = 0.25  # a sampled value differs from rank 0's beyond this share of the larger of the two ...
