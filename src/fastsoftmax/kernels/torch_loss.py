@@ -8,7 +8,6 @@ from __future__ import annotations
 import torch
 
 from .. import heuristics
-from ..core.reference import logsumexp_torch
 
 
 def capped(z: torch.Tensor, softcap: float | None) -> torch.Tensor:
@@ -21,23 +20,47 @@ def _target_weight(t, keep, w, v: int, dtype):
     return tt, (w.to(dtype)[tt] if w is not None else torch.ones((), dtype=dtype, device=t.device))
 
 
+def _wide(x):
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def max_log_sum(z):
+    """(m, ls) per row of z: m its max (0 where the row is all -inf; detached: any constant gives the same
+    logsumexp and gradient), ls the log of its sum of exp(z - m). The logsumexp is m + ls: -inf for an all
+    -inf row, NaN for a row holding NaN or +inf."""
+    m = z.detach().amax(-1)
+    m = torch.where(m == float("-inf"), 0.0, m)
+    return m, (z - m[:, None]).exp().sum(-1).log()
+
+
+def split_lse(lse, wide):
+    """A logsumexp (float64 from the stats, or ``wide``) as ``wide`` (hi, lo), hi + lo = lse: exp((z - hi) - lo)
+    keeps its precision however large hi is (triton/rows.split_lse). lo is 0 where hi is not finite."""
+    hi = lse.to(wide)
+    if lse.dtype == wide:
+        return hi, None
+    return hi, torch.where(hi.isfinite(), (lse - hi.to(lse.dtype)).to(wide), 0.0)
+
+
 def loss_rows_torch(x, t, o, w=None):
-    """(ce per row, z-loss per row, lse per row) of (M, V) logits, fp32 (fp64 for fp64 logits), with torch
-    ops differentiable in x: the formulas of triton/cross_entropy.py (0 on ignored rows)."""
-    wide = torch.float64 if x.dtype == torch.float64 else torch.float32
+    """(ce per row, z-loss per row, lse per row) of (M, V) logits, fp32 (fp64 for fp64 logits; lse fp64: the
+    row's max plus the log of its sum, exact), with torch ops differentiable in x: the formulas of
+    triton/cross_entropy.py (0 on ignored rows), lse - z_t taken as (max - z_t) + log(sum) (row_terms)."""
+    wide = _wide(x)
     z = capped(x.to(wide), o.softcap)
-    lse = logsumexp_torch(z)
+    m, ls = max_log_sum(z)
+    lse = m + ls
     t = t.long()
     keep = t != o.ignore_index
     tt, w_t = _target_weight(t, keep, w, x.shape[-1], wide)
-    ce = w_t * (lse - z.gather(-1, tt[:, None]).squeeze(-1))
+    ce = w_t * ((m - z.gather(-1, tt[:, None]).squeeze(-1)) + ls)
     if o.smoothing:
         v = x.shape[-1]
         zw = z * w.to(wide) if w is not None else z
         wsum = w.to(wide).sum() if w is not None else v
         ce = (1 - o.smoothing) * ce + (o.smoothing / v) * (lse * wsum - zw.sum(-1))
     zr = o.z_loss * lse * lse if o.z_loss else torch.zeros_like(lse)  # (no z-loss: 0, not 0 * inf on a -inf row)
-    return torch.where(keep, ce, 0.0), torch.where(keep, zr, 0.0), lse
+    return torch.where(keep, ce, 0.0), torch.where(keep, zr, 0.0), m.double() + ls.double()
 
 
 def kept_rows(t, ignore_index: int, w, v: int, dtype):
@@ -84,12 +107,15 @@ def row_grads(grad, kept, w_kept, reduction: str, m: int):
 
 
 def dlogits_options(x, t, lse, g_ce, g_z, o, w=None):
-    """dlogits with torch ops, in lse's dtype, with every loss option (triton/cross_entropy.py's formulas);
-    differentiable in x, g_ce and g_z."""
-    wide = lse.dtype
+    """dlogits with torch ops, in fp32 (fp64 for fp64 x), with every loss option (triton/cross_entropy.py's
+    formulas) from the rows' logsumexp (fp64, or x's wide dtype: split_lse); differentiable in x, g_ce and
+    g_z."""
+    wide = _wide(x)
     z = capped(x.to(wide), o.softcap)
+    lse, lo = split_lse(lse, wide)
     lse = torch.where(lse == float("-inf"), 0.0, lse)  # (a fully masked row: p = 0, its z-loss term adds 0)
-    p = (z - lse[:, None]).exp()
+    p = (z - lse[:, None]).exp() if lo is None else ((z - lse[:, None]) - lo[:, None]).exp()
+    g_ce, g_z = g_ce.to(wide), g_z.to(wide)
     t = t.long()
     keep = t != o.ignore_index
     v = x.shape[-1]

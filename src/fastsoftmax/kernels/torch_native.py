@@ -325,8 +325,8 @@ _REDUCTION = {"none": 0, "mean": 1, "sum": 2}  # torch's enum
 
 def native_cross_entropy(x, t, w, ignore_index: int, reduction: str, smoothing: float, out_dtype, lse=None):
     """The loss of (M, V) logits x (unit stride along V) and int64 targets t (M,), in out_dtype, computed in
-    fp32 (fp64 for fp64 x); w: (V,) class weights in that dtype, or None. ``lse``: an (M,) tensor of that
-    dtype, or None: each row's logsumexp written there from the same chunk (one read of the logits, one
+    fp32 (fp64 for fp64 x); w: (V,) class weights in that dtype, or None. ``lse``: an (M,) float64 tensor,
+    or None: each row's logsumexp written there from the same chunk (one read of the logits, one
     conversion, for the loss and the statistics autograd keeps). Targets out of range and not ignore_index
     raise torch's IndexError."""
     wide = torch.float64 if x.dtype == torch.float64 else torch.float32
@@ -360,11 +360,12 @@ def _loss_rows(b, t, w, reduction: int, ignore_index: int, smoothing: float, lse
     if lse is None:
         return torch._C._nn.cross_entropy_loss(b, t, w, reduction, ignore_index, smoothing)
     if smoothing:
-        torch.logsumexp(b, 1, out=lse)
+        lse.copy_(torch.logsumexp(b, 1))
         return torch._C._nn.cross_entropy_loss(b, t, w, reduction, ignore_index, smoothing)
     top = b.amax(1)
     ls = torch._log_softmax(b, 1, False, out=b) if scratch else torch._log_softmax(b, 1, False)
-    torch.where(top == float("-inf"), top, top - ls.amax(1), out=lse)
+    top64 = top.double()  # (the difference in float64: the stats' logsumexp, exact)
+    torch.where(top == float("-inf"), top64, top64 - ls.amax(1), out=lse)
     return torch._C._nn.nll_loss_nd(ls, t, w, reduction, ignore_index)
 
 
@@ -378,11 +379,11 @@ def plain_loss(logits, target, w, ignore_index: int, reduction: str, smoothing: 
 
 def native_loss_stats(x, t, w, ignore_index: int, reduction: str, smoothing: float, out_dtype):
     """(loss, stats): native_cross_entropy's loss, and the stats the kernels' forward gives (each row's
-    logsumexp, the rows kept, 1.0, their weight) in fp32 (fp64 for fp64 x), from one pass over the logits:
-    what autograd saves for the backward."""
+    logsumexp, the rows kept, 1.0, their weight) in fp64, from one pass over the logits: what autograd saves
+    for the backward."""
     wide = torch.float64 if x.dtype == torch.float64 else torch.float32
     m, v = x.shape
-    stats = torch.empty(m + 3, dtype=wide)
+    stats = torch.empty(m + 3, dtype=torch.float64)
     loss = native_cross_entropy(x, t, w, ignore_index, reduction, smoothing, out_dtype, lse=stats[:m])
     kept, w_kept = kept_rows(t, ignore_index, w, v, wide)
     stats[m], stats[m + 1], stats[m + 2] = kept, 1.0, w_kept

@@ -24,12 +24,12 @@ from .. import dispatch, heuristics
 from ..core import checks, compose
 from ..core.layout import flat
 from ..core.options import Loss
-from ..core.reference import logsumexp_torch
 from ..kernels.torch_loss import (
     capped,
     dlogits_options,
     kept_rows,
     loss_rows_torch,
+    max_log_sum,
     no_z_term,
     reduce_terms,
     row_grads,
@@ -100,10 +100,9 @@ _OPTS = "int ignore_index, str reduction, float label_smoothing, float? softcap,
 def _fake(logits, target, class_weight, ignore_index, reduction, label_smoothing, softcap, z_loss, backend,
           out_dtype):  # fmt: skip
     rows = logits.numel() // logits.shape[-1]
-    stat = torch.float64 if logits.dtype == torch.float64 else torch.float32
     shape = target.shape if reduction == "none" else ()
     loss = logits.new_empty(shape, dtype=out_dtype)
-    return loss, torch.empty_like(loss), logits.new_empty((rows + 3,), dtype=stat)  # dispatch's
+    return loss, torch.empty_like(loss), logits.new_empty((rows + 3,), dtype=torch.float64)  # dispatch's
 
 
 def _setup(ctx, inputs, output):
@@ -134,8 +133,8 @@ def dlogits_differentiable(logits, target, class_weight, stats, grad, *opts):
     x, t = flat(logits, target)
     m = x.shape[0]
     g_ce, g_z = row_grads(grad, stats[m], stats[m + 2], o.reduction, m)
-    lse = logsumexp_torch(capped(x.to(stats.dtype), o.softcap))
-    dx = dlogits_options(x, t, lse, g_ce.to(stats.dtype), g_z.to(stats.dtype), o, class_weight)
+    top, ls = max_log_sum(capped(x.to(torch.float64 if x.dtype == torch.float64 else torch.float32), o.softcap))
+    dx = dlogits_options(x, t, top.double() + ls.double(), g_ce, g_z, o, class_weight)
     return dx.to(logits.dtype).reshape(logits.shape)
 
 
@@ -152,8 +151,8 @@ def composite(
     readable = not torch._C._functorch.is_functorch_wrapped_tensor(target)
     x, t = logits.reshape(-1, logits.shape[-1]), target.reshape(-1)
     checks.targets(t, x.shape[-1], ignore_index, fn, readable)
-    ce, zr, lse = loss_rows_torch(x, t, o, class_weight)
-    kept, w_kept = kept_rows(t, ignore_index, class_weight, x.shape[-1], lse.dtype)
+    ce, zr, _ = loss_rows_torch(x, t, o, class_weight)
+    kept, w_kept = kept_rows(t, ignore_index, class_weight, x.shape[-1], ce.dtype)
     loss, z = reduce_terms(ce, zr, kept, w_kept, reduction, out_dtype)
     if reduction == "none":
         loss, z = loss.reshape(target.shape), z.reshape(target.shape)

@@ -32,7 +32,7 @@ from ...heuristics import poisoning
 from ...heuristics.device import selected
 from .. import launch as fastlaunch
 from .launch import launch
-from .rows import LN2, dlogits, merge_stats, row_grads, row_max_sum, row_terms, safe_max, softcapped
+from .rows import LN2, dlogits, merge_stats, row_grads, row_max_sum, row_terms, safe_max, softcapped, store_lse
 
 
 @triton.jit
@@ -83,7 +83,8 @@ def ce_fwd(
     row_ok = row < n_rows
     base = x_ptr + row * sx
     top, sum_e, sum_z = row_max_sum(base, row_ok, nc, w_ptr + col0, cap, ROWS, BLOCK_N, SMOOTH, WEIGHT, SOFTCAP)
-    lse = safe_max(top) + tl.math.log2(sum_e) * LN2
+    m = safe_max(top)
+    ls = tl.math.log2(sum_e) * LN2  # (the logsumexp is m + ls, kept apart: row_terms)
     if PART:
         tl.store(part_ptr + row, top, mask=row_ok)
     t = tl.load(t_ptr + row, mask=row_ok, other=ignore_index).to(tl.int64)
@@ -95,18 +96,19 @@ def ce_fwd(
         z_t = softcapped(z_t, cap)
     z_t = tl.where(here, z_t, 0.0)
     if not FIRST:  # the running logsumexp merged with the slice's (-inf where both are)
-        m, s = merge_stats(tl.load(run_ptr + row, mask=row_ok, other=0.0), 1.0, lse, 1.0)
-        lse = safe_max(m) + tl.math.log2(s) * LN2
+        m, s = merge_stats(tl.load(run_ptr + row, mask=row_ok, other=0.0), 1.0, top, sum_e)
+        m = safe_max(m)
+        ls = tl.math.log2(s) * LN2
         z_t += tl.load(run_ptr + n_rows + row, mask=row_ok, other=0.0)
         if SMOOTH:
             sum_z += tl.load(run_ptr + 2 * n_rows + row, mask=row_ok, other=0.0)
     if not LAST:
-        tl.store(run_ptr + row, lse, mask=row_ok)
+        tl.store(run_ptr + row, m + ls, mask=row_ok)
         tl.store(run_ptr + n_rows + row, z_t, mask=row_ok)
         if SMOOTH:
             tl.store(run_ptr + 2 * n_rows + row, sum_z, mask=row_ok)
     else:
-        loss, zr, w_t = row_terms(lse, z_t, sum_z, t, keep, inside, w_ptr, wsum_ptr, v, smoothing, zl, SMOOTH, WEIGHT,
+        loss, zr, w_t = row_terms(m, ls, z_t, sum_z, t, keep, inside, w_ptr, wsum_ptr, v, smoothing, zl, SMOOTH, WEIGHT,
                                   ZLOSS)  # fmt: skip
         if FINISH:
             finish_rows(loss_ptr, z_ptr, row, row_ok, loss, zr, REDUCTION, ZOUT)
@@ -121,7 +123,7 @@ def ce_fwd(
             if ZLOSS:
                 tl.store(z_ptr + row, zr, mask=row_ok)
         if STATS:
-            tl.store(lse_ptr + row, lse, mask=row_ok)
+            store_lse(lse_ptr + row, m, ls, row_ok)
 
 
 @triton.jit
@@ -272,9 +274,10 @@ def ce_bwd(
     are row idx_ptr[i]'s (row_grads)."""
     row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     row_ok = row < n_rows
-    t, keep, inside, lse, a, b, cc = row_grads(row, row_ok, t_ptr, lse_ptr, g_ptr, g_stride, cnt_ptr, w_ptr, wsum_ptr,
-                                               ignore_index, v, smoothing, zl, idx_ptr, MEAN, SMOOTH, WEIGHT, ZLOSS,
-                                               PICKED)  # fmt: skip
+    t, keep, inside, lse, lo, a, b, cc = row_grads(
+        row, row_ok, t_ptr, lse_ptr, g_ptr, g_stride, cnt_ptr, w_ptr, wsum_ptr, ignore_index, v, smoothing, zl,
+        idx_ptr, MEAN, SMOOTH, WEIGHT, ZLOSS, PICKED,
+    )  # fmt: skip
     lse_safe = safe_max(lse)  # an all -inf row: exp(-inf - 0) = 0
     seg0 = tl.program_id(1).to(tl.int64) * span  # this segment's first column (a scalar: columns stay int32)
     width = tl.minimum(span, nc - seg0).to(tl.int32)
@@ -292,7 +295,7 @@ def ce_bwd(
         wj = 0.0
         if SMOOTH and WEIGHT:
             wj = tl.load(w_ptr + col0 + seg0 + cols, mask=cols < width, other=0.0).to(tl.float32)
-        d = dlogits(z, cols == t_here[:, None], lse_safe, a, b, cc, wj, keep, cap, SMOOTH, WEIGHT, SOFTCAP)
+        d = dlogits(z, cols == t_here[:, None], lse_safe, lo, a, b, cc, wj, keep, cap, SMOOTH, WEIGHT, SOFTCAP)
         tl.store(dxs + cols, d.to(dx_ptr.dtype.element_ty), mask=ok)
 
 
@@ -393,8 +396,10 @@ def shape(v: int, elsize: int, backward: bool, m: int = 0) -> tuple[int, int, in
 
 def forward(x, t, w, o, out_dtype, path=None, stats=True, check: bool | None = None):
     """(loss, z-loss, stats) of (M, V) logits x (unit stride along V) and (M,) targets: loss and z-loss as
-    the reduction asks (rows, or scalars) in out_dtype; stats (M + 3,) fp32: each row's logsumexp, then the
-    rows not ignored, 1.0 if every target not ignored is in [0, V) (else 0.0), the weight of the rows kept.
+    the reduction asks (rows, or scalars) in out_dtype; stats (M + 3,) fp64: each row's logsumexp (its max
+    plus the log of its sum, exact in fp64: the backward keeps its precision whatever the logits' offset),
+    then the rows not ignored, 1.0 if every target not ignored is in [0, V) (else 0.0), the weight of the
+    rows kept.
     ``w``: the class weights or None; ``o``: the loss options; ``path``: unused (the backend interface);
     ``check``: finish()'s. ``stats`` False (a plain call: no backward) lets the one-program forward (rows
     that fit one program, shape()) write no stats, nor a z-loss without one: both are then None."""
@@ -406,7 +411,7 @@ def forward(x, t, w, o, out_dtype, path=None, stats=True, check: bool | None = N
         one = 0 < m <= launch_shape[0]  # one program: one launch and no row buffers (small calls: host time)
         out = torch.empty(m if o.reduction == "none" else (), dtype=out_dtype, device=x.device)
         zout = torch.empty_like(out) if stats or o.z_loss or not one else None
-        st = torch.empty(m + 3, dtype=torch.float32, device=x.device) if stats or not one else None
+        st = torch.empty(m + 3, dtype=torch.float64, device=x.device) if stats or not one else None
         rows_loss = rows_z = None
         if not one:  # (workspaces the kernels write first: a replay allocates its own)
             rows_loss = fastlaunch.scratch(torch.empty(m, dtype=torch.float32, device=x.device))

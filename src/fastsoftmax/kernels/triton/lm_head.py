@@ -12,7 +12,7 @@ from ...heuristics import poisoning
 from ...heuristics.device import of_tensor
 from .cross_entropy import weight_sum
 from .launch import launch
-from .rows import LN2, dlogits, merge_stats, row_exp, row_grads, row_terms, safe_max, softcapped
+from .rows import LN2, dlogits, merge_stats, row_exp, row_grads, row_terms, safe_max, softcapped, store_lse
 
 
 @triton.jit
@@ -158,15 +158,17 @@ def lse_merge(
         z_t += tl.load(at + 2 * splits * n, mask=row_ok, other=0.0)
         if SMOOTH:
             sum_z += tl.load(at + 3 * splits * n, mask=row_ok, other=0.0)
-    lse = safe_max(m) + tl.math.log2(tl.where(row_ok, s, 1.0)) * LN2  # (rows past n: no log of 0)
+    m = safe_max(m)
+    ls = tl.math.log2(tl.where(row_ok, s, 1.0)) * LN2  # (rows past n: no log of 0)
     t = tl.load(t_ptr + rows, mask=row_ok, other=ignore_index).to(tl.int64)
     keep = row_ok & (t != ignore_index)
     inside = keep & (t >= 0) & (t < v)
-    loss, zr, _ = row_terms(lse, z_t, sum_z, t, keep, inside, cw_ptr, wsum_ptr, v, smoothing, zl, SMOOTH, WEIGHT, ZLOSS)
+    loss, zr, _ = row_terms(m, ls, z_t, sum_z, t, keep, inside, cw_ptr, wsum_ptr, v, smoothing, zl, SMOOTH, WEIGHT,
+                            ZLOSS)  # fmt: skip
     tl.store(loss_ptr + rows, loss, mask=row_ok)
     if ZLOSS:
         tl.store(z_ptr + rows, zr, mask=row_ok)
-    tl.store(lse_ptr + rows, lse, mask=row_ok)
+    store_lse(lse_ptr + rows, m, ls, row_ok)
 
 
 @triton.jit
@@ -224,14 +226,15 @@ def dlogits_gemm(
     z = logits_block(x_ptr, w_ptr, b_ptr, r64, row_ok, c, c_ok, d, sxn, sxk, swv, swk, cap, BM, BN, BK, BIAS, SOFTCAP,
                      PRECISION, WIDEN)  # fmt: skip
     cw_all = cw_ptr - col0  # (the class weights from class 0: row_grads reads w_t)
-    t, keep, inside, lse, a, b, cc = row_grads(r64, row_ok, t_ptr, lse_ptr, g_ptr, g_stride, cnt_ptr, cw_all, wsum_ptr,
-                                               ignore_index, v, smoothing, zl, idx_ptr, MEAN, SMOOTH, WEIGHT, ZLOSS,
-                                               PICKED)  # fmt: skip
+    t, keep, inside, lse, lo, a, b, cc = row_grads(
+        r64, row_ok, t_ptr, lse_ptr, g_ptr, g_stride, cnt_ptr, cw_all, wsum_ptr, ignore_index, v, smoothing, zl,
+        idx_ptr, MEAN, SMOOTH, WEIGHT, ZLOSS, PICKED,
+    )  # fmt: skip
     wj = 0.0
     if SMOOTH and WEIGHT:
         wj = tl.load(cw_ptr + c, mask=c_ok, other=0.0).to(tl.float32)[None, :]
     hot = (c[None, :] + col0) == t[:, None]
-    dl = dlogits(z, hot, safe_max(lse), a, b, cc, wj, keep, cap, SMOOTH, WEIGHT, SOFTCAP)
+    dl = dlogits(z, hot, safe_max(lse), lo, a, b, cc, wj, keep, cap, SMOOTH, WEIGHT, SOFTCAP)
     ok = row_ok[:, None] & c_ok[None, :]
     tl.store(dl_ptr + r64[:, None] * sdl + c[None, :], dl.to(dl_ptr.dtype.element_ty), mask=ok)
 
