@@ -32,7 +32,8 @@ from ...heuristics import poisoning
 from ...heuristics.device import selected
 from .. import launch as fastlaunch
 from .launch import launch
-from .rows import LN2, dlogits, merge_stats, row_grads, row_max_sum, row_terms, safe_max, softcapped, store_lse
+from .loss_terms import dlogits, row_grads, row_terms, store_lse
+from .rows import LN2, merge_stats, row_max_sum, safe_max, softcapped
 
 
 @triton.jit

@@ -12,7 +12,8 @@ from ...heuristics import poisoning
 from ...heuristics.device import of_tensor
 from .cross_entropy import weight_sum
 from .launch import launch
-from .rows import LN2, dlogits, merge_stats, row_exp, row_grads, row_terms, safe_max, softcapped, store_lse
+from .loss_terms import dlogits, row_grads, row_terms, store_lse
+from .rows import LN2, merge_stats, row_exp, safe_max, softcapped
 
 
 @triton.jit
