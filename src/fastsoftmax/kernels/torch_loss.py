@@ -35,7 +35,7 @@ def max_log_sum(z):
 
 def split_lse(lse, wide):
     """A logsumexp (float64 from the stats, or ``wide``) as ``wide`` (hi, lo), hi + lo = lse: exp((z - hi) - lo)
-    keeps its precision however large hi is (triton/rows.split_lse). lo is 0 where hi is not finite."""
+    keeps its precision however large hi is (triton/loss_terms.split_lse). lo is 0 where hi is not finite."""
     hi = lse.to(wide)
     if lse.dtype == wide:
         return hi, None
