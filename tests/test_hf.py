@@ -205,6 +205,7 @@ def test_patched_forward_reads_as_the_method_and_a_shallow_copy_reverts(device):
     fst().apply(model)
     assert model.forward.__name__ == "forward" and model.forward.__doc__ == cls.forward.__doc__
     assert list(inspect.signature(model.forward).parameters)[0] != "self"
+    assert model.forward.__self__ is model and not inspect.ismethod(model.forward)  # (documented: semantics.md)
     clone = copy.copy(model)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
