@@ -327,3 +327,27 @@ def test_float32_error_independent_of_a_common_offset(device, backend, weighted)
         (dx,) = torch.autograd.grad(loss.sum(), xg)
         assert (loss.double().cpu() - ref.detach()).abs().max() < 2.5e-6, c
         assert (dx.double().cpu() - dref).abs().max() < 4e-7, c
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch", "auto"])
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_stats_hold_the_logsumexp_in_float64(device, backend, smoothing):
+    """Every backend and path (the native CPU path under 'auto' too) saves each row's logsumexp in float64 for
+    every logits dtype (the fake's promise, and the signature tests/compile_facts.py compiles the kernels
+    with), exact at logits around 1e4: within 1e-6 of float64's, where fp32's rounding is 5e-4 (as the
+    native path's label-smoothing branch stored it). All -inf rows keep -inf; the counts follow."""
+    g = torch.Generator().manual_seed(3)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        offset = 1e4 if dtype in (torch.float32, torch.float64) else 0.0
+        x = (torch.randn(6, 513, generator=g, dtype=torch.float64) * 3 + offset).to(dtype)
+        x[2] = float("-inf")
+        t = torch.randint(0, 513, (6,), generator=g)
+        t[4] = -100
+        args = (x.to(device), t.to(device), None, -100, "sum", smoothing, None, 0.0, backend, dtype)
+        _, _, stats = torch.ops.fastsoftmax.cross_entropy(*args)
+        assert stats.dtype == torch.float64 and stats.shape == (9,), (dtype, stats.dtype)
+        ref = torch.logsumexp(x.double(), -1)
+        assert stats[2].item() == float("-inf")
+        keep = torch.arange(6) != 2
+        assert (stats[:6].cpu()[keep] - ref[keep]).abs().max() < 1e-6, dtype
+        assert stats[6:].tolist() == [5.0, 1.0, 5.0]

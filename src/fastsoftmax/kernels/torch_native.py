@@ -359,10 +359,11 @@ def _loss_rows(b, t, w, reduction: int, ignore_index: int, smoothing: float, lse
     max is, and -inf for a fully masked row, as logsumexp."""
     if lse is None:
         return torch._C._nn.cross_entropy_loss(b, t, w, reduction, ignore_index, smoothing)
-    if smoothing:
-        lse.copy_(torch.logsumexp(b, 1))
-        return torch._C._nn.cross_entropy_loss(b, t, w, reduction, ignore_index, smoothing)
     top = b.amax(1)
+    if smoothing:  # (the max plus the log of the sum, added in float64: exact, as the other branch)
+        safe = torch.where(top == float("-inf"), 0.0, top)
+        torch.add(safe.double(), (b - safe[:, None]).exp_().sum(1).log_(), out=lse)
+        return torch._C._nn.cross_entropy_loss(b, t, w, reduction, ignore_index, smoothing)
     ls = torch._log_softmax(b, 1, False, out=b) if scratch else torch._log_softmax(b, 1, False)
     top64 = top.double()  # (the difference in float64: the stats' logsumexp, exact)
     torch.where(top == float("-inf"), top64, top64 - ls.amax(1), out=lse)

@@ -158,9 +158,9 @@ def finish_total(
     and REDUCTION 1 or 2: the sums or means into out (ce + z-loss) and zout (z-loss, with ZOUT); ce over the
     weight of the rows kept, z-loss over their number (0 / 0 = NaN when all are ignored, as torch). COUNTS:
     stats_ptr[0] = the number of rows not ignored, [1] = 1 if every target not ignored is in [0, v) (else
-    0), [2] = the weight of the rows kept (their number without class weights), as fp32. CHECK: a target out
-    of range stops here, at a device-side assertion (as torch's own device asserts do: the error surfaces at
-    the next synchronising call), so the caller launches no check of its own."""
+    0), [2] = the weight of the rows kept (their number without class weights), in stats_ptr's dtype. CHECK:
+    a target out of range stops here, at a device-side assertion (as torch's own device asserts do: the error
+    surfaces at the next synchronising call), so the caller launches no check of its own."""
     n_kept = tl.sum(kept, axis=0).to(tl.float32)
     w_kept = n_kept
     if WEIGHT:
