@@ -17,5 +17,12 @@ TRITON = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"} 
 SIZE = {d: d.itemsize for d in FLOATS}
 CODE = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}  # distributed's signature
 
+
+def wide(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the library computes in for inputs of ``dtype`` (statistics, torch-op paths): float64 for
+    float64, else float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 FLOAT_NAMES = ", ".join(NAME[d] for d in FLOATS[:-1]) + f" or {NAME[FLOATS[-1]]}"
 KERNEL_NAMES = ", ".join(NAME[d] for d in KERNEL[:-1]) + f" and {NAME[KERNEL[-1]]}"

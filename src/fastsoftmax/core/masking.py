@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from . import dtypes
+
 MAX_ROW_DIMS = 4  # row dimensions the kernels decompose a row index into, for the mask and causal
 
 
@@ -128,7 +130,7 @@ def causal_keep(x: torch.Tensor) -> torch.Tensor:
 def logits(x: torch.Tensor, mask, scale, causal, dtype=None) -> torch.Tensor:
     """z = scale * x, masked, causal, in ``dtype`` (default fp32, fp64 for fp64): the torch path and the
     reference. Removed positions are -inf."""
-    dtype = dtype or (torch.float64 if x.dtype == torch.float64 else torch.float32)
+    dtype = dtype or dtypes.wide(x.dtype)
     z = x.to(dtype)
     if scale is not None:
         z = z * scale

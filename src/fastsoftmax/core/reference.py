@@ -9,6 +9,8 @@ import math
 
 import torch
 
+from . import dtypes
+
 
 def softmax_torch(
     x: torch.Tensor, dim: int, log: bool, out_dtype: torch.dtype, compute_dtype: torch.dtype | None = None
@@ -43,7 +45,7 @@ def max_sum_torch(x: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor, torch.T
     """Per row, its max and its sum of exp(x - max), fp32 (fp64 for fp64 x): -inf and 0 for an all -inf row,
     NaN in the sum for a row holding NaN or +inf (the logsumexp is their max + log(sum)). Precondition:
     x.shape[dim] > 0."""
-    xc = x.to(torch.float64 if x.dtype == torch.float64 else torch.float32)
+    xc = x.to(dtypes.wide(x.dtype))
     m = xc.amax(dim, keepdim=True)
     m_safe = torch.where(m == float("-inf"), 0.0, m)
     return m.squeeze(dim), (xc - m_safe).exp().sum(dim)

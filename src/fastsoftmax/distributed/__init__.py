@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from .. import dispatch, heuristics
-from ..core import checks, compose, options
+from ..core import checks, compose, dtypes, options
 from ..core.layout import flat_target
 from ..heuristics import lm_head as rules
 from ..kernels.torch_loss import chunk_logits, no_z_term, reduce_terms, tile_grads
@@ -185,7 +185,7 @@ class _CrossEntropy(torch.autograd.Function):
         checks.targets(t, v_total, o.ignore_index, fn)
         rows = shard_merge.Rows(t, o, offset, xf.shape[-1], w)
         impl = shard_merge.slice_work(xf, backend)
-        gathered = shard_merge.gather(rows.local_stats(impl, xf, shard_merge.wide_dtype(xf)), group)
+        gathered = shard_merge.gather(rows.local_stats(impl, xf, dtypes.wide(xf.dtype)), group)
         ce, zr = rows.merge(gathered, v_total, w_total)
         loss, z = _loss_out(rows, ce, zr, out_dtype)
         ctx.mark_non_differentiable(z)
@@ -265,7 +265,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         offset, v_total, w_total = shard_merge.agree(fn, x2, v_local, n, group, key, w, t, shared=x2)
         checks.targets(t, v_total, o.ignore_index, fn)
         rows = shard_merge.Rows(t, o, offset, v_local, w)
-        wide = shard_merge.wide_dtype(x2)
+        wide = dtypes.wide(x2.dtype)
         local = torch.empty((n, 5), dtype=wide, device=x.device)
         step = rules.rows_per_chunk(x2, v_local, memory) if n and v_local else max(n, 1)
         if n and v_local:
@@ -296,7 +296,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         need_b = need_b and bias is not None
         n, v_local = x2.shape[0], weight.shape[0]
         a, b, cc = rows.coefficients(grad)
-        wide = shard_merge.wide_dtype(x2)
+        wide = dtypes.wide(x2.dtype)
         forced = (heuristics.forced() or {}).get("path")
         sliced = n and v_local and rules.sliced(n, x2.shape[1], v_local, x2.element_size(), ctx.memory, forced,
                                                 recompute=True)  # fmt: skip

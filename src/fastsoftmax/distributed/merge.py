@@ -173,11 +173,6 @@ def agree(fn: str, x: torch.Tensor, width: int, rows: int, group, opts: tuple, w
 # ---- the slice's work: the kernels, or torch ops ------------------------------------------------------------
 
 
-def wide_dtype(x) -> torch.dtype:
-    """The dtype the slice's statistics are kept in: float64 for float64 x, else float32."""
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
-
-
 class _Kernels:
     """The slice's statistics and outputs by triton/shard.py's kernels."""
 
@@ -221,14 +216,14 @@ class TorchOps:
     name = "torch"
 
     def stats(self, x, w, cap, smooth):
-        z = capped(x.to(wide_dtype(x)), cap)
+        z = capped(x.to(dtypes.wide(x.dtype)), cap)
         m, s = max_sum_torch(z)
         if not smooth:
             return m, s, None
         return m, s, (z * w.to(z.dtype) if w is not None else z).sum(-1)
 
     def dot(self, y, dy, log: bool):
-        acc = wide_dtype(y) if dy.dtype != torch.float64 else torch.float64
+        acc = dtypes.wide(y.dtype) if dy.dtype != torch.float64 else torch.float64
         return (dy.to(acc) if log else y.to(acc) * dy.to(acc)).sum(-1)
 
     def normalise(self, x, m, ls, log: bool, out):
@@ -274,7 +269,7 @@ def slice_stats(impl, x, w, cap, smooth):
     """impl.stats: (each row's max, sum of exp(z - max), smoothing sum or None); for an empty slice -inf
     maxima and zero sums."""
     if x.shape[-1] == 0 or x.shape[0] == 0:
-        m = torch.full(x.shape[:1], float("-inf"), dtype=wide_dtype(x), device=x.device)
+        m = torch.full(x.shape[:1], float("-inf"), dtype=dtypes.wide(x.dtype), device=x.device)
         return m, torch.zeros_like(m), (torch.zeros_like(m) if smooth else None)
     return impl.stats(x, w, cap, smooth)
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 
 from .. import heuristics
+from ..core import dtypes
+from ..core.reference import max_sum_torch
 
 
 def capped(z: torch.Tensor, softcap: float | None) -> torch.Tensor:
@@ -20,17 +22,11 @@ def _target_weight(t, keep, w, v: int, dtype):
     return tt, (w.to(dtype)[tt] if w is not None else torch.ones((), dtype=dtype, device=t.device))
 
 
-def _wide(x):
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
-
-
 def max_log_sum(z):
-    """(m, ls) per row of z: m its max (0 where the row is all -inf; detached: any constant gives the same
-    logsumexp and gradient), ls the log of its sum of exp(z - m). The logsumexp is m + ls: -inf for an all
-    -inf row, NaN for a row holding NaN or +inf."""
-    m = z.detach().amax(-1)
-    m = torch.where(m == float("-inf"), 0.0, m)
-    return m, (z - m[:, None]).exp().sum(-1).log()
+    """(m, ls) per row of z: its max (max_sum_torch's, 0 where the row is all -inf) and the log of its sum of
+    exp(z - m). The logsumexp is m + ls: -inf for an all -inf row, NaN for a row holding NaN or +inf."""
+    m, s = max_sum_torch(z)
+    return torch.where(m == float("-inf"), 0.0, m), s.log()
 
 
 def split_lse(lse, wide):
@@ -46,7 +42,7 @@ def loss_rows_torch(x, t, o, w=None):
     """(ce per row, z-loss per row, lse per row) of (M, V) logits, fp32 (fp64 for fp64 logits; lse fp64: the
     row's max plus the log of its sum, exact), with torch ops differentiable in x: the formulas of
     triton/cross_entropy.py (0 on ignored rows), lse - z_t taken as (max - z_t) + log(sum) (row_terms)."""
-    wide = _wide(x)
+    wide = dtypes.wide(x.dtype)
     z = capped(x.to(wide), o.softcap)
     m, ls = max_log_sum(z)
     lse = m + ls
@@ -110,7 +106,7 @@ def dlogits_options(x, t, lse, g_ce, g_z, o, w=None):
     """dlogits with torch ops, in fp32 (fp64 for fp64 x), with every loss option (triton/cross_entropy.py's
     formulas) from the rows' logsumexp (fp64, or x's wide dtype: split_lse); differentiable in x, g_ce and
     g_z."""
-    wide = _wide(x)
+    wide = dtypes.wide(x.dtype)
     z = capped(x.to(wide), o.softcap)
     lse, lo = split_lse(lse, wide)
     lse = torch.where(lse == float("-inf"), 0.0, lse)  # (a fully masked row: p = 0, its z-loss term adds 0)

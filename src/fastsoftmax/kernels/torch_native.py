@@ -232,7 +232,7 @@ def cross_entropy_graph(x, t, w, ignore_index: int, reduction: str, out_dtype) -
     if x.numel() > CHUNK:
         return None
     t, w = loss_inputs(x, t, w)
-    wide = torch.float64 if x.dtype == torch.float64 else torch.float32
+    wide = dtypes.wide(x.dtype)
     ls = torch._log_softmax(x if x.dtype is wide else x.to(wide), 1, False)
     if _any_nan_first(ls, 1):
         return None
@@ -316,7 +316,7 @@ def loss_inputs(x, t, w):
     or None): what torch's CPU loss kernels take."""
     t = t if t.dtype == torch.int64 else t.long()
     if w is not None:
-        w = w.detach().to(torch.float64 if x.dtype == torch.float64 else torch.float32)
+        w = w.detach().to(dtypes.wide(x.dtype))
     return t, w
 
 
@@ -329,7 +329,7 @@ def native_cross_entropy(x, t, w, ignore_index: int, reduction: str, smoothing: 
     or None: each row's logsumexp written there from the same chunk (one read of the logits, one
     conversion, for the loss and the statistics autograd keeps). Targets out of range and not ignore_index
     raise torch's IndexError."""
-    wide = torch.float64 if x.dtype == torch.float64 else torch.float32
+    wide = dtypes.wide(x.dtype)
     m, v = x.shape
     if x.numel() <= CHUNK:
         xw = x if x.dtype == wide else x.to(wide)
@@ -382,7 +382,7 @@ def native_loss_stats(x, t, w, ignore_index: int, reduction: str, smoothing: flo
     """(loss, stats): native_cross_entropy's loss, and the stats the kernels' forward gives (each row's
     logsumexp, the rows kept, 1.0, their weight) in fp64, from one pass over the logits: what autograd saves
     for the backward."""
-    wide = torch.float64 if x.dtype == torch.float64 else torch.float32
+    wide = dtypes.wide(x.dtype)
     m, v = x.shape
     stats = torch.empty(m + 3, dtype=torch.float64)
     loss = native_cross_entropy(x, t, w, ignore_index, reduction, smoothing, out_dtype, lse=stats[:m])
@@ -395,7 +395,7 @@ def native_cross_entropy_backward(x, t, w, g, ignore_index: int, reduction: str,
     """dlogits (M, V) in x's dtype, computed in fp32 (fp64 for fp64 x), for native_cross_entropy's arguments
     (targets already checked) and the loss's gradient g; ignored rows 0, NaN or +inf logits NaN on kept rows,
     and a fully masked row as the reference has it (its softmax taken as 0)."""
-    wide = torch.float64 if x.dtype == torch.float64 else torch.float32
+    wide = dtypes.wide(x.dtype)
     m, v = x.shape
     keep = t != ignore_index
     kept = int(keep.sum())

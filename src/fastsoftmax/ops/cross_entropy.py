@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from .. import dispatch, heuristics
-from ..core import checks, compose
+from ..core import checks, compose, dtypes
 from ..core.layout import flat
 from ..core.options import Loss
 from ..kernels.torch_loss import (
@@ -133,7 +133,7 @@ def dlogits_differentiable(logits, target, class_weight, stats, grad, *opts):
     x, t = flat(logits, target)
     m = x.shape[0]
     g_ce, g_z = row_grads(grad, stats[m], stats[m + 2], o.reduction, m)
-    top, ls = max_log_sum(capped(x.to(torch.float64 if x.dtype == torch.float64 else torch.float32), o.softcap))
+    top, ls = max_log_sum(capped(x.to(dtypes.wide(x.dtype)), o.softcap))
     dx = dlogits_options(x, t, top.double() + ls.double(), g_ce, g_z, o, class_weight)
     return dx.to(logits.dtype).reshape(logits.shape)
 

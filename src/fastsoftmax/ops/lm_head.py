@@ -35,7 +35,7 @@ import inspect
 import torch
 
 from .. import dispatch, heuristics
-from ..core import checks, compose, options
+from ..core import checks, compose, dtypes, options
 from ..core.layout import flat_target, storage_problem, values
 from ..heuristics import lm_head as rules
 from ..heuristics.device import selected
@@ -55,7 +55,7 @@ def _sweep(x, weight, bias, t, cw, o, backend, memory, design, wants, g=None, st
     else empty. Backward (``stats`` given, ``g`` the upstream gradient): returns (dx, dw, db)."""
     n, v = x.shape[0], weight.shape[0]
     forward = stats is None
-    wide = torch.float64 if x.dtype == torch.float64 else torch.float32
+    wide = dtypes.wide(x.dtype)
     loss_impl = _loss_impl(x, backend) if n else TorchSteps
     if forward and not (t.is_cuda and loss_impl is TritonSteps):  # (the Triton loss asserts on the device)
         checks.targets(t, v, o.ignore_index, "linear_cross_entropy")  # (before any chunk)
@@ -160,7 +160,7 @@ def _lce_fake(x, weight, target, bias, class_weight, ii, reduction, eps, cap, zl
     n = x.shape[0]
     grads = design == "lce_chunked"
     loss = x.new_empty(target.shape if reduction == "none" else (), dtype=out_dtype)
-    stat = torch.float64 if x.dtype == torch.float64 else torch.float32
+    stat = dtypes.wide(x.dtype)
     dx = x.new_empty(x.shape if grads and want_x else (0,))
     dw = weight.new_empty(weight.shape if grads and want_w else (0,))
     db = weight.new_empty((weight.shape[0],) if grads and want_b and bias is not None else (0,))
