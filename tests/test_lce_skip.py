@@ -290,7 +290,9 @@ def test_the_rule_with_a_skip(shape, sliced):
 def test_skip_gives_way_to_row_chunks_where_host_bound(device, dtype, monkeypatch):
     """The skippable problem at MEMORY with the model's real host costs: its tiles' host time passes row
     chunks', so row chunks run (lce_chunked, nothing skipped) and the loss and gradients are the float64
-    reference's; with the tiles' host cost at 0 the same call skips."""
+    reference's; with the tiles' host cost at 0 the same call skips. (lce_fused's tiles priced as lce_sliced's:
+    its cheaper ones would not be host-bound here.)"""
+    monkeypatch.setattr(rules, "HOST_FUSED_TILE_S", rules.HOST_TILE_S)
     x, w, t, b = _skippable(device, dtype, 60)
     fs_opts = {"backend": "triton", "memory": MEMORY, "skip_eps": 1e-6}
     scale = 10.0 if dtype == torch.float32 else 1.0
@@ -363,8 +365,8 @@ def test_skip_refusals_and_exact_elsewhere(device):
     check(x, w, t, b, fs_opts={"backend": "torch", "skip_eps": 1e-3})
     assert heuristics.last_plan().path == "lce_chunked"
     check(x, w, t, b, fs_opts={"backend": "triton", "skip_eps": 1e-3})  # no budget: MIN_ROWS rows of one slice
-    plan = heuristics.last_plan()
-    assert (plan.path, plan.rows, plan.block_n) == ("lce_sliced", 6, 300), plan
+    plan = heuristics.last_plan()  # (one tile: lce_fused's costs the host less than lce_sliced's, rules.layout)
+    assert (plan.path, plan.rows, plan.block_n) == ("lce_fused", 6, 300), plan
     m = fs.LinearCrossEntropy(8, 300, bias=True, skip_eps=1e-3, backend="triton", memory=1000, device=x.device)
     m.weight.data.copy_(w)
     m.bias.data.copy_(b)

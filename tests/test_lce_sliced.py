@@ -1,7 +1,7 @@
 """fs.linear_cross_entropy's lce_sliced layout (ops/lm_head.py: row groups x vocabulary slices, for small
 memory budgets) against the float64 torch reference (tests/lce_reference.py): every option, reduction and
 dtype with ragged groups and slices and poisoned outputs, the plan recorded; the rule that picks it
-(heuristics/lm_head.sliced) and its budget (slice_plan); one group, one slice; autograd around it."""
+(heuristics/lm_head.layout) and its budget (slice_plan); one group, one slice; autograd around it."""
 
 import math
 
@@ -175,7 +175,6 @@ def test_fused_shape(n, v, cols, sms, elsize):
     unit = -(-max(cols, shape.bn) // shape.bn) * shape.bn  # (whole blocks, whole slices)
     want = -(-rules.FUSED_WAVES * sms // -(-n // shape.bm))  # splits for FUSED_WAVES programs an SM
     assert shape.per == unit or (shape.per - unit) * want < v  # the narrowest whole-unit split within want
-    assert rules.fused(None) is False and rules.fused("lce_sliced") is False and rules.fused("lce_fused") is True
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
@@ -199,6 +198,56 @@ def test_the_rule_picks_slices_unforced(device, backend, monkeypatch):
                 torch.autograd.grad(loss, xg, upstream(loss))
             want = "lce_sliced" if sliced else "lce_recompute" if reduction == "none" else "lce_chunked"
             assert plans and plans[-1].path == want, (memory, reduction, plans)
+
+
+@pytest.mark.parametrize(
+    "n,d,v,memory,want,no_fused,skip",
+    [  # (bench --lce's shapes at its budgets from CCE's peak on the H200, h200_lce.json)
+        (8192, 4096, 128256, 51876431, rules.SLICED, rules.SLICED, rules.SLICED),
+        (16384, 2304, 256000, 60722833, rules.SLICED, rules.SLICED, rules.SLICED),
+        (4096, 8192, 128256, 99174105, rules.ROWS, rules.ROWS, rules.SLICED),
+        (8192, 4096, 151936, 61998535, rules.SLICED, rules.SLICED, rules.SLICED),
+        # (152 host-bound tiles: lce_fused, 13.2 ms on the H100 against 20.5 for row chunks and lce_sliced;
+        # a skip's 200 smaller tiles cost the host more than row chunks' whole time)
+        (8192, 2048, 32000, 7777379, rules.FUSED, rules.ROWS, rules.ROWS),
+        (8192, 2048, 32000, None, rules.ROWS, rules.ROWS, rules.ROWS),  # (no budget: every row's logits fit)
+    ],
+)
+def test_layout_by_the_time_model(n, d, v, memory, want, no_fused, skip):
+    """rules.layout's unforced choice at bench --lce's shapes and budgets (bf16): lce_fused only where the
+    sliced tiles are host-bound, and only where asked (``fusable``: the one-GPU loss; the tensor-parallel
+    head's rules.sliced never); fp32 never (its fused GEMM runs on FMA units); a forced path decides."""
+    assert rules.layout(n, d, v, 2, memory, None, fusable=True) == want
+    assert rules.layout(n, d, v, 2, memory, None) == no_fused
+    assert rules.sliced(n, d, v, 2, memory, None) == (no_fused != rules.ROWS)
+    assert rules.layout(n, d, v, 2, memory, None, skip=True, fusable=True) == skip
+    assert rules.layout(n, d, v, 4, memory, None, fusable=True) != rules.FUSED
+    for forced, path in (("lce_chunked", rules.ROWS), ("lce_recompute", rules.ROWS), ("lce_sliced", rules.SLICED),
+                         ("lce_fused", rules.FUSED)):  # fmt: skip
+        assert rules.layout(n, d, v, 2, memory, forced, fusable=True) == path
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_the_rule_picks_fused_unforced(device, reduction, monkeypatch):
+    """No force, the rule's constants set so that the sliced tiles are host-bound and lce_fused's are not: a
+    budget of a few rows runs lce_fused (the forward's sweep and, for per-row losses, the backward's), exact
+    against float64; the tensor-parallel rule (rules.sliced, no lce_fused) keeps row chunks."""
+    monkeypatch.setattr(rules, "HOST_CHUNK_S", 1.0)
+    monkeypatch.setattr(rules, "HOST_TILE_S", 1.0)
+    monkeypatch.setattr(rules, "HOST_FUSED_TILE_S", 0.0)
+    v, n = 513, 40
+    x, w, t, b = problem(device, torch.bfloat16, (n,), 16, v, seed=33)
+    memory = 5 * v * x.element_size()
+    assert rules.layout(n, 16, v, 2, memory, None, fusable=True) == rules.FUSED
+    assert not rules.sliced(n, 16, v, 2, memory, None)
+    fs_opts = {"backend": "triton", "memory": memory}
+    check(x, w, t, b, reduction=reduction, fs_opts=fs_opts)
+    xg = x.clone().requires_grad_()
+    with heuristics.recording() as plans:
+        loss = fs.linear_cross_entropy(xg, w, t, b, reduction=reduction, **fs_opts)
+        torch.autograd.grad(loss, xg, upstream(loss))
+    lce = [p.path for p in plans if p.path.startswith("lce")]  # (and the loss kernels' own plans)
+    assert lce == ["lce_fused"] * (2 if reduction == "none" else 1), plans
 
 
 @pytest.mark.parametrize(

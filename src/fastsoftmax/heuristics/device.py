@@ -1,6 +1,6 @@
 """The GPU facts the launch rules and table lookups are derived from, read from the device once per device
 (never at import). No launch shape rule holds a GPU model's numbers: each takes them from here. (The LM-head
-loss's time model, heuristics/lm_head.sliced, holds the H200's measured GEMM and HBM rates.)
+loss's time model, heuristics/lm_head.layout, holds the H200's measured GEMM and HBM rates.)
 
 CPU tensors (Triton's interpreter) plan as for INTERPRETER's facts, an H200's (the GPU the tables were
 measured on), so that interpreted tests exercise the shapes that GPU runs.

@@ -10,6 +10,7 @@ from typing import NamedTuple
 DESIGNS = ("lce_chunked", "lce_recompute")  # when the gradients are computed: in the forward, in the backward
 SLICED = "lce_sliced"  # the layout for small budgets: row groups x vocabulary slices (heuristics.force path=)
 FUSED = "lce_fused"  # lce_sliced with its forward in one GEMM launch that keeps no logits (triton/lm_head.py)
+ROWS = "rows"  # layout()'s answer for row chunks (DESIGNS: design() picks which)
 MIN_ROWS = 2048  # fewer rows cost a read and write of dW per chunk more often: 1.12x the GEMMs at 1024 rows,
 # 1.06x at 2048, 1.05x at 4096 (8192 x 4096 x 128256 bf16; bench/results/sweeps/lce_chunk_rows.json)
 
@@ -24,11 +25,17 @@ def design(reduction: str, forced: str | None) -> str:
     return forced if forced in DESIGNS else "lce_chunked"
 
 
-# lce_sliced against row chunks, a time model of each (sliced()), from the H200 (bench/results/h200_lce.json):
+# lce_sliced against row chunks, a time model of each (layout()), from the H200 (bench/results/h200_lce.json):
 GEMM_FLOPS = {2: 6.6e14, 4: 5.0e13}  # cuBLAS's rate by element size (bf16 / fp16; fp32 without TF32)
 DW_BYTES_S = 4.0e12  # HBM bytes a second of a pass that reads and adds into dW
 HOST_CHUNK_S = 2.5e-4  # host time a row chunk takes (a GEMM, 2 loss kernels, 2 GEMMs; 68 chunks: 19.3 ms)
 HOST_TILE_S = 2.0e-4  # and a tile of lce_sliced (2 GEMMs and a kernel, then 3 GEMMs and a kernel)
+HOST_FUSED_TILE_S = 1.0e-4  # and of lce_fused (a Triton GEMM, 2 GEMMs): on the H100 at 8192 x 2048 x 32000, 432
+# rows x 4096 classes, 152 tiles took the host 13.5 ms where 73 row chunks took 15.7 (0.41 of a chunk's time
+# a tile, HOST_CHUNK_S's scale); their GPU time, 12.2 ms from a CUDA graph, is then the call's: 13.2-14.9 ms
+# against 20.5 for row chunks (bench/results/sweeps/h100_lce_fused_rows.json)
+FUSED_GEMM_COST = 2.0  # lce_fused's Triton GEMMs (the forward's, a tile's dlogits) over cuBLAS's time: 1.4-2.2x on
+# the H100 (investigations/h100_lce_fused_gemm.json); it wins only where the sliced tiles are host-bound
 SLICE_COLS = 4096  # a slice's classes where the budget allows: one block of the loss kernels, GEMMs of
 # N x 4096 run at the floor's rate (the dx GEMM's fp32 sums, read and written once a slice, stay hidden)
 ROW_ALIGN = 16  # a group's rows: a multiple of 16 keeps each group's views 16-byte aligned (one compile)
@@ -39,33 +46,49 @@ GATHER_SHARE = 0.5  # a skip's slice whose live rows are at most this share of t
 # (gathered: their x rows in x's dtype and their dx parts in fp32, in the budget); more run the whole tile
 
 
-def sliced(
+def layout(
     n: int, d: int, v: int, elsize: int, memory: int | None, forced: str | None, skip: bool = False,
-    recompute: bool = False,
-) -> bool:  # fmt: skip
-    """Whether the loss's gradients run in row groups x vocabulary slices (lm_head.py's lce_sliced, the
-    tensor-parallel head's backward) rather than row chunks: where a skip is asked for (only slices skip)
-    unless the slices' host time alone passes row chunks' whole time (a small problem at a small budget:
-    however many tiles a skip drops, each costs the host its launches), else for an explicit ``memory`` by
-    time: row chunks do 3 GEMMs (4 where the backward computes the logits again anyway: ``recompute``, as
-    lce_recompute and the tensor-parallel head do) but read and write all of dW once a chunk; slices do 4
-    GEMMs and pass over dW once a group. Each side's time is its GPU work or its host's, the larger (small
-    budgets make many small tiles, and the host cannot keep the GPU busy)."""
+    recompute: bool = False, fusable: bool = False,
+) -> str:  # fmt: skip
+    """How the loss's gradients run: ROWS (row chunks, every class), SLICED (row groups x vocabulary slices:
+    lm_head.py's lce_sliced, the tensor-parallel head's backward) or FUSED (the same tiles, lce_fused: its
+    forward one GEMM launch with the loss in its epilogue, a tile's dlogits straight from one GEMM; where
+    ``fusable``, the one-GPU loss). A forced path decides. Else row chunks where the budget holds every
+    row's logits (no skip asked), and otherwise the fastest by a time model: row chunks do 3 GEMMs (4 where
+    the backward computes the logits again anyway: ``recompute``, as lce_recompute and the tensor-parallel
+    head do) but read and write all of dW once a chunk; tiles do 4 GEMMs and pass over dW once a group;
+    lce_fused's two Triton GEMMs take FUSED_GEMM_COST times cuBLAS's, but a tile costs the host
+    HOST_FUSED_TILE_S, not HOST_TILE_S. Each one's time is its GPU work or its host's, the larger (small
+    budgets make many small tiles, and the host cannot keep the GPU busy). With a ``skip`` (only tiles
+    skip), the data decides how much GPU work it saves, not the host's time a tile: tiles run unless that
+    alone passes row chunks' whole time (a small problem at a small budget)."""
     if forced is not None and forced in DESIGNS + (SLICED, FUSED):
-        return forced in (SLICED, FUSED)
+        return forced if forced in (SLICED, FUSED) else ROWS
     rows = memory // max(v * elsize, 1) if memory else n
     if rows >= n and not skip:
-        return False
+        return ROWS
     gemm = 2 * n * d * v / GEMM_FLOPS.get(elsize, GEMM_FLOPS[4])
     dw_pass = 2 * v * d * elsize / DW_BYTES_S
     chunks = -(-n // max(rows, 1))
     group, cols = slice_plan(n, d, v, elsize, memory, skip)
     groups, tiles = -(-n // group), -(-n // group) * -(-v // cols)
     t_rows = max((4 if recompute else 3) * gemm + (chunks - 1) * dw_pass, chunks * HOST_CHUNK_S)
-    if skip:  # the data decides how much GPU work a skip saves, but not the host's time a tile: where that
-        return tiles * HOST_TILE_S < t_rows  # alone passes row chunks' whole time, row chunks run (exact)
-    t_sliced = max(4 * gemm + (groups - 1) * dw_pass, tiles * HOST_TILE_S)
-    return t_sliced < t_rows
+    passes = (groups - 1) * dw_pass
+    t_sliced = max(4 * gemm + passes, tiles * HOST_TILE_S)
+    t_fused = max((2 + 2 * FUSED_GEMM_COST) * gemm + passes, tiles * HOST_FUSED_TILE_S) if fusable else t_sliced
+    best, host = (FUSED, HOST_FUSED_TILE_S) if t_fused < t_sliced else (SLICED, HOST_TILE_S)
+    if skip:
+        return best if tiles * host < t_rows else ROWS
+    return best if min(t_sliced, t_fused) < t_rows else ROWS
+
+
+def sliced(
+    n: int, d: int, v: int, elsize: int, memory: int | None, forced: str | None, skip: bool = False,
+    recompute: bool = False,
+) -> bool:  # fmt: skip
+    """Whether the gradients run in row groups x vocabulary slices (lce_sliced; layout() without lce_fused):
+    the tensor-parallel head's backward."""
+    return layout(n, d, v, elsize, memory, forced, skip, recompute) != ROWS
 
 
 def slice_plan(n: int, d: int, v: int, elsize: int, memory: int | None, skip: bool = False) -> tuple[int, int]:
@@ -111,15 +134,6 @@ def widen(m: int, counts: list, union: int, widths: list, d: int, elsize: int, r
     per_slice = sum((c if c <= m * GATHER_SHARE else m) * w for c, w in zip(counts, widths, strict=True))
     extra = (union * width - per_slice) * 6 * d / GEMM_FLOPS.get(elsize, GEMM_FLOPS[4])
     return extra < (tiles - 1) * HOST_TILE_S
-
-
-def fused(forced: str | None) -> bool:
-    """Whether lce_sliced runs as lce_fused (its forward one GEMM launch over every row and class, the loss in
-    the GEMM's epilogue, and each tile's dlogits straight from a GEMM: no logits in memory, half the
-    launches) rather than cuBLAS GEMMs and loss kernels a tile: where forced only. Its Triton GEMM took
-    1.4-2.2x cuBLAS's time on an H100 (bench/results/investigations/h100_lce_fused_gemm.json), more than the
-    logits passes it saves."""
-    return forced == FUSED
 
 
 class FusedShape(NamedTuple):

@@ -10,12 +10,16 @@ Traffic and work, N tokens, d features, V classes, chunks of R rows (the buffer:
   lce_recompute  forward: per chunk x_c @ W^T and ce_fwd (loss and logsumexp per row, kept); backward: per
                  chunk the logits again, then as above with the upstream gradient of each row: 4 GEMMs. For
                  reduction='none' (the upstream gradient differs per row and is known only then).
-  lce_sliced     (the Triton loss, where heuristics/lm_head.sliced's time model prefers it for a small
+  lce_sliced     (the Triton loss, where heuristics/lm_head.layout's time model prefers it for a small
                  ``memory=``, or for a skip_eps unless its tiles' host time alone passes row chunks' time)
                  groups of rows, each swept over slices of the
                  classes: the loss (x_g @ W_s^T, ce_fwd on the slice) then, where gradients are computed, the
                  logits again, ce_bwd in place, dW_s (+)= dl^T @ x_g once a group, dx_g += dl @ W_s in fp32
                  sums (cuBLAS out_dtype), rounded once a group: 4 GEMMs, dW passed once a group.
+  lce_fused      the same tiles with no logits in memory (triton/lm_head.py): the loss in one GEMM launch
+                 over every row and class, a tile's dlogits straight from one GEMM; fewer launches a tile,
+                 slower GEMMs: where the model finds lce_sliced's tiles host-bound (a small problem at a
+                 small budget).
 Without gradients (no_grad, nothing requires grad) each is the forward alone: 1 GEMM and a loss kernel a
 chunk or slice. Peak memory above the inputs: the chunk buffer (``memory=`` bytes, else
 heuristics/lm_head.chunk_rows; lce_sliced: a slice of a group's logits and its fp32 dx sums, within
@@ -63,9 +67,8 @@ def _sweep(x, weight, bias, t, cw, o, backend, memory, design, wants, g=None, st
     forced = (heuristics.forced() or {}).get("path")
     skip = skip if k.name == "triton" and stats is None and design == "lce_chunked" and any(wants) else 0.0
     recompute = design == "lce_recompute"
-    sliced = k.name == "triton" and rules.sliced(
-        n, x.shape[1], v, x.element_size(), memory, forced, skip > 0, recompute
-    )
+    lay = rules.layout(n, x.shape[1], v, x.element_size(), memory, forced, skip > 0, recompute, fusable=True)
+    sliced = k.name == "triton" and lay != rules.ROWS
     skip = skip if sliced else 0.0  # (a forced row-chunk design: no skip)
     if skip and x.is_cuda and torch.cuda.is_current_stream_capturing():
         raise RuntimeError("linear_cross_entropy: skip_eps synchronises with the host: not in a CUDA graph")
@@ -85,7 +88,7 @@ def _sweep(x, weight, bias, t, cw, o, backend, memory, design, wants, g=None, st
     dw = torch.zeros_like(weight) if grads and wants[1] and n == 0 else None
     db = torch.zeros(v, dtype=wide, device=x.device) if grads and wants[2] else None
     sweep = (x, weight, bias, k, stats, rows_loss, rows_z, g, forward, grads, wants, dx, dw, db, memory)
-    dw = sliced_sweep(*sweep, skip) if sliced else _row_chunks(*sweep, design)
+    dw = sliced_sweep(*sweep, skip, lay == rules.FUSED) if sliced else _row_chunks(*sweep, design)
     dw = dw if dw is not None else weight.new_empty(0)
     db = db.to(weight.dtype) if db is not None else weight.new_empty(0)
     if not forward:

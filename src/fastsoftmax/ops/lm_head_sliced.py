@@ -1,4 +1,4 @@
-"""fs.linear_cross_entropy's lce_sliced layout (ops/lm_head.py runs it where heuristics/lm_head.sliced picks it):
+"""fs.linear_cross_entropy's lce_sliced layout (ops/lm_head.py runs it where heuristics/lm_head.layout picks it):
 groups of rows, each swept over slices of the classes, and skip_eps's choice of the (row, slice) pairs whose
 gradient is computed."""
 
@@ -13,18 +13,19 @@ from ..heuristics import lm_head as rules
 from ..kernels.torch_loss import chunk_logits, tile_grads
 
 
-def sliced_sweep(x, weight, bias, k, stats, rows_loss, rows_z, g, forward, grads, wants, dx, dw, db, memory, skip):
+def sliced_sweep(x, weight, bias, k, stats, rows_loss, rows_z, g, forward, grads, wants, dx, dw, db, memory, skip,
+                 fused):  # fmt: skip
     """lce_sliced: groups of rows, each swept over slices of the classes (rules.slice_plan), once for the
     loss (forward) and once for the gradients (where wanted). A slice's dW rows are written by the first
     group's GEMM and added to by the others' (one rounding a group, not a chunk); a group's dx is summed over
     the slices in fp32, then rounded once. With ``skip`` (> 0; a scalar loss's forward), a slice's gradient
     GEMMs run on the group's live rows there alone (_live_rows: a probability there reaches skip, or the
     target is there), gathered where they are at most rules.GATHER_SHARE of the group, the group's tile where
-    more, none where none. Returns dW (None: not wanted)."""
+    more, none where none. ``fused``: lce_fused's kernels make the logits (rules.layout decides, alike for
+    the forward's and the backward's sweep). Returns dW (None: not wanted)."""
     n, d = x.shape
     v = weight.shape[0]
     rows, cols = rules.slice_plan(n, d, v, x.element_size(), memory, skip > 0)
-    fused = rules.fused((heuristics.forced() or {}).get("path"))  # (both sweeps: the logits made alike)
     loss_step, grads_step = k.slices(cols, x.element_size())
     buf = torch.empty(rows * cols, dtype=x.dtype, device=x.device) if grads or not fused else None
     run = torch.empty(3 * rows, dtype=stats.dtype, device=x.device) if forward and not fused else None
