@@ -350,6 +350,31 @@ def test_skip_reads_narrow_targets_widened(free_tiles, device):
         torch.testing.assert_close(skipped, exact, rtol=1e-5, atol=1e-6, msg=name)
 
 
+def test_a_skip_that_gives_way_runs_the_exact_layout_the_model_picks(device, monkeypatch):
+    """A skip whose tiles cost the host more than row chunks (its plan: 20 tiles of 11 rows) runs exactly as
+    the call without it would: here lce_fused's 15 tiles of 16 rows, cheaper than the 8 row chunks, nothing
+    skipped, the same numbers as skip_eps=0 and the float64 reference's (before, row chunks ran: 1.4x
+    lce_fused's time at 8192 x 2048 x 32000 on an H100, sweeps/h100_lce_fused_rows.json)."""
+    monkeypatch.setattr(rules, "HOST_CHUNK_S", 1.0)
+    monkeypatch.setattr(rules, "HOST_TILE_S", 100.0)
+    monkeypatch.setattr(rules, "HOST_FUSED_TILE_S", 0.45)
+    n, d, v, memory = 40, 16, 513, 5130
+    assert rules.layout(n, d, v, 2, memory, None, skip=True, fusable=True) == rules.ROWS
+    assert rules.layout(n, d, v, 2, memory, None, fusable=True) == rules.FUSED
+    x, w, t, b = problem(device, torch.bfloat16, (n,), d, v, seed=53)
+    fs_opts = {"backend": "triton", "memory": memory, "skip_eps": 1e-3}
+    check(x, w, t, b, fs_opts=fs_opts)
+    got = []
+    for eps in (1e-3, 0.0):
+        xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+        loss = fs.linear_cross_entropy(xg, wg, t, b, backend="triton", memory=memory, skip_eps=eps)
+        got.append((loss, *torch.autograd.grad(loss, (xg, wg))))
+        plan = heuristics.last_plan()
+        assert (plan.path, plan.rows, plan.skipped) == ("lce_fused", 16, 0), plan
+    for a, e in zip(*got, strict=True):
+        assert torch.equal(a, e)
+
+
 def test_skip_refusals_and_exact_elsewhere(device):
     """skip_eps outside [0, 1), with label smoothing or reduction='none': a clear error before any launch;
     on the torch loss (no slices) the call is exact and records row chunks."""

@@ -61,7 +61,8 @@ def layout(
     HOST_FUSED_TILE_S, not HOST_TILE_S. Each one's time is its GPU work or its host's, the larger (small
     budgets make many small tiles, and the host cannot keep the GPU busy). With a ``skip`` (only tiles
     skip), the data decides how much GPU work it saves, not the host's time a tile: tiles run unless that
-    alone passes row chunks' whole time (a small problem at a small budget)."""
+    alone passes row chunks' whole time (a small problem at a small budget: ROWS, and ops/lm_head.py then
+    runs the call exactly, in the layout picked without the skip)."""
     if forced is not None and forced in DESIGNS + (SLICED, FUSED):
         return forced if forced in (SLICED, FUSED) else ROWS
     rows = memory // max(v * elsize, 1) if memory else n

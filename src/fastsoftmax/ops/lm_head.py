@@ -68,6 +68,8 @@ def _sweep(x, weight, bias, t, cw, o, backend, memory, design, wants, g=None, st
     skip = skip if k.name == "triton" and stats is None and design == "lce_chunked" and any(wants) else 0.0
     recompute = design == "lce_recompute"
     lay = rules.layout(n, x.shape[1], v, x.element_size(), memory, forced, skip > 0, recompute, fusable=True)
+    if skip and lay == rules.ROWS:  # (the skip's tiles cost the host more than row chunks: exact, as without it)
+        skip, lay = 0.0, rules.layout(n, x.shape[1], v, x.element_size(), memory, forced, False, recompute, True)
     sliced = k.name == "triton" and lay != rules.ROWS
     skip = skip if sliced else 0.0  # (a forced row-chunk design: no skip)
     if skip and x.is_cuda and torch.cuda.is_current_stream_capturing():
