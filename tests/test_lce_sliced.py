@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from lce_reference import check, class_weights, problem, upstream
+from lce_reference import assert_near, check, class_weights, lowp, problem, torch_lce, upstream
 
 import fastsoftmax as fs
 from fastsoftmax import heuristics
@@ -216,7 +216,8 @@ def test_the_rule_picks_slices_unforced(device, backend, monkeypatch):
 def test_layout_by_the_time_model(n, d, v, memory, want, no_fused, skip):
     """rules.layout's unforced choice at bench --lce's shapes and budgets (bf16): lce_fused only where the
     sliced tiles are host-bound, and only where asked (``fusable``: the one-GPU loss; the tensor-parallel
-    head's rules.sliced never); fp32 never (its fused GEMM runs on FMA units); a forced path decides."""
+    head's rules.sliced never); fp32 not at these shapes (its fused GEMM runs on FMA units); a forced path
+    decides."""
     assert rules.layout(n, d, v, 2, memory, None, fusable=True) == want
     assert rules.layout(n, d, v, 2, memory, None) == no_fused
     assert rules.sliced(n, d, v, 2, memory, None) == (no_fused != rules.ROWS)
@@ -248,6 +249,73 @@ def test_the_rule_picks_fused_unforced(device, reduction, monkeypatch):
         torch.autograd.grad(loss, xg, upstream(loss))
     lce = [p.path for p in plans if p.path.startswith("lce")]  # (and the loss kernels' own plans)
     assert lce == ["lce_fused"] * (2 if reduction == "none" else 1), plans
+
+
+def _grads_vs_reference(x, w, t, b, reduction, grads):
+    """dx and dW (``grads``) against the float64 reference, with torch's own low-precision error as slack."""
+    refs = []
+    for dtype in (torch.float64, x.dtype):
+        xx, ww = x.to(dtype).requires_grad_(), w.to(dtype).requires_grad_()
+        loss, _ = torch_lce(xx, ww, t, b.to(dtype) if dtype == torch.float64 else b, lowp(dtype), reduction=reduction)
+        refs.append(torch.autograd.grad(loss, (xx, ww), upstream(loss)))
+    for name, got, ref, base in zip(("dx", "dW"), grads, *refs, strict=True):
+        assert_near(got, ref, base, name)
+
+
+@pytest.mark.parametrize(
+    "forward_force,backward_force,paths",
+    [  # (where the forward made its logits with lce_fused's kernels, the backward does too, and never otherwise)
+        (None, None, ["lce_fused", "lce_fused"]),
+        ("lce_sliced", None, ["lce_sliced", "lce_recompute"]),
+        (None, "lce_recompute", ["lce_fused", "lce_fused"]),
+        ("lce_recompute", "lce_fused", ["lce_recompute", "lce_sliced"]),
+    ],
+)
+def test_the_backward_makes_its_logits_as_the_forward_did(device, forward_force, backward_force, paths, monkeypatch):
+    """reduction='none' (lce_recompute: the backward makes the logits again) with a force around the forward
+    or the backward alone, the rule's constants set so that lce_fused wins unforced: the backward runs
+    lce_fused exactly where the forward did (its probabilities must match the forward's logsumexp: mixing
+    lce_fused's logits with cuBLAS's erred 4x past the bound), against float64. Before the fix a forward
+    forced to lce_sliced had its backward take lce_fused by the rule (dx 0.405 against a bound of 0.0989)."""
+    monkeypatch.setattr(rules, "HOST_CHUNK_S", 1.0)
+    monkeypatch.setattr(rules, "HOST_TILE_S", 1.0)
+    monkeypatch.setattr(rules, "HOST_FUSED_TILE_S", 0.0)
+    n, d, v = 40, 64, 513
+    x, w, t, b = problem(device, torch.bfloat16, (n,), d, v, seed=33)
+    xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+    memory = 5 * v * x.element_size()
+    with heuristics.recording() as plans:
+        with heuristics.force(**({"path": forward_force} if forward_force else {})):
+            loss = fs.linear_cross_entropy(xg, wg, t, b, reduction="none", backend="triton", memory=memory)
+        with heuristics.force(**({"path": backward_force} if backward_force else {})):
+            grads = torch.autograd.grad(loss, (xg, wg), upstream(loss))
+    assert [p.path for p in plans if p.path.startswith("lce")] == paths, plans
+    _grads_vs_reference(x, w, t, b, "none", grads)
+
+
+def test_a_retained_graph_recomputes_as_the_forward_made_its_logits(device, monkeypatch):
+    """A scalar loss's second backward through a retained graph makes the logits again (lce_recompute's
+    backward): where the forward (lce_chunked, 3 GEMMs) ran row chunks but the rule would take lce_fused for
+    a recompute (4 GEMMs), it runs cuBLAS's logits as the forward did, not lce_fused's (before the fix:
+    dx 0.0119 against a bound of 0.0041); both backwards against float64."""
+    monkeypatch.setattr(rules, "GEMM_FLOPS", {2: 1e3, 4: 1e3})  # (GPU-bound: 3 GEMMs < lce_fused's 3.2 < 4)
+    monkeypatch.setattr(rules, "DW_BYTES_S", 1e30)
+    monkeypatch.setattr(rules, "FUSED_GEMM_COST", 0.6)
+    for name in ("HOST_CHUNK_S", "HOST_TILE_S", "HOST_FUSED_TILE_S"):
+        monkeypatch.setattr(rules, name, 0.0)
+    n, d, v = 40, 64, 513
+    memory = 5 * v * 2
+    assert rules.layout(n, d, v, 2, memory, None, fusable=True) == rules.ROWS
+    assert rules.layout(n, d, v, 2, memory, None, recompute=True, fusable=True) == rules.FUSED
+    x, w, t, b = problem(device, torch.bfloat16, (n,), d, v, seed=33)
+    xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+    with heuristics.recording() as plans:
+        loss = fs.linear_cross_entropy(xg, wg, t, b, backend="triton", memory=memory)
+        first = torch.autograd.grad(loss, (xg, wg), upstream(loss), retain_graph=True)
+        second = torch.autograd.grad(loss, (xg, wg), upstream(loss))
+    assert [p.path for p in plans if p.path.startswith("lce")] == ["lce_chunked", "lce_recompute"], plans
+    for grads in (first, second):
+        _grads_vs_reference(x, w, t, b, "mean", grads)
 
 
 @pytest.mark.parametrize(

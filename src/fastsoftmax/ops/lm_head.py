@@ -53,10 +53,29 @@ def _loss_impl(x, backend: str):
     return TritonSteps if dispatch.select_loss(backend, x)[0].name == "triton" else TorchSteps
 
 
-def _sweep(x, weight, bias, t, cw, o, backend, memory, design, wants, g=None, stats=None, out_dtype=None, skip=0.0):
+def _layout(x, v: int, memory, design: str, skip: float, grads: bool, backend: str, forced) -> tuple[str, float]:
+    """(layout, skip) of the forward's sweep over x's rows against v classes (rules.layout; the torch loss:
+    row chunks): a skip where the design computes gradients in the forward and tiles run, else 0; a skip
+    whose tiles cost the host more than row chunks gives way to the layout picked without it. The backward
+    asks again with the forward's arguments and force (_lce_grad): its logits must be made as the forward's
+    were, by lce_fused's kernels or by cuBLAS."""
+    n, d = x.shape
+    if not n or _loss_impl(x, backend) is not TritonSteps:
+        return rules.ROWS, 0.0
+    skip = skip if design == "lce_chunked" and grads else 0.0
+    recompute = design == "lce_recompute"
+    lay = rules.layout(n, d, v, x.element_size(), memory, forced, skip > 0, recompute, fusable=True)
+    if skip and lay == rules.ROWS:  # (the skip's tiles cost the host more than row chunks: exact, as without it)
+        skip, lay = 0.0, rules.layout(n, d, v, x.element_size(), memory, forced, False, recompute, fusable=True)
+    return lay, (skip if lay != rules.ROWS else 0.0)
+
+
+def _sweep(x, weight, bias, t, cw, o, backend, memory, design, wants, g=None, stats=None, out_dtype=None, skip=0.0,
+           fused=False):  # fmt: skip
     """One pass over the chunks. Forward (``stats`` None): returns (loss, z-loss, stats, dx, dw, db), the
     gradients for ``wants`` (x, weight, bias) for a unit upstream gradient when the design is lce_chunked,
-    else empty. Backward (``stats`` given, ``g`` the upstream gradient): returns (dx, dw, db)."""
+    else empty. Backward (``stats`` given, ``g`` the upstream gradient): returns (dx, dw, db); ``fused``: the
+    forward ran lce_fused (its logits are made alike here), else the backward never does."""
     n, v = x.shape[0], weight.shape[0]
     forward = stats is None
     wide = dtypes.wide(x.dtype)
@@ -65,13 +84,12 @@ def _sweep(x, weight, bias, t, cw, o, backend, memory, design, wants, g=None, st
         checks.targets(t, v, o.ignore_index, "linear_cross_entropy")  # (before any chunk)
     k = loss_impl(x, t, cw, o, v)
     forced = (heuristics.forced() or {}).get("path")
-    skip = skip if k.name == "triton" and stats is None and design == "lce_chunked" and any(wants) else 0.0
-    recompute = design == "lce_recompute"
-    lay = rules.layout(n, x.shape[1], v, x.element_size(), memory, forced, skip > 0, recompute, fusable=True)
-    if skip and lay == rules.ROWS:  # (the skip's tiles cost the host more than row chunks: exact, as without it)
-        skip, lay = 0.0, rules.layout(n, x.shape[1], v, x.element_size(), memory, forced, False, recompute, True)
+    if forward:
+        lay, skip = _layout(x, v, memory, design, skip, any(wants), backend, forced)
+    else:  # (lce_recompute's backward: lce_fused where the forward ran it, never otherwise)
+        lay = rules.layout(n, x.shape[1], v, x.element_size(), memory, forced, recompute=True)
+        lay = rules.FUSED if fused else rules.SLICED if lay == rules.FUSED else lay
     sliced = k.name == "triton" and lay != rules.ROWS
-    skip = skip if sliced else 0.0  # (a forced row-chunk design: no skip)
     if skip and x.is_cuda and torch.cuda.is_current_stream_capturing():
         raise RuntimeError("linear_cross_entropy: skip_eps synchronises with the host: not in a CUDA graph")
     if forward:
@@ -175,6 +193,7 @@ def _lce_fake(x, weight, target, bias, class_weight, ii, reduction, eps, cap, zl
 def _lce_setup(ctx, inputs, output):
     x, weight, target, bias, class_weight, *opts = inputs
     ctx.opts = tuple(opts)
+    ctx.forced = (heuristics.forced() or {}).get("path")  # (the forward's: its layout, asked again by _lce_grad)
     ctx.mark_non_differentiable(*output[1:])
     ctx.set_materialize_grads(False)  # (else autograd makes zeros shaped like dx and dW for the backward)
     ctx.save_for_backward(x, weight, target, bias, class_weight, *output[2:])
@@ -182,7 +201,7 @@ def _lce_setup(ctx, inputs, output):
 
 def _lce_grad(ctx, grad_loss, *_):
     x, weight, target, bias, class_weight, stats, dx, dw, db = ctx.saved_tensors
-    ii, reduction, eps, cap, zl, memory, backend, design, *_ = ctx.opts
+    ii, reduction, eps, cap, zl, memory, backend, design, skip_eps, want_x, want_w, want_b, _ = ctx.opts
     need = ctx.needs_input_grad
     if grad_loss is None:
         return (None,) * 18
@@ -195,7 +214,10 @@ def _lce_grad(ctx, grad_loss, *_):
         return (gx if need[0] else None), (gw if need[1] else None), None, (gb if need[3] else None), *([None] * 14)
     wants = (need[0], need[1], need[3] and bias is not None)  # lce_recompute, or lce_chunked's second backward
     # (or one its forward did not make: a captured graph's, made without gradients)
+    grads = want_x or want_w or (want_b and bias is not None)  # (the forward's: its skip, so its layout)
+    fused = _layout(x, weight.shape[0], memory, design, skip_eps, grads, backend, ctx.forced)[0] == rules.FUSED
     args = (x, weight, target, bias, class_weight, stats, grad_loss, ii, reduction, eps, cap, zl, memory, backend)
+    args += (fused,)
     route = compose.route(x, weight, grad_loss)
     gx, gw, gb = _lce_backward(*args, *wants) if route == "plain" else LCE_BACKWARD.call(route, *args, *wants)
     return (gx if need[0] else None), (gw if need[1] else None), None, (gb if wants[2] else None), *([None] * 14)
@@ -299,12 +321,13 @@ def _lce_backward(
     z_loss: float,
     memory: int,
     backend: str,
+    fused: bool,
     want_x: bool,
     want_w: bool,
     want_b: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """lce_recompute's backward: (dx, dw, db) for ``grad``, the loss's upstream gradient (empty where not
-    wanted)."""
+    wanted); ``fused``: the forward ran lce_fused (the logits made again as it made them)."""
     o = options.Loss(ignore_index, reduction, label_smoothing, softcap, z_loss)
     wide = stats.dtype
     grad = values(grad)
@@ -312,7 +335,7 @@ def _lce_backward(
     cw = values(class_weight).contiguous() if class_weight is not None else None
     with selected(x):
         return _sweep(x, weight, bias, values(target), cw, o, backend, memory, "lce_recompute",
-                      (want_x, want_w, want_b and bias is not None), g, values(stats))  # fmt: skip
+                      (want_x, want_w, want_b and bias is not None), g, values(stats), fused=fused)  # fmt: skip
 
 
 def _lce_backward_fake(x, weight, target, bias, class_weight, stats, grad, *rest):

@@ -21,8 +21,8 @@ def sliced_sweep(x, weight, bias, k, stats, rows_loss, rows_z, g, forward, grads
     the slices in fp32, then rounded once. With ``skip`` (> 0; a scalar loss's forward), a slice's gradient
     GEMMs run on the group's live rows there alone (_live_rows: a probability there reaches skip, or the
     target is there), gathered where they are at most rules.GATHER_SHARE of the group, the group's tile where
-    more, none where none. ``fused``: lce_fused's kernels make the logits (rules.layout decides, alike for
-    the forward's and the backward's sweep). Returns dW (None: not wanted)."""
+    more, none where none. ``fused``: lce_fused's kernels make the logits (the forward's choice,
+    rules.layout's, which the backward's sweep follows: ops/lm_head._layout). Returns dW (None: not wanted)."""
     n, d = x.shape
     v = weight.shape[0]
     rows, cols = rules.slice_plan(n, d, v, x.element_size(), memory, skip > 0)
