@@ -63,7 +63,10 @@ def force(*, poison: bool = False, **overrides):
     """Within the block, every launch (on any thread: autograd's too) uses ``overrides`` (Triton: path=,
     block_n=, rows=, num_warps=, splits=; CUDA: path= a variant, min_ctas= CTAs per SM its registers must
     allow, k_max= vectors per thread, group_max= threads per row in a CTA) and, with ``poison``,
-    outputs are filled with NaN before the kernel writes them."""
+    outputs are filled with NaN before the kernel writes them. One exception: an LM-head loss's backward
+    that makes the logits again runs lce_fused exactly where its forward did, whatever ``path`` says (its
+    probabilities must match the forward's logsumexp). A forward run again under another force than it
+    first ran under (a non-reentrant checkpoint's, a graph traced once by aot_function) is not supported."""
     bad = set(overrides) - {"path", "block_n", "rows", "num_warps", "splits", "min_ctas", "k_max", "group_max"}
     if bad:
         raise TypeError(f"force() got unknown overrides {sorted(bad)}")
