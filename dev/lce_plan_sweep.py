@@ -98,9 +98,6 @@ def run_shape(n: int, d: int, v: int, fused_rows: bool = False) -> list[dict]:
     records = [{"N": n, "d": d, "V": v, "variant": "floor", "ms": round(floor_ms(x.detach(), w.detach()), 3)}]
     torch.cuda.empty_cache()
 
-    def step(path, plan):
-        return planned(x, w, t, budget, path, plan)
-
     if fused_rows:
         runs = [(None, None), *fused_candidates(n, d, v, budget)]
     else:
@@ -111,7 +108,7 @@ def run_shape(n: int, d: int, v: int, fused_rows: bool = False) -> list[dict]:
         if plan:
             rec["rows"], rec["cols"] = plan
         try:
-            fn = step(path, plan)
+            fn = planned(x, w, t, budget, path, plan)
             if fused_rows:
                 rec["ms"] = [round(events_ms(fn), 3) for _ in range(ROUNDS)]
                 rec["host_ms"] = round(host_ms(fn), 3)

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from lce_reference import assert_near, check, class_weights, lowp, problem, torch_lce, upstream
+from lce_reference import assert_near, b_double, check, class_weights, lowp, problem, run, torch_lce, upstream
 
 import fastsoftmax as fs
 from fastsoftmax import heuristics
@@ -253,13 +253,11 @@ def test_the_rule_picks_fused_unforced(device, reduction, monkeypatch):
 
 def _grads_vs_reference(x, w, t, b, reduction, grads):
     """dx and dW (``grads``) against the float64 reference, with torch's own low-precision error as slack."""
-    refs = []
-    for dtype in (torch.float64, x.dtype):
-        xx, ww = x.to(dtype).requires_grad_(), w.to(dtype).requires_grad_()
-        loss, _ = torch_lce(xx, ww, t, b.to(dtype) if dtype == torch.float64 else b, lowp(dtype), reduction=reduction)
-        refs.append(torch.autograd.grad(loss, (xx, ww), upstream(loss)))
-    for name, got, ref, base in zip(("dx", "dW"), grads, *refs, strict=True):
-        assert_near(got, ref, base, name)
+    ref = run(lambda a, c, e: torch_lce(a, c, t, e, torch.float64, reduction=reduction), x.double(), w.double(),
+              b_double(b), ("x", "w"))[2]  # fmt: skip
+    base = run(lambda a, c, e: torch_lce(a, c, t, e, lowp(x.dtype), reduction=reduction), x, w, b, ("x", "w"))[2]
+    for name, got in zip(("x", "w"), grads, strict=True):
+        assert_near(got, ref[name], base[name], f"d{name}")
 
 
 @pytest.mark.parametrize(
