@@ -272,21 +272,29 @@ def kernel_plan(kernel, ck) -> KernelPlan:
 _I32, _I64 = 2**31, 2**63
 
 
-def _spec(v):
-    """What Triton may specialise a kernel on for argument value v, and more: a tensor's dtype and 16-byte
-    alignment; an int's == 1, divisibility by 16 and 32/64-bit range; a float's type (Triton specialises
-    none); anything else (bool, None, a constexpr value) exactly."""
-    t = type(v)
-    if t is int:
-        return (v == 1, v % 16 == 0, -_I32 <= v < _I32, v < _I64)
-    if t is float:
-        return float
-    if isinstance(v, torch.Tensor):
-        return (v.dtype, v.data_ptr() % 16 == 0)
-    return (t, v)
+def specs(kernel, device: int, args: tuple, kwargs: dict) -> tuple:
+    """The key compiled() looks a kernel up under: the kernel, the device, the keyword arguments (constexprs
+    and options) and what Triton may specialise on for each argument value, and more: a tensor's dtype and
+    16-byte alignment; an int's == 1, divisibility by 16 and 32/64-bit range; a float's type (Triton
+    specialises none); anything else (bool, None, a constexpr value) exactly. One loop, no frame an argument:
+    every launch off the replay makes it."""
+    key = [kernel, device]
+    for k, v in kwargs.items():
+        key.append((k, (v.dtype, v.data_ptr() % 16 == 0) if isinstance(v, torch.Tensor) else v))
+    for v in args:
+        t = type(v)
+        if t is int:
+            key.append((v == 1, v % 16 == 0, -_I32 <= v < _I32, v < _I64))
+        elif t is float:
+            key.append(float)
+        elif isinstance(v, torch.Tensor):
+            key.append((v.dtype, v.data_ptr() % 16 == 0))
+        else:
+            key.append((t, v))
+    return tuple(key)
 
 
-_compiled: dict = {}  # (kernel, device, constexprs and options, _spec of each argument) -> CompiledKernel
+_compiled: dict = {}  # specs() -> CompiledKernel
 MAX_COMPILED = 4096
 
 
@@ -294,8 +302,7 @@ def compiled(kernel, grid: tuple, args: tuple, kwargs: dict, device: int):
     """The CompiledKernel Triton would launch for these arguments, without Triton's argument binding (about
     20 us a call on Triton 3.6): looked up under a key at least as fine as Triton's specialisation, and
     asked of Triton (kernel.run(warmup=True): compiled if need be) the first time."""
-    key = (kernel, device, *[(k, _spec(v) if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items()])
-    key += tuple(_spec(a) for a in args)
+    key = specs(kernel, device, args, kwargs)
     ck = _compiled.get(key)
     if ck is None:
         ck = kernel.run(*args, grid=grid, warmup=True, **kwargs)
