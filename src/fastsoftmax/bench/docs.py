@@ -341,8 +341,9 @@ FIGURES = ("value", "range", "geomean", "count", "ratio", "quote")
 
 
 def render(name: str, results: Path) -> str:
-    """The text of the region called `name` (its marker's words)."""
-    kind, _, args = name.strip().partition(" ")
+    """The text of the region called `name` (its marker's words; `\\|` stands for `|`, as a marker in a table
+    cell must write it: GitHub's tables split a row at every bare `|`, inside a comment too)."""
+    kind, _, args = name.replace("\\|", "|").strip().partition(" ")
     try:
         if kind in FIGURES:
             return figure(kind, results, args)
