@@ -1,7 +1,7 @@
-"""The docs are data (STYLE.md, "Docs from data"): every generated region of README.md and docs/*.md is what
-fastsoftmax.bench.docs renders from the committed result files, every ```python block of the README runs as
-written on the CPU (a block whose first line is `# needs a CUDA GPU` is compiled only), and the command's help
-names nothing outside the repository."""
+"""The docs are data (STYLE.md, "Docs from data"): every generated region of the files docs.DOCS names (README.md,
+docs/*.md, bench/results/README.md) is what fastsoftmax.bench.docs renders from the committed result files, every
+```python block of the README runs as written on the CPU (a block whose first line is `# needs a CUDA GPU` is
+compiled only), and the command's help names nothing outside the repository."""
 
 import contextlib
 import io
@@ -33,7 +33,7 @@ def test_generated_regions_match_the_result_files():
         stale += changed
     fix = "regions that differ from the result files (`python -m fastsoftmax.bench.docs` rewrites them):\n"
     assert not stale, fix + "\n".join(stale)
-    for name in ("README.md", "docs/performance.md", "docs/investigations.md"):
+    for name in ("README.md", "docs/performance.md", "docs/investigations.md", "bench/results/README.md"):
         assert docs.REGION.search((ROOT / name).read_text()), f"{name} has no generated region"
 
 

@@ -1,4 +1,4 @@
-"""Docs from data: every figure README.md and docs/*.md quote, rendered from the committed result files.
+"""Docs from data: every figure the markdown files of DOCS quote, rendered from the committed result files.
 
 A markdown file holds generated regions, a table or a figure inside a sentence:
 
@@ -40,7 +40,7 @@ from .peers import SAME_BYTES
 from .report import best_gbps, geomean
 
 REGION = re.compile(r"<!-- generated: (?P<name>.+?) -->(?P<text>.*?)<!-- /generated -->", re.S)
-DOCS = ("README.md", "docs/*.md")
+DOCS = ("README.md", "docs/*.md", "bench/results/README.md")  # every file rendered and checked
 LABELS = {"torch": "torch", "torch.compile": "torch.compile", "liger": "Liger", "quack": "QuACK"}
 
 
