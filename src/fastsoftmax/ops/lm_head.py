@@ -53,6 +53,11 @@ def _loss_impl(x, backend: str):
     return TritonSteps if dispatch.select_loss(backend, x)[0].name == "triton" else TorchSteps
 
 
+def _wants(want_x: bool, want_w: bool, want_b: bool, bias) -> tuple[bool, bool, bool]:
+    """The gradients a sweep makes, (dx, dW, db): db only where there is a bias."""
+    return want_x, want_w, want_b and bias is not None
+
+
 def _layout(x, v: int, memory, design: str, skip: float, grads: bool, backend: str, forced) -> tuple[str, float]:
     """(layout, skip) of the forward's sweep over x's rows against v classes (rules.layout; the torch loss:
     row chunks): a skip where the design computes gradients in the forward and tiles run, else 0; a skip
@@ -171,7 +176,7 @@ def _lce(
     o = options.Loss(ignore_index, reduction, label_smoothing, softcap, z_loss)
     if why := storage_problem(x, weight, target, bias, class_weight):
         raise RuntimeError(f"linear_cross_entropy: {why}")
-    wants = (want_x, want_w, want_b and bias is not None)
+    wants = _wants(want_x, want_w, want_b, bias)
     cw = values(class_weight).contiguous() if class_weight is not None else None  # (the kernels index it densely)
     with selected(x):
         t = values(target)
@@ -212,9 +217,9 @@ def _lce_grad(ctx, grad_loss, *_):
     if design == "lce_chunked" and made and not getattr(ctx, "scaled", False):
         gx, gw, gb = _scaled(ctx, grad_loss, backend, dx, dw, db)
         return (gx if need[0] else None), (gw if need[1] else None), None, (gb if need[3] else None), *([None] * 14)
-    wants = (need[0], need[1], need[3] and bias is not None)  # lce_recompute, or lce_chunked's second backward
+    wants = _wants(need[0], need[1], need[3], bias)  # lce_recompute, or lce_chunked's second backward
     # (or one its forward did not make: a captured graph's, made without gradients)
-    grads = want_x or want_w or (want_b and bias is not None)  # (the forward's: its skip, so its layout)
+    grads = any(_wants(want_x, want_w, want_b, bias))  # (the forward's: its skip, so its layout)
     fused = _layout(x, weight.shape[0], memory, design, skip_eps, grads, backend, ctx.forced)[0] == rules.FUSED
     args = (x, weight, target, bias, class_weight, stats, grad_loss, ii, reduction, eps, cap, zl, memory, backend)
     args += (fused,)
@@ -335,7 +340,7 @@ def _lce_backward(
     cw = values(class_weight).contiguous() if class_weight is not None else None
     with selected(x):
         return _sweep(x, weight, bias, values(target), cw, o, backend, memory, "lce_recompute",
-                      (want_x, want_w, want_b and bias is not None), g, values(stats), fused=fused)  # fmt: skip
+                      _wants(want_x, want_w, want_b, bias), g, values(stats), fused=fused)  # fmt: skip
 
 
 def _lce_backward_fake(x, weight, target, bias, class_weight, stats, grad, *rest):
