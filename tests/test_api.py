@@ -53,6 +53,26 @@ def test_unknown_device_names_the_device(monkeypatch):
     assert fs.softmax(torch.randn(3, 4, device="meta")).is_meta
 
 
+@pytest.mark.parametrize("backend", ["auto", "torch", "triton"])
+def test_meta_beside_a_real_tensor_raises(device, backend):
+    """A meta tensor beside a cpu (cuda) one is on another device: the checks raise. (Regression: the checks'
+    fast path compared is_cuda and get_device(), alike for cpu and meta, so the call ran the op's fake and
+    returned an unwritten tensor.)"""
+    x = torch.randn(4, 5, device=device)
+    t = torch.randint(0, 5, (4,), device=device)
+    y = torch.softmax(x, -1)
+    meta = torch.empty(4, 5, device="meta")
+    with pytest.raises(ValueError, match="target is on meta"):
+        fs.cross_entropy(x, t.to("meta"), backend=backend)
+    with pytest.raises(ValueError, match=f"target is on {device}"):
+        fs.cross_entropy(meta, t, backend=backend)
+    for fn in (fs.softmax_backward, fs.log_softmax_backward):
+        with pytest.raises(ValueError, match="dy is on meta"):
+            fn(meta, y, backend=backend)
+        with pytest.raises(ValueError, match=f"dy is on {device}"):
+            fn(torch.randn_like(y), meta, backend=backend)
+
+
 def test_errors_come_before_any_launch(device):
     with heuristics.force(path="rowblock"):
         heuristics.record(None)

@@ -92,7 +92,8 @@ def masked(fn: str, x, dim: int, mask, scale, causal) -> bool:
 
 def softmax_backward(fn, dy, y, dim, dtype, backend) -> tuple[int, torch.dtype]:
     if type(dy) is torch.Tensor and type(y) is torch.Tensor and dy.dtype in _FLOATS and dy.shape == y.shape:
-        if dy.is_cuda == y.is_cuda and dy.get_device() == y.get_device():
+        # (is_cpu too: a meta tensor's is_cuda and get_device() are a cpu tensor's)
+        if dy.is_cuda == y.is_cuda and dy.is_cpu == y.is_cpu and dy.get_device() == y.get_device():
             return softmax(fn, y, dim, dtype, backend)
     if not isinstance(dy, torch.Tensor):
         raise TypeError(f"{fn}: expected dy to be a torch.Tensor, got {type(dy).__name__}")
@@ -190,6 +191,7 @@ def cross_entropy(logits, tgt, ignore_index, reduction, label_smoothing, backend
         and logits.shape[:-1] == tgt.shape
         and logits.shape[-1]
         and logits.is_cuda == tgt.is_cuda
+        and logits.is_cpu == tgt.is_cpu  # (a meta tensor's is_cuda and get_device() are a cpu tensor's)
         and logits.get_device() == tgt.get_device()
     ):
         return
