@@ -219,6 +219,26 @@ def test_learnable_mask_gets_its_gradient(device, backend, log):
             torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("backend", ["auto", "triton", "torch"])
+@pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
+def test_learnable_float64_mask_on_every_backend(device, backend, log):
+    """A float64 learnable mask beside an fp32 x gets its float64 gradient on every backend. (Regression:
+    the backward asked backend='triton' for a float64 dz, which it refuses, after the forward had run.) The
+    Triton kernels computed the forward in fp32: fp32 tolerances there, float64's on the others."""
+    x0 = logits((3, 37), device)
+    bias0 = torch.randn(37, dtype=torch.float64, device=device)
+    w = torch.randn(3, 37, device=device)
+    x, bias = x0.clone().requires_grad_(), bias0.clone().requires_grad_()
+    y = FNS[log](x, mask=bias, backend=backend)
+    gx, gb = torch.autograd.grad((y * w).sum(), [x, bias])
+    x64, b64 = x0.double().requires_grad_(), bias0.clone().requires_grad_()
+    refs = torch.autograd.grad((TORCH[log](x64 + b64, -1) * w.double()).sum(), [x64, b64])
+    assert gx.dtype == torch.float32 and gb.dtype == torch.float64
+    tol = dict(rtol=1e-4, atol=1e-5) if backend == "triton" else dict(rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(gx.double(), refs[0], **tol)
+    torch.testing.assert_close(gb, refs[1], **tol)
+
+
 # ---- fake tensors, meta, make_fx, jit.trace ---------------------------------------------------------
 
 

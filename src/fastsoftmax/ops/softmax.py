@@ -313,7 +313,10 @@ def _masked_grad(ctx, dy):
     backend); a floating mask that requires grad gets dz, summed over the dims it is broadcast along."""
     y, mask = ctx.saved_tensors
     want_mask = ctx.needs_input_grad[5] and mask is not None and mask.dtype.is_floating_point
-    wide = torch.float64 in (y.dtype, dy.dtype, ctx.x_dtype) or (want_mask and mask.dtype == torch.float64)
+    # float64 where an input is, and for a float64 mask where the backend may run torch ops (the named kernel
+    # backends write no float64: their forward read the mask in fp32, and dz is made in fp32 there too)
+    f64_mask = want_mask and mask.dtype == torch.float64 and ctx.backend in ("auto", "torch")
+    wide = torch.float64 in (y.dtype, dy.dtype, ctx.x_dtype) or f64_mask
     dtype = torch.float64 if wide else torch.float32
     if differentiable():  # create_graph=True: torch ops, differentiable again
         dz = grad_torch(dy, y, ctx.dim % max(y.dim(), 1), ctx.log, dtype, mask, None, ctx.causal)
