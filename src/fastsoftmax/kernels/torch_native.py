@@ -23,11 +23,15 @@ from .torch_loss import dlogits_options, kept_rows
 # rows at a time (in cache: no fp32 copy of x is made) and rounded once. Its fp64 log_softmax sums a row's
 # exps in a few vector lanes, the small ones added one by one to the lane that holds the max's 1, each
 # rounded to 1's ulp: outputs near 0 miss the fp64 tolerance (tests/test_cpu_path.py), so fp64 log_softmax
-# takes the reference's torch ops instead (torch.sum's cascade sum). Traffic: the forward reads x once and
-# writes y once, as torch's (fp64 log_softmax: a few passes more); the backward reads y and dy, writes dx.
+# takes the reference's torch ops instead (torch.sum's cascade sum). Its fp32 kernels sum in vector lanes too:
+# past LONG_FP32 elements a row's sum misses the fp32 tolerance (tests/test_cpu_path.py), so such rows are
+# computed in fp64 a chunk at a time and rounded once (about 2x torch's time there). Traffic: the forward
+# reads x once and writes y once, as torch's (fp64 log_softmax: a few passes more); the backward reads y and
+# dy, writes dx.
 
 NATIVE = heuristics.Plan("torch", "native")
 CHUNK = 1 << 18  # elements of a chunk of fp32 rows (1 MiB, about a core's L2): dev/cpu_speed.py chunks
+LONG_FP32 = 1 << 16  # fp32 rows longer: computed in fp64 (2^17 already missed twice torch ops' error)
 READ_ROWS = 64  # rows whose first elements are read from memory (more: torch ops, a few us whatever M)
 _WIDER = {torch.float16: 1, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}  # exact conversions upwards
 # per dtype: (its bits as an unsigned int, the bits of +inf, of 100.0, the sign bit; its values as a ctypes
@@ -150,7 +154,14 @@ def _rows_wide(x: torch.Tensor, dim: int, log: bool, out_dtype: torch.dtype, wid
 
 def _usual(x: torch.Tensor, dim: int, log: bool, out_dtype: torch.dtype) -> bool:
     """The usual case: torch's kernel in x's own dtype on rows in memory (fp32 for log_softmax)."""
-    return out_dtype is x.dtype and (not log or out_dtype is torch.float32) and x.is_contiguous() and _last(x, dim)
+    if out_dtype is not x.dtype or (log and out_dtype is not torch.float32) or _long_fp32(x, dim):
+        return False
+    return x.is_contiguous() and _last(x, dim)
+
+
+def _long_fp32(x: torch.Tensor, dim: int) -> bool:
+    """fp32 rows too long for torch's fp32 kernels' sums (LONG_FP32)."""
+    return x.dtype is torch.float32 and x.shape[dim] > LONG_FP32
 
 
 def _usual_softmax(x: torch.Tensor, dim: int, log: bool, nan_first) -> torch.Tensor:
@@ -185,12 +196,13 @@ def native_softmax(x: torch.Tensor, dim: int, log: bool, out_dtype: torch.dtype)
     low_log = log and x.dtype in dtypes.LOW and _last(x, dim)
     if log and out_dtype == torch.float64:  # the reference's formula (see above)
         y = softmax_torch(x, dim, True, out_dtype)[0]
-    elif out_dtype == x.dtype and not low_log:
+    elif out_dtype == x.dtype and not low_log and not _long_fp32(x, dim):
         y = torch._log_softmax(x, dim, False) if log else torch._softmax(x, dim, False)
     elif _WIDER[out_dtype] > _WIDER[x.dtype] and not low_log:  # x converted exactly, computed in out_dtype
         y = torch.log_softmax(x, dim, dtype=out_dtype) if log else torch.softmax(x, dim, dtype=out_dtype)
-    else:  # computed in fp32 (fp64 where either is), rounded once
-        wide = torch.float64 if torch.float64 in (x.dtype, out_dtype) else torch.float32
+    else:  # computed in fp32 (fp64 where either is, or for long fp32 rows), rounded once
+        long = _long_fp32(x, dim) and out_dtype is torch.float32
+        wide = torch.float64 if torch.float64 in (x.dtype, out_dtype) or long else torch.float32
         if _last(x, dim) and x.numel() > CHUNK:
             y = _rows_wide(x, dim, log, out_dtype, wide)
         else:
@@ -210,9 +222,9 @@ def softmax_graph(x: torch.Tensor, dim: int, log: bool) -> torch.Tensor | None:
     native_softmax_backward's kernel); 16-bit log_softmax computed in fp32 and rounded once, as
     native_softmax does (the node's backward in fp32, then ToCopyBackward0). None where a row's first output
     is NaN (a fully masked row, whose gradient torch makes NaN and the library 0, or a row holding NaN or
-    +inf), for fp64 log_softmax (the reference's formula) and for rows not in memory: the caller then runs
-    its Function."""
-    if not x.is_contiguous() or not _last(x, dim) or (log and x.dtype is torch.float64):
+    +inf), for fp64 log_softmax (the reference's formula), long fp32 rows (computed in fp64) and rows not in
+    memory: the caller then runs its Function."""
+    if not x.is_contiguous() or not _last(x, dim) or (log and x.dtype is torch.float64) or _long_fp32(x, dim):
         return None  # (rows not in memory: native_softmax moves them last first, torch's node would not)
     if log and x.dtype in dtypes.LOW:
         y = torch.log_softmax(x, dim, dtype=torch.float32)
