@@ -212,6 +212,9 @@ def test_modules(device):
     x = torch.randn(2, 3, 7, device=device)
     m, lm = fs.Softmax(dim=1), fs.LogSoftmax(-1, backend="torch")
     assert "dim=1" in repr(m)
+    assert repr(fs.LogSoftmax(0, dtype=torch.float32, scale=0.5)) == (
+        "LogSoftmax(dim=0, scale=0.5, dtype=torch.float32, backend='auto')"
+    )  # (every option the module holds)
     torch.testing.assert_close(m(x), torch.softmax(x, 1))
     torch.testing.assert_close(lm(x), torch.log_softmax(x, -1))
     assert isinstance(m, torch.nn.Module)

@@ -198,6 +198,7 @@ class Softmax(torch.nn.Module):
 
     def extra_repr(self) -> str:
         extra = (f", scale={self.scale}" if self.scale is not None else "") + (", causal=True" if self.causal else "")
+        extra += f", dtype={self.dtype}" if self.dtype is not None else ""
         return f"dim={self.dim}{extra}, backend={self.backend!r}"
 
 
