@@ -354,3 +354,34 @@ def test_gradient_accumulation_sliced(device):
         loss.backward(torch.tensor(0.5))
     torch.testing.assert_close(wg.grad, 2 * first[0], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(bg.grad, 2 * first[1], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("path", ["lce_chunked", "lce_sliced", "lce_fused"])
+def test_bias_of_any_strides_and_negated_views(device, path, reduction):
+    """A bias sliced with a stride of 2 or expanded from a scalar, and x, W and the bias as lazily negated
+    views (torch._neg_view: their memory holds -value), on every layout: loss, dx, dW and db against float64.
+    (Regression: lce_fused's kernels read the bias as contiguous and the memory of negated views, so a
+    strided bias gave a loss of 3.168 against 3.574, and negated views 4.37 against 3.17.)"""
+    n, d, v = 9, 16, 13
+    x, w, t, b = problem(device, torch.float32, (n,), d, v, seed=41)
+    big = torch.randn(2 * v, generator=torch.Generator().manual_seed(42)).to(device)
+    memory = 4 * v * 4  # (several row groups and, on the sliced layouts, a tile's 4 rows)
+    cases = {
+        "strided": lambda a, c, e: (a, c, e[::2]),
+        "expanded": lambda a, c, e: (a, c, e[:1].expand(v)),
+        "negated": lambda a, c, e: (torch._neg_view(a), torch._neg_view(c), torch._neg_view(e[:v])),
+    }
+    for name, view in cases.items():
+        leaves = [t_.clone().requires_grad_() for t_ in (x, w, big)]
+        a, c, e = view(*leaves)
+        with heuristics.force(path=path):
+            loss = fs.linear_cross_entropy(a, c, t, e, reduction=reduction, backend="triton", memory=memory)
+        got = torch.autograd.grad(loss, leaves, upstream(loss))
+        leaves64 = [t_.double().requires_grad_() for t_ in (x, w, big)]
+        a64, c64, e64 = view(*leaves64)
+        ref = torch_lce(a64, c64, t, e64, torch.float64, reduction=reduction)[0]
+        want = torch.autograd.grad(ref, leaves64, upstream(ref).double())
+        torch.testing.assert_close(loss.double(), ref, rtol=1e-5, atol=1e-5, msg=f"{name}: loss")
+        for what, g, r in zip(("dx", "dW", "dbias"), got, want, strict=True):
+            torch.testing.assert_close(g.double(), r, rtol=1e-4, atol=1e-5, msg=f"{name}: {what}")

@@ -82,6 +82,9 @@ def _sweep(x, weight, bias, t, cw, o, backend, memory, design, wants, g=None, st
     else empty. Backward (``stats`` given, ``g`` the upstream gradient): returns (dx, dw, db); ``fused``: the
     forward ran lce_fused (its logits are made alike here), else the backward never does."""
     n, v = x.shape[0], weight.shape[0]
+    x, weight, bias = values(x), values(weight), values(bias)  # (lce_fused's kernels read memory, not views)
+    if bias is not None and bias.stride(0) != 1:
+        bias = bias.contiguous()  # (lce_fused's kernels index it densely)
     forward = stats is None
     wide = dtypes.wide(x.dtype)
     loss_impl = _loss_impl(x, backend) if n else TorchSteps
