@@ -18,7 +18,7 @@ groups=("tests/test_gpu.py tests/test_gpu_replay.py" "tests/test_forward.py" "te
         "tests/test_backward.py tests/test_api.py" "tests/test_masked.py tests/test_cross_entropy.py tests/test_distributed.py"
         "tests/test_cuda.py tests/test_bench.py" "tests/test_cuda_build.py tests/test_snapshot.py tests/test_cache.py"
         "tests/test_compose.py" "tests/test_tp.py tests/test_tp_triton.py tests/test_tp_disagreeing_ranks.py tests/test_tp_dtensor.py"
-        "tests/test_hf.py tests/test_hf_attention.py tests/test_hf_training.py" "tests/test_cpu_path.py tests/test_cpu_loss.py"
+        "tests/test_hf.py tests/test_hf_attention.py tests/test_hf_training.py" "tests/test_cpu_path.py tests/test_cpu_precision.py tests/test_cpu_loss.py"
         "tests/test_lce.py tests/test_lce_autograd.py" "tests/test_lce_sliced.py" "tests/test_lce_skip.py tests/test_review_lce.py"
         "tests/test_ce_options.py" "tests/test_ce_one_program.py")
 listed=" ${groups[*]} "

@@ -20,6 +20,23 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 WORST: dict[str, float] = {}  # worst err/tol seen per output dtype, printed at the end of the run
 
 
+def cpu_logits(shape, dtype, seed, special=True):
+    """Random logits with outliers; with ``special``, reference.special_rows (all -inf, NaN, +inf, near the
+    dtype's top, ...) appended along the first dim of a 2-d shape: rows 5 to 13."""
+    gen = torch.Generator().manual_seed(seed)
+    x = random_logits(shape, dtype, gen)
+    return torch.cat([x, special_rows(shape[-1], dtype, gen)]) if special else x
+
+
+def run_poisoned(fn, *args, **kwargs):
+    """(fn's result, the plans recorded while it ran), outputs the library allocates poisoned with NaN."""
+    from fastsoftmax import heuristics
+
+    with heuristics.force(poison=True), heuristics.recording() as plans:
+        out = fn(*args, **kwargs)
+    return out, plans
+
+
 def assert_close(y: torch.Tensor, x: torch.Tensor, dim: int, log: bool, out_dtype=None) -> float:
     """y must match the float64 oracle of x under the library's tolerance rule; returns err/tol."""
     err, problem = compare(y, x, dim, log, out_dtype)

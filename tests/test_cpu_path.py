@@ -1,11 +1,12 @@
 """softmax and log_softmax of CPU tensors under backend='auto' (the torch backend's native path: torch's kernels
 with the library's conventions, kernels/torch_native.py): the plan that ran, forward and backward; values and
 gradients against the float64 oracle (outputs poisoned first where the library allocates them); torch's own
-autograd nodes or the library's Function, double backward, gradcheck, compiled autograd. Loss: test_cpu_loss.py."""
+autograd nodes or the library's Function, double backward, gradcheck, compiled autograd. Loss: test_cpu_loss.py;
+where torch's kernels miss the tolerance: test_cpu_precision.py."""
 
 import pytest
 import torch
-from helpers import assert_close, random_logits, special_rows
+from helpers import assert_close, cpu_logits, random_logits, run_poisoned
 
 import fastsoftmax as fs
 from fastsoftmax import heuristics
@@ -26,21 +27,6 @@ INF, NAN = float("inf"), float("nan")
 LOGS = pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
 
 
-def logits(shape, dtype, seed, special=True):
-    """Random logits with outliers; with ``special``, reference.special_rows (all -inf, NaN, +inf, near the
-    dtype's top, ...) appended along the first dim of a 2-d shape: rows 5 to 13."""
-    gen = torch.Generator().manual_seed(seed)
-    x = random_logits(shape, dtype, gen)
-    return torch.cat([x, special_rows(shape[-1], dtype, gen)]) if special else x
-
-
-def run(fn, *args, **kwargs):
-    """(fn's result, the plans recorded while it ran), outputs the library allocates poisoned with NaN."""
-    with heuristics.force(poison=True), heuristics.recording() as plans:
-        out = fn(*args, **kwargs)
-    return out, plans
-
-
 def same(a, b):
     """Bit-equal, NaN where the other has NaN."""
     return a.dtype == b.dtype and torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
@@ -53,9 +39,9 @@ def same(a, b):
 @pytest.mark.parametrize("dtype", ALL, ids=str)
 @pytest.mark.parametrize("n", [1, 7, 513, 50257])
 def test_forward_rows(dtype, log, n):
-    x = logits((5, n), dtype, n)
+    x = cpu_logits((5, n), dtype, n)
     before = x.clone()
-    y, plans = run(FNS[log], x)
+    y, plans = run_poisoned(FNS[log], x)
     assert plans == [NATIVE]
     assert_close(y, x, -1, log)
     assert same(x, before)  # (read only)
@@ -66,39 +52,19 @@ def test_forward_rows(dtype, log, n):
 
 
 @LOGS
-@pytest.mark.parametrize("n", [2**18, 2**20 + 3])
-def test_forward_long_fp32_rows(log, n):
-    """fp32 rows past torch_native.LONG_FP32 within the fp32 tolerance and twice torch ops' error. (Regression:
-    torch's fp32 kernels sum a row's exps in a few vector lanes; at 2^18 log_softmax missed twice torch ops'
-    error, at 2^20 softmax missed the tolerance: ratios up to 1.39.)"""
-    x = torch.randn(2, n, generator=torch.Generator().manual_seed(1)) * 3
-    x[1, n // 3] = -INF  # (special values still take the conventions)
-    x[1, :5] = -INF
-    y, plans = run(FNS[log], x)
-    assert plans == [NATIVE]
-    assert_close(y, x, -1, log)
-    xt = x.t()  # (rows not in memory: the same sums)
-    assert_close(run(FNS[log], xt, 0)[0], xt, 0, log)
-    xg = x.clone().requires_grad_()  # (autograd: the Function, not torch's own node and its fp32 kernel)
-    y, plans = run(FNS[log], xg)
-    assert plans == [NATIVE] and type(y.grad_fn).__name__ != ("LogSoftmaxBackward0" if log else "SoftmaxBackward0")
-    assert_close(y.detach(), x, -1, log)
-
-
-@LOGS
 @pytest.mark.parametrize("dtype", ALL, ids=str)
 def test_forward_every_dim_and_layout(dtype, log):
     """(6, 9, 33) along each dim, as given, permuted, transposed and channels-last (dense: the output keeps x's
     strides, as torch.empty_like), sliced and expanded (not dense: contiguous), a 1-d row; fully masked rows
     along each dim."""
-    x = logits((6, 9, 33), dtype, 3, special=False)
+    x = cpu_logits((6, 9, 33), dtype, 3, special=False)
     x[:, 2, 5] = -INF  # a fully masked row along dim 0
     x[1, :, 7] = -INF  # ... along dim 1
     x[4, 3, :] = -INF  # ... along dim 2
     views = (x, x.permute(2, 0, 1), x.transpose(0, 1), x[:, ::2], x[..., 1:], x[:1].expand(4, 9, 33), x[4, 5])
     for t in views + (x.reshape(6, 9, 3, 11).to(memory_format=torch.channels_last),):
         for dim in range(-1, t.dim()):
-            y, plans = run(FNS[log], t, dim)
+            y, plans = run_poisoned(FNS[log], t, dim)
             assert plans == [NATIVE], (tuple(t.stride()), dim)
             assert_close(y, t, dim, log)
             assert y.stride() == torch.empty_like(t).stride(), (tuple(t.stride()), dim)
@@ -113,10 +79,10 @@ def test_masked_row_found_whatever_the_row_count(log, m):
     NaN in it: NaN across. 16-bit log_softmax of 600 x 513: two fp32 chunks, the last partial."""
     assert torch_native.READ_ROWS == 64 and torch_native.CHUNK < 600 * 513 < 2 * torch_native.CHUNK
     for dtype in ALL:
-        x = logits((m, 513), dtype, m, special=False)
+        x = cpu_logits((m, 513), dtype, m, special=False)
         x[m - 1] = -INF
         for t, dim in ((x, 1), (x[:, :40].t().contiguous(), 0)):  # (long rows along dim 0: test_rows_not_in_memory)
-            y, plans = run(FNS[log], t, dim)
+            y, plans = run_poisoned(FNS[log], t, dim)
             assert plans == [NATIVE]
             assert_close(y, t, dim, log)
             assert (y.select(1 - dim, m - 1) == (-INF if log else 0.0)).all(), (dtype, dim)
@@ -134,7 +100,7 @@ def test_rows_not_in_memory(log, m):
     for dtype, od in ((torch.float32, None), (torch.bfloat16, None), (torch.bfloat16, torch.float32)):
         for seed in range(2):
             t = random_logits((513, m), dtype, torch.Generator().manual_seed(seed))
-            y, plans = run(FNS[log], t, 0, dtype=od)
+            y, plans = run_poisoned(FNS[log], t, 0, dtype=od)
             assert plans == [NATIVE]
             err, problem = compare(y, t, 0, log, od)
             assert problem is None, (dtype, od, seed, problem)
@@ -149,40 +115,12 @@ def test_dtype_out_written_once(log):
     pairs += [(torch.float64, torch.float16), (torch.bfloat16, torch.float32), (torch.float32, torch.float64)]
     pairs += [(torch.float16, torch.float64)]
     for xd, od in pairs:
-        x = logits((5, 513), xd, 11)
+        x = cpu_logits((5, 513), xd, 11)
         for t, dim in ((x, -1), (x, 0), (x.t(), 0), (x.t().contiguous(), 0)):
-            y, plans = run(FNS[log], t, dim, dtype=od)
+            y, plans = run_poisoned(FNS[log], t, dim, dtype=od)
             assert plans == [NATIVE] and y.dtype == od
             assert_close(y, t, dim, log, od)
             assert y.stride() == torch.empty_like(t).stride()
-
-
-def test_torch_16bit_log_softmax_needs_the_fp32_rows():
-    """Why 16-bit log_softmax along rows in memory is computed in fp32 here: torch's own is far outside the
-    tolerance near 0 (if this fails, torch fixed it, and the native path may call it directly). The oracle
-    also sees what torch's softmax gives a fully masked row."""
-    x = logits((64, 513), torch.bfloat16, 5, special=False)
-    err, problem = compare(torch.log_softmax(x, -1), x, -1, True)
-    assert problem is not None and err > 100
-    assert compare(fs.log_softmax(x), x, -1, True)[1] is None
-    x = logits((5, 64), torch.float32, 6)
-    assert "NaN" in compare(torch.softmax(x, -1), x, -1, False)[1]
-
-
-def test_float64_log_softmax_near_zero():
-    """fp64 log_softmax of rows that one logit leads by ~40 (its output about -1e-12): torch's can miss the
-    fp64 tolerance near 0 on some CPUs; the native path takes the reference's formula. Rows in memory and
-    not, fp32 in with dtype=float64 out, under autograd (the Function) too."""
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(64, 513, generator=gen, dtype=torch.float64) * 3
-    x[:, 7] += 40
-    for t, dim, od in ((x, -1, None), (x.t().contiguous(), 0, None), (x.t(), 0, None), (x.float(), -1, x.dtype)):
-        y, plans = run(fs.log_softmax, t, dim, dtype=od)
-        assert plans == [NATIVE]
-        assert_close(y, t, dim, True, od)
-    y, plans = run(fs.log_softmax, x.clone().requires_grad_())
-    assert plans == [NATIVE] and y.grad_fn.name() == "SoftmaxFunctionBackward"
-    assert_close(y, x, -1, True)
 
 
 @LOGS
@@ -192,11 +130,11 @@ def test_chunk_boundaries(monkeypatch, dtype, log):
     with 3 rows a chunk and a partial last (7 x 300) and one row a chunk (5 x 1500), a fully masked row."""
     monkeypatch.setattr(torch_native, "CHUNK", 1000)
     for m, n in ((7, 300), (5, 1500)):
-        x = logits((m, n), dtype, m, special=False)
+        x = cpu_logits((m, n), dtype, m, special=False)
         x[m - 2] = -INF
         cases = [(x.float(), torch.bfloat16), (x.double(), dtype)] + ([(x, None)] if dtype in LOW else [])
         for t, od in cases:
-            y, plans = run(FNS[log], t, dtype=od)
+            y, plans = run_poisoned(FNS[log], t, dtype=od)
             assert plans == [NATIVE]
             assert_close(y, t, -1, log, od)
             assert (y[m - 2] == (-INF if log else 0.0)).all()
@@ -210,10 +148,10 @@ def test_zero_dim_and_empty(dtype, log):
     backward and dtype=. (Which path a 0-d call takes: test_zero_dim_takes_the_native_path.)"""
     for v, want in ((2.5, 0.0 if log else 1.0), (-INF, -INF if log else 0.0), (NAN, NAN), (INF, NAN)):
         x = torch.tensor(v, dtype=dtype)
-        y, plans = run(FNS[log], x)
+        y, plans = run_poisoned(FNS[log], x)
         assert [p.backend for p in plans] == ["torch"] and y.shape == () and y.dtype == dtype
         assert same(y, torch.tensor(want, dtype=dtype)), (v, y)
-        dx, plans = run(BWD[log], torch.tensor(1.5, dtype=dtype), y)
+        dx, plans = run_poisoned(BWD[log], torch.tensor(1.5, dtype=dtype), y)
         assert [p.backend for p in plans] == ["torch"] and dx.shape == ()
         want = oracle_backward(torch.tensor([1.5]), y.reshape(1), 0, log).to(dtype).reshape(())
         assert same(dx, want), (v, dx)
@@ -224,9 +162,9 @@ def test_zero_dim_and_empty(dtype, log):
         x = torch.empty(shape, dtype=dtype)
         for dim in range(len(shape)):
             for od in (None, torch.float64 if dtype != torch.float64 else torch.float32):
-                y, plans = run(FNS[log], x, dim, dtype=od)
+                y, plans = run_poisoned(FNS[log], x, dim, dtype=od)
                 assert plans == [EMPTY] and y.shape == shape and y.dtype == (od or dtype)
-            dx, plans = run(BWD[log], x, x, dim)
+            dx, plans = run_poisoned(BWD[log], x, x, dim)
             assert plans == [EMPTY] and dx.shape == shape
             xg = x.clone().requires_grad_()
             (dx,) = torch.autograd.grad(FNS[log](xg, dim), xg, x)
@@ -240,9 +178,9 @@ def test_zero_dim_takes_the_native_path():
     """A plain 0-d call under backend='auto' on CPU is a row of one on the native path (dispatch.select: only
     masks and logsumexp outputs take the reference), forward and backward."""
     for log in (False, True):
-        y, plans = run(FNS[log], torch.tensor(0.5))
+        y, plans = run_poisoned(FNS[log], torch.tensor(0.5))
         assert plans == [NATIVE], log
-        _, plans = run(BWD[log], torch.tensor(1.5), y)
+        _, plans = run_poisoned(BWD[log], torch.tensor(1.5), y)
         assert plans == [NATIVE], log
 
 
@@ -252,7 +190,7 @@ def test_masks_and_logsumexp_take_the_reference(dtype, log):
     """backend='auto' on CPU: a mask, a scale or causal, and fastsoftmax.ops.softmax.forward(want_lse=True)
     run the torch backend's reference path (outputs poisoned first: every element written); a plain forward
     (want_lse=False) the native one. Values against the oracle of the masked logits."""
-    x = logits((3, 4, 33), dtype, 12, special=False)
+    x = cpu_logits((3, 4, 33), dtype, 12, special=False)
     keep = torch.rand(4, 33, generator=torch.Generator().manual_seed(12)) > 0.3
     keep[1] = False  # fully masked rows
     wide = torch.float64 if dtype == torch.float64 else torch.float32
@@ -262,18 +200,18 @@ def test_masks_and_logsumexp_take_the_reference(dtype, log):
         (dict(scale=0.5), x.to(wide) * 0.5),
         (dict(causal=True), x.to(wide).masked_fill(torch.ones(4, 33, dtype=torch.bool).tril(29).logical_not(), -INF)),
     ):
-        y, plans = run(FNS[log], x, **kw)
+        y, plans = run_poisoned(FNS[log], x, **kw)
         assert plans == [REFERENCE], kw
         assert_close(y, z, -1, log, dtype)
-    (y, lse), plans = run(api_forward, x, 1, log=log, want_lse=True)
+    (y, lse), plans = run_poisoned(api_forward, x, 1, log=log, want_lse=True)
     assert plans == [REFERENCE] and lse.dtype == torch.float32 and lse.shape == (3, 33)
     assert_close(y, x, 1, log)
     torch.testing.assert_close(lse.double(), oracle_lse(x, 1), rtol=2e-6, atol=1e-6)
-    (y2, none), plans = run(api_forward, x, 1, log=log)
+    (y2, none), plans = run_poisoned(api_forward, x, 1, log=log)
     assert plans == [NATIVE] and none is None and same(y2, FNS[log](x, 1))
-    dx, plans = run(BWD[log], torch.ones_like(y), y, 1, mask=torch.ones(1, 4, 1, dtype=torch.bool))
+    dx, plans = run_poisoned(BWD[log], torch.ones_like(y), y, 1, mask=torch.ones(1, 4, 1, dtype=torch.bool))
     assert plans == [REFERENCE] and compare_grad(dx, torch.ones_like(y), y, 1, log)[1] is None
-    y, plans = run(FNS[log], x, backend="torch")
+    y, plans = run_poisoned(FNS[log], x, backend="torch")
     assert plans == [REFERENCE]
     assert_close(y, x, -1, log)
 
@@ -294,20 +232,20 @@ def test_autograd_nodes_and_gradients(dtype, log):
     log_softmax: the oracle's of the fp32 output torch's node differentiates) along the last dim and dim 0;
     torch's nodes record no backward plan, the Function a native one (along dim 0, rows not in memory, the
     Function). Under no_grad (an nn.Parameter, the nn.Module): the plain call, no graph."""
-    x = logits((6, 513), dtype, 14, special=False)
-    dy = logits((6, 513), dtype, 15, special=False)
+    x = cpu_logits((6, 513), dtype, 14, special=False)
+    dy = cpu_logits((6, 513), dtype, 15, special=False)
     with torch.no_grad():
-        y, plans = run((fs.LogSoftmax if log else fs.Softmax)(0), torch.nn.Parameter(x))
+        y, plans = run_poisoned((fs.LogSoftmax if log else fs.Softmax)(0), torch.nn.Parameter(x))
     assert y.grad_fn is None and plans == [NATIVE] and same(y, FNS[log](x, 0))
     for dim in (-1, 0):
         # (along dim 0 the rows are not in memory: the plain call moves them last, torch's node would not)
         node = NODE[dtype, log] if dim == -1 else "SoftmaxFunctionBackward"
         xg = x.clone().requires_grad_()
-        y, plans = run(FNS[log], xg, dim)
+        y, plans = run_poisoned(FNS[log], xg, dim)
         assert y.grad_fn.name() == node, (dim, y.grad_fn.name())
         assert plans == [NATIVE if node == "SoftmaxFunctionBackward" else GRAPH]
         assert same(y.detach(), FNS[log](x, dim))
-        (dx,), plans = run(torch.autograd.grad, y, xg, dy)
+        (dx,), plans = run_poisoned(torch.autograd.grad, y, xg, dy)
         assert plans == ([NATIVE] if node == "SoftmaxFunctionBackward" else [])
         assert dx.dtype == dtype
         # (ToCopyBackward0: torch's node differentiates the fp32 output, not the 16-bit y it was rounded to)
@@ -327,7 +265,7 @@ def test_autograd_function_where_torchs_node_cannot(case):
     4 rows and among 100 (found by torch ops), a NaN or +inf row (found by the same check), a non-contiguous
     x, another output dtype; softmax and log_softmax."""
     dtype, m = torch.bfloat16 if case.startswith("bf16") else torch.float32, 100 if case.endswith("many") else 4
-    x = logits((m, 33), dtype, 16, special=False)
+    x = cpu_logits((m, 33), dtype, 16, special=False)
     bad = {"nan_row": 1, "inf_row": 3}.get(case, 2 if "masked" in case else None)
     if bad is not None:
         x[bad if case != "nan_row" else (1, 5)] = {"nan_row": NAN, "inf_row": INF}.get(case, -INF)
@@ -335,11 +273,11 @@ def test_autograd_function_where_torchs_node_cannot(case):
     kw = {"dtype": torch.float64} if case == "dtype_out" else {}
     for log in (False, True):
         xg = x.clone().requires_grad_()
-        y, plans = run(FNS[log], xg, **kw)
+        y, plans = run_poisoned(FNS[log], xg, **kw)
         assert y.grad_fn.name() == "SoftmaxFunctionBackward" and plans == [NATIVE], log
         assert same(y.detach(), FNS[log](x, **kw))
-        dy = logits((m, 33), torch.float32, 17, special=False).to(y.dtype)
-        (dx,), plans = run(torch.autograd.grad, y, xg, dy)
+        dy = cpu_logits((m, 33), torch.float32, 17, special=False).to(y.dtype)
+        (dx,), plans = run_poisoned(torch.autograd.grad, y, xg, dy)
         assert plans == [NATIVE] and dx.dtype == dtype and dx.stride() == torch.empty_like(x).stride()
         ok = [r for r in range(m) if r != bad]
         if case in ("nan_row", "inf_row"):
@@ -353,10 +291,10 @@ def test_autograd_function_where_torchs_node_cannot(case):
 def test_double_backward_matches_torchs(log):
     """create_graph=True through torch's node (fp32) and through the Function (a strided x; fp64
     log_softmax): the first gradient within the oracle's tolerance, the second torch's own."""
-    for x in (logits((5, 40), torch.float32, 18, special=False), logits((40, 5), torch.float32, 19, False).t()):
+    for x in (cpu_logits((5, 40), torch.float32, 18, special=False), cpu_logits((40, 5), torch.float32, 19, False).t()):
         for dtype in (torch.float32, torch.float64):
             xg = x.to(dtype).requires_grad_()
-            dy = logits((5, 40), dtype, 20, special=False)
+            dy = cpu_logits((5, 40), dtype, 20, special=False)
             y = FNS[log](xg)
             (dx,) = torch.autograd.grad(y, xg, dy, create_graph=True)
             assert dx.requires_grad and compare_grad(dx.detach(), dy, y.detach(), -1, log)[1] is None
@@ -391,10 +329,10 @@ def test_compiled_autograd_over_eager_calls(case, log):
     from torch._dynamo import compiled_autograd
 
     enable = getattr(compiled_autograd, "_enable", None) or compiled_autograd.enable
-    x = logits((4, 33), torch.bfloat16 if case == "bfloat16" else torch.float32, 22, special=False)
+    x = cpu_logits((4, 33), torch.bfloat16 if case == "bfloat16" else torch.float32, 22, special=False)
     if case == "masked_row":
         x[1] = -INF
-    dy = logits((4, 33), x.dtype, 23, special=False)
+    dy = cpu_logits((4, 33), x.dtype, 23, special=False)
     xg = x.clone().requires_grad_()
     y = FNS[log](xg)
     assert y.grad_fn.name() == ("SoftmaxFunctionBackward" if case == "masked_row" else NODE[x.dtype, log])
@@ -420,18 +358,18 @@ def test_backward_autograd_and_public(dtype, log, m):
     """dx through autograd (the Function: a fully masked row) and through fs.softmax_backward: bit-equal,
     both native, the oracle's; the fully masked row's gradient exactly 0 even where dy there is NaN or inf;
     NaN in dy spreads across its row."""
-    x = logits((m, 513), dtype, 26 + m, special=False)
+    x = cpu_logits((m, 513), dtype, 26 + m, special=False)
     x[m - 1] = -INF
-    dy = logits((m, 513), dtype, m, special=False)
+    dy = cpu_logits((m, 513), dtype, m, special=False)
     dy[m - 1, 2], dy[m - 1, 9] = NAN, INF
     if m > 1:
         dy[0, 4] = NAN
     xg = x.clone().requires_grad_()
     y = FNS[log](xg)
-    (dx,), plans = run(torch.autograd.grad, y, xg, dy)
+    (dx,), plans = run_poisoned(torch.autograd.grad, y, xg, dy)
     assert plans == [NATIVE]
     y = y.detach()
-    dx2, plans = run(BWD[log], dy, y)
+    dx2, plans = run_poisoned(BWD[log], dy, y)
     assert plans == [NATIVE] and same(dx, dx2)
     for d in (dx, dx2):
         assert (d[m - 1] == 0).all()
@@ -446,8 +384,8 @@ def test_backward_layouts_dtypes_and_dead_rows(log):
     """Permuted y (dx in y's layout), dy in another layout, dy of another dtype, dtype= outputs (narrower and
     wider), 3-d along each dim; log_softmax rows whose exps all underflow in fp32 (every y < -104) give 0,
     rows just above keep the formula; softmax rows of y all 0 give 0."""
-    y0 = FNS[log](logits((6, 9, 33), torch.float32, 9, special=False), 0)
-    dy0 = logits((6, 9, 33), torch.float32, 10, special=False)
+    y0 = FNS[log](cpu_logits((6, 9, 33), torch.float32, 9, special=False), 0)
+    dy0 = cpu_logits((6, 9, 33), torch.float32, 10, special=False)
     for y, dy, dim in (
         (y0, dy0, 0),
         (y0.permute(2, 1, 0), dy0.permute(2, 1, 0), 2),
@@ -457,7 +395,7 @@ def test_backward_layouts_dtypes_and_dead_rows(log):
     ):
         for dyd, od in ((None, None), (torch.bfloat16, None), (None, torch.bfloat16), (torch.float64, None)):
             dyt = dy.to(dyd or y.dtype)
-            dx, plans = run(BWD[log], dyt, y, dim, dtype=od)
+            dx, plans = run_poisoned(BWD[log], dyt, y, dim, dtype=od)
             assert plans == [NATIVE] and dx.stride() == torch.empty_like(y).stride()
             out = od or y.dtype
             assert dx.dtype == out and compare_grad(dx, dyt, y, dim, log, out)[1] is None, (y.dtype, dyd, od, dim)
@@ -472,7 +410,7 @@ def test_backward_layouts_dtypes_and_dead_rows(log):
     dy = torch.randn(3, 40, generator=gen)
     for m in (1, 3, 70):
         yy, dd = y.repeat(24, 1)[:m], dy.repeat(24, 1)[:m]
-        dx, plans = run(BWD[log], dd, yy)
+        dx, plans = run_poisoned(BWD[log], dd, yy)
         assert plans == [NATIVE] and (dx[0] == 0).all() and compare_grad(dx, dd, yy, -1, log)[1] is None
         if m > 1:
             assert (dx[1] != 0).any()
@@ -482,9 +420,9 @@ def test_lazily_negated_inputs():
     """torch._neg_view (its memory holds -value): x, dy and y read as their values, so the output equals
     the one for the materialised tensor, fully masked rows included (a log_softmax y of -inf is +inf in
     memory)."""
-    x = logits((4, 37), torch.float32, 27, special=False)
+    x = cpu_logits((4, 37), torch.float32, 27, special=False)
     x[2] = -INF
-    dy = logits((4, 37), torch.float32, 28, special=False)
+    dy = cpu_logits((4, 37), torch.float32, 28, special=False)
     for log in (False, True):
         y = FNS[log](x)
         for fn, args, want in (
@@ -492,7 +430,7 @@ def test_lazily_negated_inputs():
             (BWD[log], (torch._neg_view(-dy), y), BWD[log](dy, y)),
             (BWD[log], (dy, torch._neg_view(-y)), BWD[log](dy, y)),
         ):
-            got, plans = run(fn, *args)
+            got, plans = run_poisoned(fn, *args)
             assert plans == [NATIVE] and same(got, want), (log, fn.__name__, got[2])
 
 

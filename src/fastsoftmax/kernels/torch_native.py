@@ -19,12 +19,12 @@ from .torch_loss import dlogits_options, kept_rows
 # NaN: M reads, and a pass over x only when there is one. Their backward kernels give a fully masked row 0
 # for softmax (NaN where dy is not finite: the same test finds those) and dy for log_softmax (found from y's
 # first elements). torch's 16-bit log_softmax along rows in memory loses the digits of outputs near 0
-# (errors past 100x the tolerance: tests/test_cpu_path.py), so those rows are computed in fp32 a chunk of
+# (errors past 100x the tolerance: tests/test_cpu_precision.py), so those rows are computed in fp32 a chunk of
 # rows at a time (in cache: no fp32 copy of x is made) and rounded once. Its fp64 log_softmax sums a row's
 # exps in a few vector lanes, the small ones added one by one to the lane that holds the max's 1, each
-# rounded to 1's ulp: outputs near 0 miss the fp64 tolerance (tests/test_cpu_path.py), so fp64 log_softmax
+# rounded to 1's ulp: outputs near 0 miss the fp64 tolerance (tests/test_cpu_precision.py), so fp64 log_softmax
 # takes the reference's torch ops instead (torch.sum's cascade sum). Its fp32 kernels sum in vector lanes too:
-# past LONG_FP32 elements a row's sum misses the fp32 tolerance (tests/test_cpu_path.py), so such rows are
+# past LONG_FP32 elements a row's sum misses the fp32 tolerance (tests/test_cpu_precision.py), so such rows are
 # computed in fp64 a chunk at a time and rounded once (about 2x torch's time there). Traffic: the forward
 # reads x once and writes y once, as torch's (fp64 log_softmax: a few passes more); the backward reads y and
 # dy, writes dx.
