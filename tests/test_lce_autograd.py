@@ -108,6 +108,21 @@ def test_torch_func_grad(device):
         torch.testing.assert_close(gv, av, rtol=1e-5, atol=1e-6, msg=f"d{k}")
 
 
+def test_torch_func_names_a_bad_target_as_eager_does(device):
+    """A target the host can read gets the same message under torch.func.grad as outside it (semantics.md),
+    for a 3-D x too. (Regression: the composite saw the target flattened inside the transform, wrapped, and
+    gave the gather's message without the row.)"""
+    x, w = torch.randn(2, 3, 4, device=device), torch.randn(7, 4, device=device)
+    bad = torch.tensor([[0, 1, 7], [2, 3, -100]], device=device)
+    msg = "target 7 at row 2 is outside"
+    with pytest.raises(IndexError, match=msg):
+        fs.linear_cross_entropy(x, w, bad)
+    with pytest.raises(IndexError, match=msg):
+        torch.func.grad(lambda a: fs.linear_cross_entropy(a, w, bad))(x)
+    loss = torch.func.grad(lambda a: fs.linear_cross_entropy(a, w, bad.clamp_max(6)))(x)  # (a good one runs)
+    assert loss.shape == x.shape
+
+
 def test_torch_compile_fullgraph(device):
     """torch.compile(fullgraph=True) around the loss: values and grads against the reference."""
     x, w, t, b = problem(device, torch.float32, (2, 5), 16, 513, seed=12)

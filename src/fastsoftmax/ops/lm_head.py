@@ -424,7 +424,8 @@ def linear_cross_entropy(
         loss, z, *_ = _lce(*args)
     elif route == "function":
         loss, z, *_ = LINEAR_CROSS_ENTROPY.eager.apply(*args)
-    else:
+    else:  # (func: the composite flattens x and the target itself, the target as given says if it is readable)
+        args = (x, weight, target, *args[3:]) if route == "func" else args
         loss, z, *_ = LINEAR_CROSS_ENTROPY.call(route, *args)
     if reduction == "none":
         loss, z = loss.reshape(target.shape), z.reshape(target.shape)
