@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from fastsoftmax import heuristics
 from fastsoftmax.core.reference import compare, random_logits, special_rows  # noqa: F401
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -30,8 +31,6 @@ def cpu_logits(shape, dtype, seed, special=True):
 
 def run_poisoned(fn, *args, **kwargs):
     """(fn's result, the plans recorded while it ran), outputs the library allocates poisoned with NaN."""
-    from fastsoftmax import heuristics
-
     with heuristics.force(poison=True), heuristics.recording() as plans:
         out = fn(*args, **kwargs)
     return out, plans

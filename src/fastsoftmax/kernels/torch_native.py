@@ -194,14 +194,14 @@ def native_softmax(x: torch.Tensor, dim: int, log: bool, out_dtype: torch.dtype)
         y = native_softmax(x.movedim(dim, -1).contiguous(), x.dim() - 1, log, out_dtype)
         return y.movedim(-1, dim).contiguous()
     low_log = log and x.dtype in dtypes.LOW and _last(x, dim)
+    long = out_dtype == x.dtype and _long_fp32(x, dim)  # (fp32 in and out: computed in fp64)
     if log and out_dtype == torch.float64:  # the reference's formula (see above)
         y = softmax_torch(x, dim, True, out_dtype)[0]
-    elif out_dtype == x.dtype and not low_log and not _long_fp32(x, dim):
+    elif out_dtype == x.dtype and not low_log and not long:
         y = torch._log_softmax(x, dim, False) if log else torch._softmax(x, dim, False)
     elif _WIDER[out_dtype] > _WIDER[x.dtype] and not low_log:  # x converted exactly, computed in out_dtype
         y = torch.log_softmax(x, dim, dtype=out_dtype) if log else torch.softmax(x, dim, dtype=out_dtype)
     else:  # computed in fp32 (fp64 where either is, or for long fp32 rows), rounded once
-        long = _long_fp32(x, dim) and out_dtype is torch.float32
         wide = torch.float64 if torch.float64 in (x.dtype, out_dtype) or long else torch.float32
         if _last(x, dim) and x.numel() > CHUNK:
             y = _rows_wide(x, dim, log, out_dtype, wide)

@@ -82,9 +82,10 @@ def _sweep(x, weight, bias, t, cw, o, backend, memory, design, wants, g=None, st
     else empty. Backward (``stats`` given, ``g`` the upstream gradient): returns (dx, dw, db); ``fused``: the
     forward ran lce_fused (its logits are made alike here), else the backward never does."""
     n, v = x.shape[0], weight.shape[0]
-    x, weight, bias = values(x), values(weight), values(bias)  # (lce_fused's kernels read memory, not views)
-    if bias is not None and bias.stride(0) != 1:
-        bias = bias.contiguous()  # (lce_fused's kernels index it densely)
+    # what the kernels read: memory, not lazily negated views; the bias and class weights indexed densely
+    x, weight, bias, t, cw = values(x), values(weight), values(bias), values(t), values(cw)
+    bias = bias.contiguous() if bias is not None and bias.stride(0) != 1 else bias
+    cw = cw.contiguous() if cw is not None else None
     forward = stats is None
     wide = dtypes.wide(x.dtype)
     loss_impl = _loss_impl(x, backend) if n else TorchSteps
@@ -180,10 +181,9 @@ def _lce(
     if why := storage_problem(x, weight, target, bias, class_weight):
         raise RuntimeError(f"linear_cross_entropy: {why}")
     wants = _wants(want_x, want_w, want_b, bias)
-    cw = values(class_weight).contiguous() if class_weight is not None else None  # (the kernels index it densely)
     with selected(x):
-        t = values(target)
-        return _sweep(x, weight, bias, t, cw, o, backend, memory, design, wants, out_dtype=out_dtype, skip=skip_eps)
+        return _sweep(x, weight, bias, target, class_weight, o, backend, memory, design, wants, out_dtype=out_dtype,
+                      skip=skip_eps)  # fmt: skip
 
 
 def _lce_fake(x, weight, target, bias, class_weight, ii, reduction, eps, cap, zl, memory, backend, design, *rest):
@@ -340,9 +340,8 @@ def _lce_backward(
     wide = stats.dtype
     grad = values(grad)
     g = grad.reshape(-1).to(wide).contiguous() if reduction == "none" else grad.reshape(()).to(wide)
-    cw = values(class_weight).contiguous() if class_weight is not None else None
     with selected(x):
-        return _sweep(x, weight, bias, values(target), cw, o, backend, memory, "lce_recompute",
+        return _sweep(x, weight, bias, target, class_weight, o, backend, memory, "lce_recompute",
                       _wants(want_x, want_w, want_b, bias), g, values(stats), fused=fused)  # fmt: skip
 
 
