@@ -101,8 +101,8 @@ def _sweep(x, weight, bias, t, cw, o, backend, memory, design, wants, g=None, st
     sliced = k.name == "triton" and lay != rules.ROWS
     if skip and x.is_cuda and torch.cuda.is_current_stream_capturing():
         raise RuntimeError("linear_cross_entropy: skip_eps synchronises with the host: not in a CUDA graph")
-    if forward:
-        stats = torch.empty(n + 3, dtype=wide, device=x.device)
+    if forward:  # (each row's logsumexp in fp64: its max plus the log of its sum, exact; the kernels split it)
+        stats = torch.empty(n + 3, dtype=torch.float64, device=x.device)
         rows_loss = torch.empty(n, dtype=wide, device=x.device)
         rows_z = torch.empty(n, dtype=wide, device=x.device)  # (unread without a z-loss on the Triton path)
         if heuristics.poisoning():
@@ -191,11 +191,10 @@ def _lce_fake(x, weight, target, bias, class_weight, ii, reduction, eps, cap, zl
     n = x.shape[0]
     grads = design == "lce_chunked"
     loss = x.new_empty(target.shape if reduction == "none" else (), dtype=out_dtype)
-    stat = dtypes.wide(x.dtype)
     dx = x.new_empty(x.shape if grads and want_x else (0,))
     dw = weight.new_empty(weight.shape if grads and want_w else (0,))
     db = weight.new_empty((weight.shape[0],) if grads and want_b and bias is not None else (0,))
-    return loss, torch.empty_like(loss), x.new_empty((n + 3,), dtype=stat), dx, dw, db
+    return loss, torch.empty_like(loss), x.new_empty((n + 3,), dtype=torch.float64), dx, dw, db
 
 
 def _lce_setup(ctx, inputs, output):
@@ -337,7 +336,7 @@ def _lce_backward(
     """lce_recompute's backward: (dx, dw, db) for ``grad``, the loss's upstream gradient (empty where not
     wanted); ``fused``: the forward ran lce_fused (the logits made again as it made them)."""
     o = options.Loss(ignore_index, reduction, label_smoothing, softcap, z_loss)
-    wide = stats.dtype
+    wide = dtypes.wide(x.dtype)
     grad = values(grad)
     g = grad.reshape(-1).to(wide).contiguous() if reduction == "none" else grad.reshape(()).to(wide)
     with selected(x):

@@ -9,6 +9,7 @@ import math
 import torch
 
 from .. import heuristics
+from ..core import dtypes
 from ..heuristics import lm_head as rules
 from ..kernels.torch_loss import chunk_logits, tile_grads
 
@@ -28,8 +29,9 @@ def sliced_sweep(x, weight, bias, k, stats, rows_loss, rows_z, g, forward, grads
     rows, cols = rules.slice_plan(n, d, v, x.element_size(), memory, skip > 0)
     loss_step, grads_step = k.slices(cols, x.element_size())
     buf = torch.empty(rows * cols, dtype=x.dtype, device=x.device) if grads or not fused else None
-    run = torch.empty(3 * rows, dtype=stats.dtype, device=x.device) if forward and not fused else None
-    acc = torch.empty((rows, d), dtype=stats.dtype, device=x.device) if grads and wants[0] else None
+    wide = dtypes.wide(x.dtype)  # (dx's sums; the running numbers in fp64, as the stats: the lse exact)
+    run = torch.empty(3 * rows, dtype=torch.float64, device=x.device) if forward and not fused else None
+    acc = torch.empty((rows, d), dtype=wide, device=x.device) if grads and wants[0] else None
     dw = torch.empty(weight.shape, dtype=weight.dtype, device=x.device) if grads and wants[1] else None  # (n > 0)
     if heuristics.poisoning():  # (tests: every element must be written before it is read)
         for buffer in (acc, dw):
@@ -39,7 +41,7 @@ def sliced_sweep(x, weight, bias, k, stats, rows_loss, rows_z, g, forward, grads
         dw.zero_()  # (a slice skipped by every group: no GEMM writes it)
     gather = int(rows * rules.GATHER_SHARE) * d if skip and grads else 0  # (a skip's gathered rows, reused)
     xs_buf = torch.empty(gather, dtype=x.dtype, device=x.device) if gather else None
-    part_buf = torch.empty(gather, dtype=stats.dtype, device=x.device) if gather and acc is not None else None
+    part_buf = torch.empty(gather, dtype=wide, device=x.device) if gather and acc is not None else None
 
     def cut(v0: int, v1: int) -> tuple:
         """Classes v0 to v1's rows of the weight, bias, dW and db (None where there is none)."""

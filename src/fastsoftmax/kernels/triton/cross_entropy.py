@@ -32,7 +32,7 @@ from ...heuristics import poisoning
 from ...heuristics.device import selected
 from .. import launch as fastlaunch
 from .launch import launch
-from .loss_terms import dlogits, row_grads, row_terms, store_lse
+from .loss_terms import dlogits, row_grads, row_terms, split_lse, store_lse
 from .rows import LN2, merge_stats, row_max_sum, safe_max, softcapped
 
 
@@ -75,7 +75,8 @@ def ce_fwd(
     weights and wsum_ptr their sum (WEIGHT; the sum only read with SMOOTH). The rows' logits at x_ptr are
     the classes [col0, col0 + nc) of v: all of them (col0 = 0, nc = v, FIRST and LAST), or the LM-head loss's
     vocabulary slices, taken in order: each slice's logsumexp, target logit and (SMOOTH) sum of w_j * z_j
-    merged into the running ones at run_ptr (3 x n_rows fp32; FIRST: none yet), the outputs stored at the
+    merged into the running ones at run_ptr (3 x n_rows float64, the logsumexp exact as in the stats;
+    FIRST: none yet), the outputs stored at the
     LAST slice. PART: each row's largest z on the slice stored at part_ptr (lm_head.py's skip).
     FINISH (one program holding every row, all classes): it also does ce_finish's work, with loss_ptr and
     z_ptr as its out and zout (zout written only with ZOUT), its counts at lse_ptr + n_rows, and the rows'
@@ -96,15 +97,16 @@ def ce_fwd(
     if SOFTCAP:
         z_t = softcapped(z_t, cap)
     z_t = tl.where(here, z_t, 0.0)
-    if not FIRST:  # the running logsumexp merged with the slice's (-inf where both are)
-        m, s = merge_stats(tl.load(run_ptr + row, mask=row_ok, other=0.0), 1.0, top, sum_e)
+    if not FIRST:  # the running logsumexp (hi + lo: exact) merged with the slice's (-inf where both are)
+        hi, lo = split_lse(tl.load(run_ptr + row, mask=row_ok, other=0.0))
+        m, s = merge_stats(hi, tl.exp(lo), top, sum_e)
         m = safe_max(m)
         ls = tl.math.log2(s) * LN2
-        z_t += tl.load(run_ptr + n_rows + row, mask=row_ok, other=0.0)
+        z_t += tl.load(run_ptr + n_rows + row, mask=row_ok, other=0.0).to(tl.float32)
         if SMOOTH:
-            sum_z += tl.load(run_ptr + 2 * n_rows + row, mask=row_ok, other=0.0)
+            sum_z += tl.load(run_ptr + 2 * n_rows + row, mask=row_ok, other=0.0).to(tl.float32)
     if not LAST:
-        tl.store(run_ptr + row, m + ls, mask=row_ok)
+        store_lse(run_ptr + row, m, ls, row_ok)
         tl.store(run_ptr + n_rows + row, z_t, mask=row_ok)
         if SMOOTH:
             tl.store(run_ptr + 2 * n_rows + row, sum_z, mask=row_ok)
