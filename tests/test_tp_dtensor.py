@@ -141,6 +141,14 @@ def _dtensor_cases(rank, world):
         close(loss.full_tensor(), ref, torch.float32, f"{what}: loss")
         loss.backward()
         close(dt.grad.full_tensor(), ref_grad(ref, x64, torch.tensor(1.0), t, -100), torch.float32, f"{what}: grad")
+    # dim checked as for a plain tensor (it ran along the last dim whatever it was): out of range, not an int
+    dt = distribute_tensor(x, mesh, [Shard(1)])
+    for fn in (fs.softmax, fs.log_softmax):
+        for dim, error in ((2, IndexError), (-3, IndexError), (1.0, TypeError), (True, TypeError)):
+            with pytest.raises(error, match="dim"):
+                fn(dt, dim)
+        with pytest.raises(NotImplementedError, match="last dim"):
+            fn(dt, 0)
     # placements other than Shard on the class dim
     for placement in (Shard(0), Replicate()):
         dt = distribute_tensor(x, mesh, [placement])

@@ -63,10 +63,11 @@ def _replicate(t, mesh):
 
 
 def softmax(x, dim: int, log: bool, dtype, backend: str, fn: str):
-    """fs.softmax / fs.log_softmax of a DTensor sharded on its last dim (dim must name it)."""
+    """fs.softmax / fs.log_softmax of a DTensor sharded on its last dim (dim, checked and non-negative, must
+    name it)."""
     from torch.distributed.tensor import DTensor
 
-    if dim % max(x.ndim, 1) != x.ndim - 1:
+    if dim != max(x.ndim, 1) - 1:
         raise NotImplementedError(f"{fn}: a DTensor sharded on the classes runs along its last dim, got dim={dim}")
     group, _, _ = _class_group(fn, x, -1)
     from .. import distributed

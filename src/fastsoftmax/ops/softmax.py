@@ -35,11 +35,11 @@ def _call(x, dim, log, mask, scale, causal, dtype, backend):
     ):
         return y
     fn = "log_softmax" if log else "softmax"
+    d, _ = checks.softmax(fn, x, dim, dtype, backend)
     if type(x) not in _PLAIN and compose.is_dtensor(x) and mask is None and scale is None and not causal:
         from ..distributed import dtensor  # (sharded on the classes: fastsoftmax.distributed)
 
-        return dtensor.softmax(x, dim, log, dtype, backend, fn)
-    d, _ = checks.softmax(fn, x, dim, dtype, backend)
+        return dtensor.softmax(x, d, log, dtype, backend, fn)
     masked = (mask is not None or scale is not None or causal is not False) and checks.masked(
         fn, x, d, mask, scale, causal
     )
