@@ -51,7 +51,17 @@ def _disagreements(rank):
         ("linear_cross_entropy", "x", lambda: lce(xl.roll(r, 0), wl, tl, bl)),  # (another rank's sequence shard)
         ("linear_cross_entropy", "x another draw", lambda: lce(xl + r * torch.randn(xl.shape), wl, tl, bl)),
         ("softmax", "dtype", lambda: fsd.softmax(x.double() if r else x)),
+        # x's gradient wanted on one rank only: its backward's all-reduce would wait for the other (a hang)
+        ("softmax", "requires grad", lambda: fsd.softmax(x.detach().requires_grad_(r == 0))),
+        ("cross_entropy", "requires grad", lambda: ce(x.detach().requires_grad_(r == 0), t)),
+        ("linear_cross_entropy", "x requires grad", lambda: lce(xl.detach().requires_grad_(r == 0), wl, tl, bl)),
+        ("linear_cross_entropy", "no_grad on one rank", lambda: _grad_mode(r == 0, lce, xl.requires_grad_(), wl, tl)),
     ]
+
+
+def _grad_mode(on: bool, fn, *args):
+    with torch.set_grad_enabled(on):
+        return fn(*args)
 
 
 def _drifted(x: torch.Tensor, r: int, ulps: int = 3) -> torch.Tensor:

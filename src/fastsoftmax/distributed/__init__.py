@@ -57,14 +57,14 @@ def _no_double_backward(fn: str) -> None:
 
 class _Softmax(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, log, group, dtype, backend):
+    def forward(ctx, x, log, group, dtype, backend, grad):
         fn = "distributed.log_softmax" if log else "distributed.softmax"
         x2 = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
         if dtype == torch.float64:  # (computed in float64 then, as fs.softmax does: torch ops)
             x2 = x2.double()
-        shard_merge.agree(fn, x, x2.shape[1], x2.shape[0], group, (log, str(dtype)))
+        shard_merge.agree(fn, x, x2.shape[1], x2.shape[0], group, (log, str(dtype), grad))
         impl = shard_merge.slice_work(x2, backend)
         top, sum_e, _ = shard_merge.slice_stats(impl, x2, None, None, False)
         m, ls = shard_merge.merge_max_sum(shard_merge.gather(torch.stack([top, sum_e], -1), group))
@@ -87,7 +87,7 @@ class _Softmax(torch.autograd.Function):
         dx = shard_merge.empty_out(y.shape, ctx.x_dtype, y.device)
         if y.numel():
             impl.softmax_backward(y, dy2, s.to(m.dtype), m, ctx.log, dx)
-        return dx.reshape(dy.shape), None, None, None, None
+        return dx.reshape(dy.shape), None, None, None, None, None
 
 
 def _makes_fake() -> bool:
@@ -143,7 +143,7 @@ def softmax(
         checks.shard("distributed.softmax", x, backend, dtype=dtype)
         dispatch.loss_backend_runs("distributed.softmax", backend, x)
     _need_group("distributed.softmax", group, x)
-    return _Softmax.apply(x, False, group, dtype, backend)
+    return _Softmax.apply(x, False, group, dtype, backend, _grad(x))
 
 
 def log_softmax(
@@ -158,7 +158,7 @@ def log_softmax(
         checks.shard("distributed.log_softmax", x, backend, dtype=dtype)
         dispatch.loss_backend_runs("distributed.log_softmax", backend, x)
     _need_group("distributed.log_softmax", group, x)
-    return _Softmax.apply(x, True, group, dtype, backend)
+    return _Softmax.apply(x, True, group, dtype, backend, _grad(x))
 
 
 # ---- the losses -----------------------------------------------------------------------------------------------
@@ -169,19 +169,27 @@ def _loss_out(rows: shard_merge.Rows, ce, zr, out_dtype):
     return loss, (z if z is not None else no_z_term(loss.detach(), rows.t, rows.o.ignore_index, rows.o.reduction))
 
 
+def _grad(x) -> bool:
+    """Whether x's gradient will be asked for: part of the ranks' agreement, as the backward's all-reduce of it
+    (softmax's sums, the LM head's dx) needs every rank (a rank whose x needs none would leave it waiting)."""
+    return x.requires_grad and torch.is_grad_enabled()
+
+
 def _options_key(o, w, extra=()) -> tuple:
     return (o.ignore_index, o.reduction, o.smoothing, o.softcap, o.z_loss, w is not None, *extra)
 
 
 class _CrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, target, w, o, group, backend, out_dtype):
+    def forward(ctx, x, target, w, o, group, backend, out_dtype, grad):
         fn = "distributed.cross_entropy"
         t = flat_target(target)
         xf = x.reshape(t.shape[0], x.shape[-1])
         if xf.stride(-1) != 1:
             xf = xf.contiguous()
-        offset, v_total, w_total = shard_merge.agree(fn, x, xf.shape[1], t.shape[0], group, _options_key(o, w), w, t)
+        offset, v_total, w_total = shard_merge.agree(
+            fn, x, xf.shape[1], t.shape[0], group, _options_key(o, w, (grad,)), w, t
+        )
         checks.targets(t, v_total, o.ignore_index, fn)
         rows = shard_merge.Rows(t, o, offset, xf.shape[-1], w)
         impl = shard_merge.slice_work(xf, backend)
@@ -206,7 +214,7 @@ class _CrossEntropy(torch.autograd.Function):
             impl = shard_merge.slice_work(xf, ctx.backend, backward=True)
             o = rows.o
             impl.dlogits(xf, rows.m, rows.ls, a, b, cc, rows.code, rows.w_local, o.softcap, o.smoothing != 0, dx)
-        return dx.reshape(ctx.shape), None, None, None, None, None, None
+        return dx.reshape(ctx.shape), None, None, None, None, None, None, None
 
 
 def _loss_checks(fn, ignore_index, reduction, label_smoothing, backend, v_device, class_weight, softcap, z_loss, ret_z):
@@ -244,7 +252,7 @@ def cross_entropy(
         dispatch.loss_backend_runs(fn, backend, logits)
     _need_group(fn, group, logits, target, class_weight)
     w = class_weight.contiguous() if class_weight is not None else None
-    loss, z = _CrossEntropy.apply(logits, target, w, o, group, backend, compose.loss_dtype(logits))
+    loss, z = _CrossEntropy.apply(logits, target, w, o, group, backend, compose.loss_dtype(logits), _grad(logits))
     return (loss, z) if return_z_loss else loss
 
 
@@ -256,12 +264,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
     pay their passes over dW_r, in row groups x slices of the classes (rules.sliced decides)."""
 
     @staticmethod
-    def forward(ctx, x, weight, target, bias, w, o, group, backend, memory, out_dtype):
+    def forward(ctx, x, weight, target, bias, w, o, group, backend, memory, out_dtype, grad):
         fn = "distributed.linear_cross_entropy"
         t = flat_target(target)
         x2 = x.reshape(t.shape[0], x.shape[-1])
         n, v_local = x2.shape[0], weight.shape[0]
-        key = _options_key(o, w, (x.shape[-1],))
+        key = _options_key(o, w, (x.shape[-1], grad))
         offset, v_total, w_total = shard_merge.agree(fn, x2, v_local, n, group, key, w, t, shared=x2)
         checks.targets(t, v_total, o.ignore_index, fn)
         rows = shard_merge.Rows(t, o, offset, v_local, w)
@@ -318,7 +326,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         if need_x:
             dist.all_reduce(dx, group=ctx.group)  # (every rank's slice of the classes contributes to dx)
             dx = dx.reshape(ctx.x_shape)
-        return dx, dw, None, (db.to(bias.dtype) if need_b else None), None, None, None, None, None, None
+        return dx, dw, None, (db.to(bias.dtype) if need_b else None), None, None, None, None, None, None, None
 
 
 def _chunks_backward(x2, weight, bias, rows, coef, step, backend, dx, dw, db):
@@ -407,5 +415,5 @@ def linear_cross_entropy(
     _need_group(fn, group, x, weight, target, bias, class_weight)
     w = class_weight.contiguous() if class_weight is not None else None
     out_dtype = compose.loss_dtype(x)
-    loss, z = _LinearCrossEntropy.apply(x, weight, target, bias, w, o, group, backend, memory, out_dtype)
+    loss, z = _LinearCrossEntropy.apply(x, weight, target, bias, w, o, group, backend, memory, out_dtype, _grad(x))
     return (loss, z) if return_z_loss else loss

@@ -66,7 +66,7 @@ def _disagreement(fn: str, every: torch.Tensor, k: int = 0) -> str:
     seen = []
     for r, (_, rows_r, code, digest_r, targets_r, *_) in enumerate(every):
         like = rows_r == every[0][ROWS]
-        other = "" if digest_r == every[0][OPTIONS] else ", other options"
+        other = "" if digest_r == every[0][OPTIONS] else ", other options or requires_grad"
         other += "" if targets_r == every[0][TARGETS] or not like else ", other targets"
         other += ", another x" if another[r] and like and code == every[0][DTYPE] else ""
         seen.append(f"rank {r}: {int(rows_r)} rows of {names[int(code)]}{other}")
