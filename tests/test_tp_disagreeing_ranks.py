@@ -352,3 +352,46 @@ def test_a_dispatch_mode_on_one_rank_runs_on_every_rank(tmp_path, monkeypatch):
     cases = [f"{who} {n}" for who in ("rank 0", "both") for n in names]
     for results in got:
         assert list(results) == cases and set(results.values()) == {"right"}, results
+
+
+# ---- a rank outside the group ---------------------------------------------------------------------------------
+
+
+def _outside_the_group(rank, world, out_dir):
+    """The group holds rank 1 alone: rank 0 calls each function with it, rank 1 too (its slice the whole
+    vocabulary), and rank 1's results against the single-process fs call in float64."""
+    import fastsoftmax as fs
+    import fastsoftmax.distributed as fsd
+
+    group = dist.new_group([1])  # (every rank makes the group)
+    x, t = ce_logits(torch.float64, masked=False), targets()
+    xl, wl, bl, tl = lce_problem(torch.float64)
+    cases = {
+        "softmax": (lambda: fsd.softmax(x, group=group), lambda: fs.softmax(x)),
+        "log_softmax": (lambda: fsd.log_softmax(x, group=group), lambda: fs.log_softmax(x)),
+        "cross_entropy": (lambda: fsd.cross_entropy(x, t, group=group), lambda: fs.cross_entropy(x, t)),
+        "linear_cross_entropy": (
+            lambda: fsd.linear_cross_entropy(xl, wl, tl, bl, group=group),
+            lambda: fs.linear_cross_entropy(xl, wl, tl, bl),
+        ),
+    }
+    results = {}
+    for name, (fsd_call, fs_call) in cases.items():
+        try:
+            out = fsd_call()
+            results[name] = "right" if torch.allclose(out, fs_call(), rtol=1e-10, atol=1e-12) else "wrong"
+        except Exception as e:  # noqa: BLE001 (recorded, checked by the test)
+            results[name] = f"{type(e).__name__}: {e}"
+        _record(out_dir, rank, results)
+
+
+def test_a_rank_outside_the_group_is_refused(tmp_path, monkeypatch):
+    """A rank that is not in ``group`` gets a ValueError saying so before any collective (it raised
+    "Trying to create tensor with negative dimension -71": the group's size is -1 there); the group's own
+    rank runs as usual."""
+    r0, r1 = _run_ranks(tmp_path, monkeypatch, _outside_the_group, timeout_s=20, deadline_s=120)
+    names = ["softmax", "log_softmax", "cross_entropy", "linear_cross_entropy"]
+    assert list(r0) == list(r1) == names, (r0, r1)
+    for name in names:
+        assert r0[name].startswith(f"ValueError: distributed.{name}: this rank (0) is not in the group"), r0[name]
+        assert r1[name] == "right", r1[name]

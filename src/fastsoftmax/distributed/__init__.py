@@ -129,6 +129,8 @@ def _need_group(fn: str, group, *tensors) -> None:
         )
     if not dist.is_initialized():
         raise RuntimeError(f"{fn}: torch.distributed is not initialised (init_process_group first)")
+    if group is not None and dist.get_rank(group) < 0:  # (-1: this rank is not one of the group's)
+        raise ValueError(f"{fn}: this rank ({dist.get_rank()}) is not in the group; call it on the group's ranks")
 
 
 def softmax(
