@@ -5,6 +5,7 @@ shift_labels, Gemma's softcaps, an LM-head bias, gradient checkpointing; logits 
 apply/revert/patched exactly undone; what is refused. The attention path: test_hf_attention.py; training
 and the GPU: test_hf_training.py. All of them run with --full (tests/conftest.py's FULL_ONLY)."""
 
+import importlib
 import importlib.util
 import inspect
 import types
@@ -50,6 +51,20 @@ def test_loss_and_gradients_match_unpatched(family, device, monkeypatch):
     assert_loss_close(got.loss, want.loss)
     assert_grads_close(got_g, want_g)
     fst().revert(model)
+
+
+def test_a_float64_models_loss_is_fp32(device):
+    """transformers casts the logits to fp32, so its loss is fp32 for a float64 model too; the patched loss
+    was float64. Now fp32 (computed in float64, rounded once), and the gradients float64's, closer to exact
+    than the unpatched model's, whose loss math is fp32."""
+    model = make_model("llama", device, dtype=torch.float64)
+    inputs = batch(device)
+    want, want_g = step(model, inputs)
+    with fst().patched(model):
+        got, got_g = step(model, inputs)
+    assert got.loss.dtype == want.loss.dtype == torch.float32
+    assert_loss_close(got.loss, want.loss)
+    assert_grads_close(got_g, want_g)
 
 
 def test_tied_embeddings_and_head_bias(device):
@@ -213,6 +228,35 @@ def test_patched_forward_reads_as_the_method_and_a_shallow_copy_reverts(device):
     assert "forward" not in vars(clone) and clone.forward.__func__ is cls.forward
     assert "forward" in vars(model)
     fst().revert(model)
+
+
+def test_data_parallel_replicas_run_their_own_weights(device, monkeypatch):
+    """nn.DataParallel's replicate() (which the Trainer applies on several GPUs without torchrun) copies each
+    module's __dict__: a patched replica ran the original model's forward, its weights on the replica's
+    inputs. Here replicate() runs on the CPU, its broadcast making scaled copies (as another device's weights
+    would differ): the patched replica's loss is the unpatched replica's, through the fused loss, and
+    revert() leaves nothing of the hook."""
+    rep = importlib.import_module("torch.nn.parallel.replicate")  # (the package's name for it is the function)
+
+    monkeypatch.setattr(rep, "_get_device_index", lambda d, optional=False: d)
+
+    def scaled(tensors, devices, detach=False):  # (one copy of every tensor per "device")
+        return [[t.detach() * 0.5 if detach else t * 0.5 for t in tensors] for _ in devices]
+
+    monkeypatch.setattr(rep, "_broadcast_coalesced_reshape", scaled)
+    inputs = batch(device)
+    with torch.no_grad():
+        want = rep.replicate(make_model("llama", device), [0, 1])[1](**inputs).loss
+        model = fst().apply(make_model("llama", device))
+        original = model(**inputs).loss
+        replica = rep.replicate(model, [0, 1])[1]
+        calls = Calls(monkeypatch)
+        got = replica(**inputs)
+    assert replica.forward.__self__ is replica and len(calls.lce) == 1 and got.logits is None
+    assert_loss_close(got.loss, want)
+    assert not torch.allclose(got.loss, original)  # (the replica's weights differ from the model's)
+    fst().revert(model)
+    assert "_replicate_for_data_parallel" not in vars(model) and "forward" not in vars(model)
 
 
 def test_revert_under_a_later_wrapper(device, monkeypatch):

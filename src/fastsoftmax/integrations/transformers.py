@@ -8,8 +8,8 @@
     with fst.patched(model): ...              # apply, then revert on exit
 
 The loss (``loss=True``). ``model.forward`` becomes an attribute of the instance (the class, and every other
-model in the process, keep theirs). A call takes the fused path when it has ``labels`` and the model is in
-training mode (``model.training``), or when it passes ``return_logits=False``: the decoder runs as the
+model in the process, keep theirs). A call takes the fused path when it has ``labels`` and either the model is
+in training mode (``model.training``) or it passes ``return_logits=False``: the decoder runs as the
 model's own forward runs it, then the loss is ``fs.linear_cross_entropy(final hidden states, lm_head.weight,
 shifted labels, lm_head.bias)`` and the output's ``logits`` is None, as the full logits are never built.
 Every other call (no labels, eval mode, ``return_logits=True``) is the model's own forward, unchanged:
@@ -24,8 +24,9 @@ transformers' ForCausalLMLoss semantics:
   Gemma 2 and 3; another family's config may carry the key, and is not capped); the head's weight is used
   whatever it is tied to, and its bias if it has one; ``logits_to_keep`` slices the hidden states as it
   slices the logits;
-- the loss is fp32, as transformers upcasts the logits: a 16-bit model's loss is computed under autocast to
-  its own dtype (no cast of any input), for which the library returns an fp32 loss.
+- the loss is fp32, as transformers casts the logits to fp32: a 16-bit model's loss is computed under
+  autocast to its own dtype (no cast of any input), for which the library returns an fp32 loss; a float64
+  model's in float64, then rounded to fp32 (its gradients keep float64's precision).
 The output is the model's own class (CausalLMOutputWithPast, GPT-2's CausalLMOutputWithCrossAttentions) with
 past_key_values, hidden_states and attentions from the decoder; ``return_dict=False`` gives its tuple in
 transformers' positions: (loss, None for the logits, then the other entries that are not None). Gradient
@@ -119,6 +120,26 @@ class _Forward:
         return inspect.signature(types.MethodType(self.__func__, self.__self__))
 
 
+class _Replicate:
+    """model._replicate_for_data_parallel after apply(), nn.Module's hook that torch.nn.parallel.replicate
+    (nn.DataParallel, which the Trainer applies by itself on several GPUs without torchrun) calls on every
+    module: the class's replica, which copies the model's __dict__, then given a forward of its own (the
+    copied one is bound to the model: each replica would run the original's weights on its device's inputs)."""
+
+    def __init__(self, model, cls: type):
+        self.__self__, self._cls = model, cls
+
+    def __call__(self):
+        replica = type(self.__self__)._replicate_for_data_parallel(self.__self__)
+        if type(vars(replica).get("forward")) is _Forward:  # (a wrapper set after apply() is left as it is)
+            replica.__dict__["forward"] = _Forward(replica, self._cls)
+        replica.__dict__["_replicate_for_data_parallel"] = _Replicate(replica, self._cls)
+        return replica
+
+    def __reduce__(self):
+        return _Replicate, (self.__self__, self._cls)
+
+
 def _transformers():
     """The transformers package, or an ImportError that says how to install it."""
     try:
@@ -195,7 +216,7 @@ def causal_lm_loss(
         if torch.is_tensor(num_items_in_batch):
             num_items_in_batch = num_items_in_batch.to(loss.device)
         loss = loss / num_items_in_batch
-    return loss
+    return loss.float()  # (fp32 for a float64 model too: transformers' loss is of fp32 logits)
 
 
 def _memory(memory: int | None, weight: torch.Tensor) -> int:
@@ -388,6 +409,7 @@ def apply(model, *, loss: bool = True, attention_softmax: bool = False, memory: 
         state.attention_before = before
     if loss:
         model.forward = _Forward(model, cls)
+        model._replicate_for_data_parallel = _Replicate(model, cls)
     setattr(model, _STATE, state)
     return model
 
@@ -434,6 +456,8 @@ def revert(model):
     if state is None:
         raise ValueError("fastsoftmax.revert: this model is not patched (apply() was not called, or revert() was)")
     delattr(model, _STATE)
+    if type(vars(model).get("_replicate_for_data_parallel")) is _Replicate:
+        del model._replicate_for_data_parallel
     if state.cls is not None:
         current = vars(model).get("forward")
         if type(current) is _Forward and current._cls is state.cls:  # (also a shallow copy's: the original's)
