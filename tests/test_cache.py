@@ -146,6 +146,24 @@ def test_cache_directory_paths(tmp_path, monkeypatch):
         assert cache.directory() is None
 
 
+def test_a_relative_or_home_cache_dir_stays_put(tmp_path, monkeypatch):
+    """A relative FASTSOFTMAX_CACHE_DIR named a cache per working directory (entries missed after a chdir, a
+    new directory in each); it is now taken from where the process first read it. ~ is expanded (it made a
+    directory named ~)."""
+    for sub in ("a", "b", "home"):
+        (tmp_path / sub).mkdir()
+    monkeypatch.setattr(cache, "_pinned", {}, raising=False)  # (a fresh process: nothing pinned yet)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path / "a")
+    monkeypatch.setenv("FASTSOFTMAX_CACHE_DIR", "rel/cache")
+    assert cache.root() == tmp_path / "a" / "rel" / "cache"
+    monkeypatch.chdir(tmp_path / "b")
+    assert cache.root() == tmp_path / "a" / "rel" / "cache"
+    assert cache.directory() == tmp_path / "a" / "rel" / "cache" and not (tmp_path / "b" / "rel").exists()
+    monkeypatch.setenv("FASTSOFTMAX_CACHE_DIR", "~/fs-cache")
+    assert cache.root() == tmp_path / "home" / "fs-cache"
+
+
 @pytest.mark.skipif(not ROOT, reason="needs root, to give a file to another user")
 def test_entries_of_another_user_are_refused(cdir):
     cache.store("a.bin", b"x")

@@ -1,7 +1,8 @@
 """The on-disk cache of built artefacts (the CUDA backend's cubins, the launch helper's shared library):
 private to the user, written atomically, verified when read.
 
-Directory: $FASTSOFTMAX_CACHE_DIR, else $XDG_CACHE_HOME/fastsoftmax/cuda, else ~/.cache/fastsoftmax/cuda; no home
+Directory: $FASTSOFTMAX_CACHE_DIR (~ expanded; a relative one from the working directory where the process
+first read it), else $XDG_CACHE_HOME/fastsoftmax/cuda, else ~/.cache/fastsoftmax/cuda; no home
 (HOME unset and no passwd entry, as in some containers): no cache. It is created with mode 0700, and an
 existing one is used only if it is a directory owned by this user and writable by no one else. An entry is
 one file, ``<name>``: a header holding the name and the SHA-256 of the name and content, then the content.
@@ -39,10 +40,20 @@ def _home_cache() -> Path | None:
         return None
 
 
+_pinned: dict[str, Path] = {}  # FASTSOFTMAX_CACHE_DIR's values -> the absolute directory each named first
+
+
 def root() -> Path | None:
-    """The cache directory as configured (not yet created or checked), or None where there is none."""
+    """The cache directory as configured (not yet created or checked), or None where there is none. A
+    FASTSOFTMAX_CACHE_DIR with ~ is expanded, and a relative one taken from the working directory where this
+    process first read that value (not a cache per directory as the process moves)."""
     env = os.environ.get("FASTSOFTMAX_CACHE_DIR")
-    return Path(env) if env else _home_cache()
+    if not env:
+        return _home_cache()
+    with _lock:
+        if env not in _pinned:
+            _pinned[env] = Path(os.path.abspath(os.path.expanduser(env)))
+        return _pinned[env]
 
 
 def _owned_privately(st: os.stat_result) -> str | None:
