@@ -117,7 +117,7 @@ def _grad(ctx, grad_loss, _grad_z, _grad_stats):
     logits, target, class_weight, stats = ctx.saved_tensors
     if grad_loss is None:
         return (None,) * 10
-    if torch.is_grad_enabled() or compose.transformed():  # create_graph=True: torch ops, differentiable
+    if compose.torch_backward(grad_loss):  # create_graph=True, torch.func, batched grads: torch ops
         dx = dlogits_differentiable(logits, target, class_weight, stats, grad_loss, *ctx.opts)
     else:
         args = (logits, target, class_weight, stats, grad_loss, *ctx.opts, ctx.backend)

@@ -212,7 +212,7 @@ def _lce_grad(ctx, grad_loss, *_):
     need = ctx.needs_input_grad
     if grad_loss is None:
         return (None,) * 18
-    if torch.is_grad_enabled() or compose.transformed():  # create_graph=True: torch ops, differentiable again
+    if compose.torch_backward(grad_loss):  # create_graph=True, torch.func, batched grads: torch ops
         return _composite_grads(ctx, grad_loss, x, weight, target, bias, class_weight)
     made = (not need[0] or dx.shape == x.shape) and (not need[1] or dw.shape == weight.shape)
     made = made and (not need[3] or bias is None or db.shape == bias.shape)  # (by the forward: lce_chunked's)

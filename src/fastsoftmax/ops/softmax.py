@@ -215,12 +215,6 @@ class LogSoftmax(Softmax):
 # Their arguments are checked (by the public functions above); dim is non-negative and dtype the output's.
 
 
-def differentiable() -> bool:
-    """Whether a backward must itself be differentiable: create_graph=True, or a torch.func transform (whose
-    tensors the kernels cannot take) is active."""
-    return torch.is_grad_enabled() or compose.transformed()
-
-
 def _fake(x, dim, log, dtype, backend, *masking):
     return torch.empty_like(x, dtype=dtype or x.dtype)
 
@@ -238,7 +232,7 @@ def _setup(ctx, inputs, output):
 
 def _grad(ctx, dy):
     (y,) = ctx.saved_tensors
-    if differentiable():  # create_graph=True: a gradient of torch ops, itself differentiable
+    if compose.torch_backward(dy):  # create_graph=True, torch.func, batched grads: torch ops, differentiable
         dx = grad_torch(dy, y, ctx.dim % max(y.dim(), 1), ctx.log, ctx.x_dtype)
     else:
         dx = _call_backward(dy, y, ctx.dim, ctx.log, None, None, False, ctx.x_dtype, ctx.backend)
@@ -319,7 +313,7 @@ def _masked_grad(ctx, dy):
     f64_mask = want_mask and mask.dtype == torch.float64 and ctx.backend in ("auto", "torch")
     wide = torch.float64 in (y.dtype, dy.dtype, ctx.x_dtype) or f64_mask
     dtype = torch.float64 if wide else torch.float32
-    if differentiable():  # create_graph=True: torch ops, differentiable again
+    if compose.torch_backward(dy):  # create_graph=True, torch.func, batched grads: torch ops, differentiable
         dz = grad_torch(dy, y, ctx.dim % max(y.dim(), 1), ctx.log, dtype, mask, None, ctx.causal)
     elif not want_mask:
         dx = _call_backward(dy, y, ctx.dim, ctx.log, mask, ctx.scale, ctx.causal, ctx.x_dtype, ctx.backend)
