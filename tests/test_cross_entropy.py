@@ -351,3 +351,29 @@ def test_stats_hold_the_logsumexp_in_float64(device, backend, smoothing):
         keep = torch.arange(6) != 2
         assert (stats[:6].cpu()[keep] - ref[keep]).abs().max() < 1e-6, dtype
         assert stats[6:].tolist() == [5.0, 1.0, 5.0]
+
+
+@pytest.mark.parametrize("opts", [{}, {"label_smoothing": 0.1}, {"z_loss": 0.01}, {"softcap": 5.0}], ids=str)
+def test_masked_rows_keep_finite_gradients_under_transforms(device, opts):
+    """A kept row and an ignored row that are -inf everywhere: the gradient semantics.md gives (-g * w_t at
+    the target, smoothing's term; 0 on the ignored row) under torch.func.grad as in eager autograd, a finite
+    jvp, and finite second derivatives through create_graph. (The torch ops took log(0) of those rows'
+    sums, whose gradient 0 / 0 made every one of these NaN.)"""
+    x = torch.randn(4, 7, generator=torch.Generator().manual_seed(2)).to(device)
+    x[1] = x[2] = float("-inf")
+    t = torch.tensor([0, 3, -100, 6], device=device)
+
+    def loss(a):
+        return fs.cross_entropy(a, t, reduction="sum", **opts)
+
+    a = x.clone().requires_grad_()
+    (eager,) = torch.autograd.grad(loss(a), a)
+    # (capped, a -inf logit is -softcap: finite, and tanh's slope there is 0)
+    assert eager.isfinite().all() and (eager[1, 3] != 0) == ("softcap" not in opts) and (eager[2] == 0).all()
+    torch.testing.assert_close(torch.func.grad(loss)(x), eager)
+    _, tangent = torch.func.jvp(loss, (x,), (torch.ones_like(x),))
+    assert tangent.isfinite(), tangent
+    (g,) = torch.autograd.grad(loss(a), a, create_graph=True)
+    torch.testing.assert_close(g.detach(), eager)
+    (h,) = torch.autograd.grad((g * torch.linspace(-1, 1, g.numel(), device=device).reshape(g.shape)).sum(), a)
+    assert h.isfinite().all(), h

@@ -24,9 +24,12 @@ def _target_weight(t, keep, w, v: int, dtype):
 
 def max_log_sum(z):
     """(m, ls) per row of z: its max (max_sum_torch's, 0 where the row is all -inf) and the log of its sum of
-    exp(z - m). The logsumexp is m + ls: -inf for an all -inf row, NaN for a row holding NaN or +inf."""
+    exp(z - m). The logsumexp is m + ls: -inf for an all -inf row, NaN for a row holding NaN or +inf.
+    Differentiable to any order with finite gradients for an all -inf row (torch.func, create_graph)."""
     m, s = max_sum_torch(z)
-    return torch.where(m == float("-inf"), 0.0, m), s.log()
+    empty = s == 0  # (an all -inf row: the log of 1 there, whose gradient is 0, where log(0)'s would be 0 / 0)
+    ls = torch.where(empty, float("-inf"), torch.where(empty, 1.0, s).log())
+    return torch.where(m == float("-inf"), 0.0, m), ls
 
 
 def split_lse(lse, wide):
@@ -55,7 +58,10 @@ def loss_rows_torch(x, t, o, w=None):
         zw = z * w.to(wide) if w is not None else z
         wsum = w.to(wide).sum() if w is not None else v
         ce = (1 - o.smoothing) * ce + (o.smoothing / v) * (lse * wsum - zw.sum(-1))
-    zr = o.z_loss * lse * lse if o.z_loss else torch.zeros_like(lse)  # (no z-loss: 0, not 0 * inf on a -inf row)
+    zr = torch.zeros_like(lse)  # (no z-loss: 0, not 0 * inf on a -inf row)
+    if o.z_loss:  # (an all -inf row: inf, as the kernels', with a tangent of 0 rather than -inf * 0)
+        finite = torch.where(lse == float("-inf"), 0.0, lse)
+        zr = torch.where(lse == float("-inf"), float("inf"), o.z_loss * finite * finite)
     return torch.where(keep, ce, 0.0), torch.where(keep, zr, 0.0), m.double() + ls.double()
 
 
