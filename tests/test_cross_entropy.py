@@ -377,3 +377,27 @@ def test_masked_rows_keep_finite_gradients_under_transforms(device, opts):
     torch.testing.assert_close(g.detach(), eager)
     (h,) = torch.autograd.grad((g * torch.linspace(-1, 1, g.numel(), device=device).reshape(g.shape)).sum(), a)
     assert h.isfinite().all(), h
+
+
+def test_a_class_weight_that_requires_grad_is_refused_as_torch_refuses_it(device):
+    """The loss has no gradient for its class weights, as torch's weight= has none: a weight that requires
+    grad raises as torch's does, eager and under torch.func.grad taken in it (the eager call left w.grad
+    None silently, and torch.func computed one), and runs under no_grad or detached."""
+    x = torch.randn(4, 7, device=device)
+    t = torch.tensor([0, 3, -100, 6], device=device)
+    w = torch.rand(7, device=device).requires_grad_()
+    h, head = torch.randn(4, 5, device=device), torch.randn(7, 5, device=device)
+    calls = {
+        "torch": lambda w: F.cross_entropy(x, t, weight=w),
+        "cross_entropy": lambda w: fs.cross_entropy(x, t, class_weight=w),
+        "linear_cross_entropy": lambda w: fs.linear_cross_entropy(h, head, t, class_weight=w),
+    }
+    for name, call in calls.items():
+        match = "class_weight requires grad" if name != "torch" else "weight"
+        with pytest.raises(RuntimeError, match=match):
+            call(w)
+        with pytest.raises(RuntimeError, match=match):
+            torch.func.grad(call)(w.detach())
+        with torch.no_grad():
+            call(w)
+        assert call(w.detach()).isfinite()

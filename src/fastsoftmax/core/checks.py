@@ -233,6 +233,11 @@ def loss_extras(fn: str, logits, class_weight, softcap, z_loss, return_z_loss: b
             )
         if class_weight.device != device:
             raise ValueError(f"{fn}: class_weight is on {class_weight.device} but the logits on {device}")
+        if class_weight.requires_grad and torch.is_grad_enabled():  # (torch's weight= refuses it alike)
+            raise RuntimeError(
+                f"{fn}: class_weight requires grad, and the loss has no gradient for it (as torch's weight=); "
+                "pass class_weight.detach()"
+            )
     if softcap is not None and _number(fn, "softcap", softcap) <= 0:
         raise ValueError(f"{fn}: softcap must be None or > 0, got {softcap}")
     if _number(fn, "z_loss", z_loss) < 0:

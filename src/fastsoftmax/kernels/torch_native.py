@@ -240,7 +240,7 @@ def cross_entropy_graph(x, t, w, ignore_index: int, reduction: str, out_dtype) -
     torch's own autograd nodes (log_softmax and nll_loss in fp32, fp64 for fp64; grad_fn NllLossBackward0),
     within one chunk (CHUNK elements: beyond, torch's backward writes an M x V temporary). None past a chunk,
     or where a row's log_softmax is NaN (there torch's gradient is not the library's): the caller then runs
-    its Function. The class weights get no gradient, as on every path."""
+    its Function. The class weights never require grad here (checks.loss_extras refuses them)."""
     if x.numel() > CHUNK:
         return None
     t, w = loss_inputs(x, t, w)
