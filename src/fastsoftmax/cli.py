@@ -263,6 +263,31 @@ def _asm_cuda(args) -> int:
     return 0
 
 
+class _Usage(Exception):
+    """A bad argument found past argparse (a shape list): main() reports it as argparse does, exit status 2."""
+
+
+def _parsed(parse, text: str, *rest):
+    try:
+        return parse(text, *rest)
+    except ValueError as e:
+        raise _Usage(f"argument {'--attention' if parse is _attention else '--shapes'}: {e}") from None
+
+
+def _attention(text: str) -> tuple[int, int, int]:
+    sizes = text.split(",")
+    if len(sizes) != 3 or not all(v.isdigit() and int(v) > 0 for v in sizes):
+        raise ValueError(f"{text!r} is not B,H,S (positive integers)")
+    return int(sizes[0]), int(sizes[1]), int(sizes[2])
+
+
+def _positive(text: str) -> int:
+    value = int(text)  # (argparse reports a ValueError as an invalid value)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def bench(args) -> int:
     if args.device == "cpu":
         os.environ["TRITON_INTERPRET"] = "1"  # the Triton kernels in the interpreter (before their import)
@@ -285,16 +310,19 @@ def bench(args) -> int:
         path = args.json or ("bench/results/h200_lce.json" if device == "cuda" else None)
         memory = lce.MEMORY if args.lce_memory is None else args.lce_memory
         spread = lce.SPREAD if args.lce_spread is None else args.lce_spread
-        lce.run_lce(lce.parse_lce_shapes(args.shapes, device), impls, device, memory, path, spread=spread)
+        lce.run_lce(_parsed(lce.parse_lce_shapes, args.shapes, device), impls, device, memory, path, spread=spread)
         return 0
     if args.ce:
         impls = args.impls.split(",") if args.impls else list(b.CE_IMPLS)
-        shapes = b.CE_SUITE if args.shapes == "suite" else b.parse_shapes(args.shapes)
+        shapes = b.CE_SUITE if args.shapes == "suite" else _parsed(b.parse_shapes, args.shapes)
         b.write_json(b.run_ce(shapes, args.dtypes.split(","), impls, device, graph=args.graph == "always"), args.json)
         return 0
     if args.masked:
         impls = args.impls.split(",") if args.impls else list(b.MASKED_IMPLS)
-        shape = tuple(int(v) for v in args.attention.split(",")) if args.attention else b.ATTENTION
+        if args.shapes != "suite":
+            raise _Usage("argument --shapes: --masked takes its scores' shape from --attention B,H,S")
+        shape = _parsed(_attention, args.attention) if args.attention else b.ATTENTION
+        shape = shape if args.attention or device == "cuda" else b.CPU_ATTENTION  # (a smoke run on the CPU)
         b.write_json(b.run_masked(args.dtypes.split(","), args.passes.split(","), impls, device, shape), args.json)
         return 0
     impls = args.impls.split(",") if args.impls else list(b.IMPLS)
@@ -307,7 +335,7 @@ def bench(args) -> int:
         from fastsoftmax.heuristics import device as gpu
 
         sms = (gpu.of(torch.cuda.current_device()) if device == "cuda" else gpu.INTERPRETER).sm_count
-        shapes = b.tune_shapes(sms) if args.shapes == "suite" else b.parse_shapes(args.shapes)
+        shapes = b.tune_shapes(sms) if args.shapes == "suite" else _parsed(b.parse_shapes, args.shapes)
         doc = b.tune(shapes, args.dtypes.split(","), args.passes.split(","), device, jobs=jobs)
         if not doc["entries"]:
             print(
@@ -318,7 +346,7 @@ def bench(args) -> int:
         b.write_json(doc, args.tune)
         print(f"wrote {len(doc['entries'])} entries to {args.tune}")
         return 0
-    shapes = b.parse_shapes(args.shapes)
+    shapes = _parsed(b.parse_shapes, args.shapes)
     doc = b.run(shapes, args.dtypes.split(","), args.passes.split(","), impls, device, args.graph, jobs=jobs)
     b.write_json(doc, args.json)
     if args.plot:
@@ -339,10 +367,10 @@ def main(argv=None) -> int:
         "cuda: three_pass|warp|block|cluster|online|staged (default: the CUDA backend's own rule, without the "
         "tuning table)",
     )
-    a.add_argument("--rows", type=int, default=4096, help="rows of the (rows, n) problem the launch is planned for")
+    a.add_argument("--rows", type=_positive, default=4096, help="rows of the (rows, n) problem the launch is for")
     a.add_argument("--backward", action="store_true", help="the backward kernel")
     a.add_argument("--dtype", default="bfloat16", choices=["float16", "bfloat16", "float32"])
-    a.add_argument("--n", type=int, default=4096)
+    a.add_argument("--n", type=_positive, default=4096)
     a.add_argument("--arch", default="sm_90a")
     a.add_argument("--stage", default="ptx", choices=["ttir", "ttgir", "llir", "ptx"])
     a.add_argument("--log", action="store_true", help="log_softmax instead of softmax")
@@ -352,7 +380,7 @@ def main(argv=None) -> int:
         "--shapes",
         default="suite",
         help="suite (bench/suite.py's SUITE: 2^27-element grids, real vocabularies, few long rows, 1x4096), quick, "
-        "or MxN,MxN,...",
+        "or MxN,MxN,... (--lce: NxdxV,...)",
     )
     b.add_argument("--dtypes", default="bfloat16,float32")
     b.add_argument("--passes", default="fwd,bwd")
@@ -416,7 +444,12 @@ def main(argv=None) -> int:
         help="--lce: the logits' standard deviation (W's scale; default fastsoftmax.bench.lce.SPREAD, 1); record "
         "it in a file of its own",
     )
-    b.add_argument("--attention", default=None, metavar="B,H,S", help="--masked scores shape (default 8,16,2048)")
+    b.add_argument(
+        "--attention", default=None, metavar="B,H,S", help="--masked scores shape (default 8,16,2048; cpu: 2,2,64)"
+    )
     b.set_defaults(fn=bench)
     args = p.parse_args(argv)
-    return args.fn(args)
+    try:
+        return args.fn(args)
+    except _Usage as e:
+        sub.choices[args.cmd].error(str(e))

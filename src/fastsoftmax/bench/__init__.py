@@ -11,6 +11,7 @@ from .report import plot, print_tables, write_json
 from .suite import (
     ATTENTION,
     CE_SUITE,
+    CPU_ATTENTION,
     PEER_SLACK,
     default_jobs,
     jobs_for,
@@ -25,6 +26,7 @@ from .tuning import tune, tune_shapes
 
 __all__ = [
     "ATTENTION",
+    "CPU_ATTENTION",
     "BUILDERS",
     "CE_IMPLS",
     "CE_SUITE",

@@ -106,8 +106,10 @@ def parse_lce_shapes(spec: str, device: str) -> list[LceShape]:
         return list(LCE_SUITE if device == "cuda" else CPU_SHAPES)
     out = []
     for part in spec.split(","):
-        n, d, v = (int(s) for s in part.lower().split("x"))
-        out.append((n, d, v))
+        sizes = part.lower().split("x")
+        if len(sizes) != 3 or not all(s.isdigit() and int(s) > 0 for s in sizes):
+            raise ValueError(f"{part!r} is not NxdxV (positive integers); expected suite or NxdxV,NxdxV,...")
+        out.append((int(sizes[0]), int(sizes[1]), int(sizes[2])))
     return out
 
 
