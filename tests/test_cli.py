@@ -12,6 +12,7 @@ CASES = [
     (["bench", "--device", "cpu", "--lce", "--shapes", "4x64"], "argument --shapes: '4x64' is not NxdxV"),
     (["bench", "--device", "cpu", "--masked", "--shapes", "4x4"], "--masked takes its scores' shape from"),
     (["bench", "--device", "cpu", "--masked", "--attention", "2,2"], "argument --attention: '2,2' is not B,H,S"),
+    (["bench", "--device", "cpu", "--tune", "x.json", "--shapes", "8"], "argument --shapes: '8' is not MxN"),
     (["asm", "--n", "0"], "argument --n: must be >= 1, got 0"),
     (["asm", "--n", "-5"], "argument --n: must be >= 1, got -5"),
     (["asm", "--rows", "x"], "argument --rows: invalid"),

@@ -267,17 +267,27 @@ class _Usage(Exception):
     """A bad argument found past argparse (a shape list): main() reports it as argparse does, exit status 2."""
 
 
-def _parsed(parse, text: str, *rest):
-    try:
-        return parse(text, *rest)
-    except ValueError as e:
-        raise _Usage(f"argument {'--attention' if parse is _attention else '--shapes'}: {e}") from None
+def _shapes(text: str, form: str, named: dict) -> list:
+    """A --shapes list: a name in ``named`` (its shapes), or comma-separated sizes in ``form`` ('MxN', 'NxdxV'),
+    positive integers; else a usage error saying what was expected."""
+    if text in named:
+        return list(named[text])
+    out = []
+    for part in text.split(","):
+        got = part.lower().split("x")
+        if len(got) != form.count("x") + 1 or not all(v.isdigit() and int(v) > 0 for v in got):
+            raise _Usage(f"argument --shapes: {part!r} is not {form} (positive integers), nor {' or '.join(named)}")
+        out.append(tuple(int(v) for v in got))
+    return out
+
+
+CPU_ATTENTION = (2, 2, 64)  # bench --masked's scores on --device cpu (a smoke run), unless --attention
 
 
 def _attention(text: str) -> tuple[int, int, int]:
     sizes = text.split(",")
     if len(sizes) != 3 or not all(v.isdigit() and int(v) > 0 for v in sizes):
-        raise ValueError(f"{text!r} is not B,H,S (positive integers)")
+        raise _Usage(f"argument --attention: {text!r} is not B,H,S (positive integers)")
     return int(sizes[0]), int(sizes[1]), int(sizes[2])
 
 
@@ -310,19 +320,19 @@ def bench(args) -> int:
         path = args.json or ("bench/results/h200_lce.json" if device == "cuda" else None)
         memory = lce.MEMORY if args.lce_memory is None else args.lce_memory
         spread = lce.SPREAD if args.lce_spread is None else args.lce_spread
-        lce.run_lce(_parsed(lce.parse_lce_shapes, args.shapes, device), impls, device, memory, path, spread=spread)
+        shapes = _shapes(args.shapes, "NxdxV", {"suite": lce.LCE_SUITE if device == "cuda" else lce.CPU_SHAPES})
+        lce.run_lce(shapes, impls, device, memory, path, spread=spread)
         return 0
     if args.ce:
         impls = args.impls.split(",") if args.impls else list(b.CE_IMPLS)
-        shapes = b.CE_SUITE if args.shapes == "suite" else _parsed(b.parse_shapes, args.shapes)
+        shapes = _shapes(args.shapes, "MxN", {"suite": b.CE_SUITE})
         b.write_json(b.run_ce(shapes, args.dtypes.split(","), impls, device, graph=args.graph == "always"), args.json)
         return 0
     if args.masked:
         impls = args.impls.split(",") if args.impls else list(b.MASKED_IMPLS)
         if args.shapes != "suite":
             raise _Usage("argument --shapes: --masked takes its scores' shape from --attention B,H,S")
-        shape = _parsed(_attention, args.attention) if args.attention else b.ATTENTION
-        shape = shape if args.attention or device == "cuda" else b.CPU_ATTENTION  # (a smoke run on the CPU)
+        shape = _attention(args.attention) if args.attention else b.ATTENTION if device == "cuda" else CPU_ATTENTION
         b.write_json(b.run_masked(args.dtypes.split(","), args.passes.split(","), impls, device, shape), args.json)
         return 0
     impls = args.impls.split(",") if args.impls else list(b.IMPLS)
@@ -335,7 +345,7 @@ def bench(args) -> int:
         from fastsoftmax.heuristics import device as gpu
 
         sms = (gpu.of(torch.cuda.current_device()) if device == "cuda" else gpu.INTERPRETER).sm_count
-        shapes = b.tune_shapes(sms) if args.shapes == "suite" else _parsed(b.parse_shapes, args.shapes)
+        shapes = _shapes(args.shapes, "MxN", {"suite": b.tune_shapes(sms)})
         doc = b.tune(shapes, args.dtypes.split(","), args.passes.split(","), device, jobs=jobs)
         if not doc["entries"]:
             print(
@@ -346,7 +356,7 @@ def bench(args) -> int:
         b.write_json(doc, args.tune)
         print(f"wrote {len(doc['entries'])} entries to {args.tune}")
         return 0
-    shapes = _parsed(b.parse_shapes, args.shapes)
+    shapes = _shapes(args.shapes, "MxN", {"suite": b.SUITE, "quick": b.QUICK})
     doc = b.run(shapes, args.dtypes.split(","), args.passes.split(","), impls, device, args.graph, jobs=jobs)
     b.write_json(doc, args.json)
     if args.plot:

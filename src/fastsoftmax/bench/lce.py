@@ -100,19 +100,6 @@ class Skipped(Exception):
     """Not attempted here (a peer with GPU kernels only, on the CPU smoke run)."""
 
 
-def parse_lce_shapes(spec: str, device: str) -> list[LceShape]:
-    """ "suite" (the GPU suite; on the CPU the smoke shape) or "NxdxV,NxdxV,..."."""
-    if spec == "suite":
-        return list(LCE_SUITE if device == "cuda" else CPU_SHAPES)
-    out = []
-    for part in spec.split(","):
-        sizes = part.lower().split("x")
-        if len(sizes) != 3 or not all(s.isdigit() and int(s) > 0 for s in sizes):
-            raise ValueError(f"{part!r} is not NxdxV (positive integers); expected suite or NxdxV,NxdxV,...")
-        out.append((int(sizes[0]), int(sizes[1]), int(sizes[2])))
-    return out
-
-
 def _grads(loss_fn: Callable, seen: dict | None = None) -> Step:
     """A loss function as a step: forward, then dx and dW through autograd.grad (nothing accumulates into
     .grad between timed calls, which would add a read and write of dW per call). `seen`: the forward's plan

@@ -166,21 +166,6 @@ def measure(
     return rec
 
 
-def parse_shapes(spec: str) -> list[Shape]:
-    """ "suite", "quick" or "MxN,MxN,..."."""
-    if spec == "suite":
-        return list(SUITE)
-    if spec == "quick":
-        return list(QUICK)
-    out = []
-    for part in spec.split(","):
-        sizes = part.lower().split("x")
-        if len(sizes) != 2 or not all(s.isdigit() and int(s) > 0 for s in sizes):
-            raise ValueError(f"{part!r} is not MxN (positive integers); expected suite, quick or MxN,MxN,...")
-        out.append((int(sizes[0]), int(sizes[1])))
-    return out
-
-
 def run(
     shapes: Sequence[Shape],
     dtypes: Sequence[str],
@@ -252,7 +237,6 @@ def run(
 # ---- --masked: attention scores, softmax(scale * x + mask) -------------------------------------------------
 
 ATTENTION = (8, 16, 2048)  # (B, H, S): scores of shape (B, H, S, S), softmax over the keys
-CPU_ATTENTION = (2, 2, 64)  # (--device cpu's smoke run)
 MASKED_CASES = {  # name: (padding mask, causal); every case scales by 1/sqrt(128)
     "padding": (True, False),
     "causal": (False, True),
