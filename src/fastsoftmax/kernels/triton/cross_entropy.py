@@ -75,9 +75,9 @@ def ce_fwd(
     weights and wsum_ptr their sum (WEIGHT; the sum only read with SMOOTH). The rows' logits at x_ptr are
     the classes [col0, col0 + nc) of v: all of them (col0 = 0, nc = v, FIRST and LAST), or the LM-head loss's
     vocabulary slices, taken in order: each slice's logsumexp, target logit and (SMOOTH) sum of w_j * z_j
-    merged into the running ones at run_ptr (3 x n_rows float64, the logsumexp exact as in the stats;
-    FIRST: none yet), the outputs stored at the
-    LAST slice. PART: each row's largest z on the slice stored at part_ptr (lm_head.py's skip).
+    merged into the running ones at run_ptr (3 x n_rows float64, the logsumexp exact, as in the stats;
+    FIRST: none yet), the outputs stored at the LAST slice. PART: each row's largest z on the slice stored
+    at part_ptr (lm_head.py's skip).
     FINISH (one program holding every row, all classes): it also does ce_finish's work, with loss_ptr and
     z_ptr as its out and zout (zout written only with ZOUT), its counts at lse_ptr + n_rows, and the rows'
     logsumexp and the counts stored only with STATS."""
