@@ -3,7 +3,8 @@
 
 import pytest
 
-from fastsoftmax import cli
+import fastsoftmax.bench.lce  # noqa: F401 (imported here, not first under capsys: the bench modules bind
+from fastsoftmax import cli  # sys.stdout and sys.stderr as default arguments when they are imported)
 
 CASES = [
     (["bench", "--device", "cpu", "--shapes", "bogus"], "argument --shapes: 'bogus' is not MxN"),

@@ -267,28 +267,23 @@ class _Usage(Exception):
     """A bad argument found past argparse (a shape list): main() reports it as argparse does, exit status 2."""
 
 
+def _sizes(text: str, sep: str, form: str, arg: str, also: str = "") -> tuple:
+    """``text`` as positive integers joined by ``sep``, as many as ``form`` names ('MxN', 'NxdxV', 'B,H,S');
+    else a usage error naming ``arg`` and what was expected."""
+    got = text.lower().split(sep)
+    if len(got) != form.count(sep) + 1 or not all(v.isdigit() and int(v) > 0 for v in got):
+        raise _Usage(f"argument {arg}: {text!r} is not {form} (positive integers){also}")
+    return tuple(int(v) for v in got)
+
+
 def _shapes(text: str, form: str, named: dict) -> list:
-    """A --shapes list: a name in ``named`` (its shapes), or comma-separated sizes in ``form`` ('MxN', 'NxdxV'),
-    positive integers; else a usage error saying what was expected."""
+    """A --shapes list: a name in ``named`` (its shapes), or comma-separated sizes in ``form``."""
     if text in named:
         return list(named[text])
-    out = []
-    for part in text.split(","):
-        got = part.lower().split("x")
-        if len(got) != form.count("x") + 1 or not all(v.isdigit() and int(v) > 0 for v in got):
-            raise _Usage(f"argument --shapes: {part!r} is not {form} (positive integers), nor {' or '.join(named)}")
-        out.append(tuple(int(v) for v in got))
-    return out
+    return [_sizes(part, "x", form, "--shapes", f", nor {' or '.join(named)}") for part in text.split(",")]
 
 
 CPU_ATTENTION = (2, 2, 64)  # bench --masked's scores on --device cpu (a smoke run), unless --attention
-
-
-def _attention(text: str) -> tuple[int, int, int]:
-    sizes = text.split(",")
-    if len(sizes) != 3 or not all(v.isdigit() and int(v) > 0 for v in sizes):
-        raise _Usage(f"argument --attention: {text!r} is not B,H,S (positive integers)")
-    return int(sizes[0]), int(sizes[1]), int(sizes[2])
 
 
 def _positive(text: str) -> int:
@@ -332,7 +327,8 @@ def bench(args) -> int:
         impls = args.impls.split(",") if args.impls else list(b.MASKED_IMPLS)
         if args.shapes != "suite":
             raise _Usage("argument --shapes: --masked takes its scores' shape from --attention B,H,S")
-        shape = _attention(args.attention) if args.attention else b.ATTENTION if device == "cuda" else CPU_ATTENTION
+        shape = b.ATTENTION if device == "cuda" else CPU_ATTENTION
+        shape = _sizes(args.attention, ",", "B,H,S", "--attention") if args.attention else shape
         b.write_json(b.run_masked(args.dtypes.split(","), args.passes.split(","), impls, device, shape), args.json)
         return 0
     impls = args.impls.split(",") if args.impls else list(b.IMPLS)

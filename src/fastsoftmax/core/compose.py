@@ -42,6 +42,11 @@ def is_dtensor(t) -> bool:
     return isinstance(t, DTensor)
 
 
+def transformed() -> bool:
+    """Inside a torch.func transform or a forward-mode AD level (route() asks the same, inline)."""
+    return transforms_active() or _fwad._current_level >= 0
+
+
 # gradients batched by torch.autograd.grad(is_grads_batched=True) (jacobian(vectorize=True), gradcheck's batched
 # check): legacy vmap's tensors, which hold no memory of their own (no torch.func transform is active then)
 _legacy_batched = getattr(torch._C._functorch, "is_legacy_batchedtensor", None)
@@ -51,7 +56,7 @@ def torch_backward(*grads) -> bool:
     """Whether a backward must run in torch ops (differentiable, and batched by vmap's rules) rather than the
     kernels: create_graph=True (grad mode on in the backward), a torch.func transform or forward-mode AD, or
     a gradient batched by is_grads_batched (None entries skipped)."""
-    if torch.is_grad_enabled() or transforms_active() or _fwad._current_level >= 0:
+    if torch.is_grad_enabled() or transformed():
         return True
     return _legacy_batched is not None and any(g is not None and _legacy_batched(g) for g in grads)
 
@@ -60,7 +65,7 @@ def route(*tensors) -> str:
     """'op', 'func', 'function' or 'plain' for a call on ``tensors`` (None entries are skipped)."""
     if compiling():
         return "op"
-    if transforms_active() or _fwad._current_level >= 0:  # (a torch.func transform, or forward-mode AD)
+    if transforms_active() or _fwad._current_level >= 0:  # transformed(), inline: every call pays this
         return "func"
     if dispatch_modes() or tracing() is not None:
         return "op"
