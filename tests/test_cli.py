@@ -3,8 +3,7 @@
 
 import pytest
 
-import fastsoftmax.bench.lce  # noqa: F401 (imported here, not first under capsys: the bench modules bind
-from fastsoftmax import cli  # sys.stdout and sys.stderr as default arguments when they are imported)
+from fastsoftmax import cli
 
 CASES = [
     (["bench", "--device", "cpu", "--shapes", "bogus"], "argument --shapes: 'bogus' is not MxN"),

@@ -17,7 +17,6 @@ written after every shape, so a run cut short keeps what it measured. Peers are 
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -25,7 +24,7 @@ from typing import TextIO
 
 import torch
 
-from .report import header, write_json
+from .report import STDERR, STDOUT, header, write_json
 from .suite import copy_gbps, time_ms
 
 LceShape = tuple[int, int, int]  # (N tokens, d hidden, V vocabulary)
@@ -284,8 +283,8 @@ def run_lce(
     device: str = "cuda",
     memory: int | None = MEMORY,
     path: str | None = None,
-    out: TextIO | None = sys.stdout,
-    progress: TextIO | None = sys.stderr,
+    out: TextIO | None = STDOUT,
+    progress: TextIO | None = STDERR,
     spread: float = SPREAD,
 ) -> dict:
     """Every (shape, implementation) record as the result document (report.header's fields first); written
@@ -330,7 +329,7 @@ def _g(v: float | None, f: str) -> str:
     return "-" if v is None else format(v, f)
 
 
-def print_lce(doc: dict, out: TextIO = sys.stdout) -> None:
+def print_lce(doc: dict, out: TextIO = STDOUT) -> None:
     """A block per shape: ms, x floor, peak GB above the inputs, the three errors and the worst over torch's
     per implementation; then every error."""
     peers = ", ".join(f"{k} {v}" for k, v in doc["peers"].items() if v)

@@ -14,6 +14,20 @@ from typing import TextIO
 from .peers import PEERS, SAME_BYTES
 
 
+class _Stream:
+    """sys.stdout or sys.stderr as it is when written to: the default out and progress of the bench functions
+    (a default argument of sys.stdout itself keeps the stream of the moment its module was imported)."""
+
+    def __init__(self, name: str):
+        self._name = name
+
+    def __getattr__(self, attr: str):
+        return getattr(getattr(sys, self._name), attr)
+
+
+STDOUT, STDERR = _Stream("stdout"), _Stream("stderr")
+
+
 def header(device: str, copy: float) -> dict:
     """The fields every result document starts with: where, when, with what, and the copy bandwidth."""
     import torch
@@ -48,7 +62,7 @@ def geomean(values: Iterable[float]) -> float:
     return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
 
 
-def print_tables(doc: dict, out: TextIO = sys.stdout) -> None:
+def print_tables(doc: dict, out: TextIO = STDOUT) -> None:
     """A table per pass: GB/s per implementation (graph-replay GB/s in brackets where measured), % of copy
     for fastsoftmax auto, and its speed-up over each peer; geometric means at the end."""
     copy = doc["copy_gbps"]
@@ -121,7 +135,7 @@ def print_tables(doc: dict, out: TextIO = sys.stdout) -> None:
     )
 
 
-def print_masked(doc: dict, out: TextIO = sys.stdout) -> None:
+def print_masked(doc: dict, out: TextIO = STDOUT) -> None:
     """--masked: a row per (case, pass, dtype), GB/s per implementation, % of copy and the speed-up over torch
     for fastsoftmax auto; then every error."""
     copy, recs = doc["copy_gbps"], doc["records"]
@@ -147,7 +161,7 @@ def print_masked(doc: dict, out: TextIO = sys.stdout) -> None:
             print(f"  {r['impl']} {r['case']} {r['pass']} {r['dtype']}: {r['error']}", file=out)
 
 
-def print_ce(doc: dict, out: TextIO = sys.stdout) -> None:
+def print_ce(doc: dict, out: TextIO = STDOUT) -> None:
     """--ce: a row per (pass, dtype, shape), GB/s per implementation and % of copy for fastsoftmax; then every
     error."""
     copy, recs = doc["copy_gbps"], doc["records"]

@@ -13,7 +13,6 @@ can fill the compile caches first (warm), so that the timing process meets only 
 from __future__ import annotations
 
 import contextlib
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -22,7 +21,7 @@ from typing import TextIO
 import torch
 
 from .peers import BUILDERS, SAME_BYTES, Adapter, Thunk, ce_builder, masked_fn
-from .report import header, print_ce, print_masked, print_tables
+from .report import STDERR, STDOUT, header, print_ce, print_masked, print_tables
 
 Shape = tuple[int, int]
 
@@ -173,8 +172,8 @@ def run(
     impls: Sequence[str],
     device: str = "cuda",
     graph: str = "auto",
-    out: TextIO | None = sys.stdout,
-    progress: TextIO | None = sys.stderr,
+    out: TextIO | None = STDOUT,
+    progress: TextIO | None = STDERR,
     jobs: int = 0,
 ) -> dict:
     """Every measurement, as the JSON document (see the README's schema). jobs > 0: compile caches are
@@ -292,7 +291,7 @@ def run_masked(
     impls: Sequence[str],
     device: str = "cuda",
     shape: tuple[int, int, int] = ATTENTION,
-    out: TextIO | None = sys.stdout,
+    out: TextIO | None = STDOUT,
 ) -> dict:
     """Every (case, pass, dtype, impl) on attention scores; GB/s counts the mask bytes read."""
 
@@ -345,7 +344,7 @@ def run_ce(
     dtypes: Sequence[str],
     impls: Sequence[str],
     device: str = "cuda",
-    out: TextIO | None = sys.stdout,
+    out: TextIO | None = STDOUT,
     graph: bool = False,
 ) -> dict:
     """Forward (loss only) and forward + backward (loss, then dlogits) per implementation. GB/s: the bytes
@@ -461,7 +460,7 @@ def _worker_env() -> None:
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")  # not 16 compile processes per worker
 
 
-def warm(jobs: list[Job], workers: int, progress: TextIO | None = sys.stderr, device: str = "cuda") -> int:
+def warm(jobs: list[Job], workers: int, progress: TextIO | None = STDERR, device: str = "cuda") -> int:
     """Run every job once in `workers` spawned processes; returns how many raised."""
     if workers <= 0 or not jobs:
         return 0

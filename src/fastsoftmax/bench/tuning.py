@@ -6,13 +6,12 @@ heuristics' default there only if it also wins inside the bucket (see tune)."""
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Sequence
 from typing import TextIO
 
 import torch
 
-from .report import header
+from .report import STDERR, header
 from .suite import Shape, Unsupported, check_rows, copy_gbps, graphed, jobs_for, time_ms, warm
 
 TUNE_GRID = [1 << k for k in range(8, 21)]  # row lengths 256 .. 2^20: each measured one closes a bucket
@@ -51,7 +50,7 @@ def tune(
     dtypes: Sequence[str],
     passes: Sequence[str],
     device: str,
-    progress: TextIO | None = sys.stderr,
+    progress: TextIO | None = STDERR,
     jobs: int = 0,
 ) -> dict:
     """Measure every (backend, path) candidate per problem (CUDA-graph GPU time for few-row problems, eager
