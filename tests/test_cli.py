@@ -1,5 +1,10 @@
 """The `fastsoftmax` command's bad arguments: argparse's error (usage, a line naming the argument, exit status
-2) before any work, never a Python traceback: shape lists parsed past argparse, row lengths and counts."""
+2) before any work, never a Python traceback: shape lists parsed past argparse, row lengths and counts. And
+the streams the bench functions print to."""
+
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -28,3 +33,25 @@ def test_bad_arguments_are_usage_errors(argv, message, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err, err
+
+
+def test_default_streams_are_the_ones_at_call_time():
+    """The bench functions' default out and progress are sys.stdout and sys.stderr as they are when a
+    function writes, not when its module was imported: a program that imports them under a redirection it
+    then closes (pytest's capture did, with this file's tests before tests/test_bench.py in one process) prints where it prints now."""
+    code = """
+import contextlib, io, json, sys
+buf = io.StringIO()
+with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
+    from fastsoftmax.bench import lce, report, suite, tuning
+buf.close()
+load = lambda name: json.load(open(f"{sys.argv[1]}/bench/results/{name}.json"))
+report.print_tables(load("h200"))
+report.print_masked(load("h200_masked"))
+report.print_ce(load("h200_ce"))
+lce.print_lce(load("h200_lce"))
+print("still here")
+"""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-c", code, root], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "still here" in r.stdout, r.stderr[-2000:]
