@@ -162,6 +162,30 @@ def test_forward_returns_the_logsumexp(device):
         torch.func.vmap(lambda r: forward(r, log=True)[0])(x)
 
 
+@pytest.mark.parametrize("backend", ["auto", "torch", "triton"])
+def test_forward_logsumexp_is_fp32_under_any_default_dtype(device, backend):
+    """The logsumexp is fp32 whatever torch's default dtype, for empty inputs too (their rows' logsumexp is
+    -inf, made without a launch): it was made in the default dtype there, float64 after
+    torch.set_default_dtype(torch.float64)."""
+    from fastsoftmax.ops.softmax import forward
+
+    g, default = torch.Generator().manual_seed(5), torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        for shape, dim in (((3, 0), 1), ((0, 4), 1), ((2, 0, 3), 1), ((4, 9), 1), ((4, 9), 0)):
+            for dtype in (torch.float32, torch.bfloat16):
+                x = (torch.randn(shape, generator=g, dtype=torch.float32) * 8).to(dtype).to(device)
+                if x.numel():
+                    x[1, 2] = 90.0  # (an outlier)
+                y, lse = forward(x, dim, want_lse=True, backend=backend)
+                assert lse.dtype == torch.float32 and y.dtype == dtype, (shape, dim, lse.dtype)
+                assert lse.shape == x.shape[:dim] + x.shape[dim + 1 :]
+                ref = torch.logsumexp(x.double(), dim)  # (-inf for an empty row)
+                torch.testing.assert_close(lse.double(), ref, rtol=2e-5, atol=1e-5)
+    finally:
+        torch.set_default_dtype(default)
+
+
 def test_eager_functions_skip_argument_binding():
     """The eager-autograd Functions are ctx-first: a Function with setup_context binds its arguments through
     inspect.signature on every apply (host time on every training step); the transform Function, which

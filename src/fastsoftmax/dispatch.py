@@ -171,7 +171,7 @@ def _edges(x, dim, log, dtype, backend, impl, mask, scale, causal, want_lse):
     y = torch.empty_like(x, dtype=dtype)
     if not want_lse:
         return y
-    return y, torch.full(x.shape[:dim] + x.shape[dim + 1 :], float("-inf"), device=x.device)  # (as masked)
+    return y, torch.full(x.shape[:dim] + x.shape[dim + 1 :], float("-inf"), dtype=torch.float32, device=x.device)
 
 
 def softmax(x, dim, log, dtype, backend, mask=None, scale=None, causal=False, want_lse=False):
