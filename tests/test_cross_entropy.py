@@ -329,6 +329,48 @@ def test_float32_error_independent_of_a_common_offset(device, backend, weighted)
         assert (dx.double().cpu() - dref).abs().max() < 4e-7, c
 
 
+@pytest.mark.parametrize("backend", ["torch", "auto"])
+def test_float64_gradient_exact_at_any_offset(device, backend):
+    """float64 logits (torch ops on every device) get float64's gradient whatever their common offset, as
+    torch's x - max gives it: fs.cross_entropy (plain; class weights with smoothing; double backward) and
+    the LM-head loss. Regression: p was exp(x - lse) with the saved float64 logsumexp, which loses |max| *
+    2^-53 (at logits near 1e6 an error of 4e-11, 40x float64's tolerance; near 1e30, p = 1 across a row)."""
+    g = torch.Generator().manual_seed(8)
+    m, v = 9, 31
+    base = torch.randn(m, v, generator=g, dtype=torch.float64) * 3
+    base[1, 4] += 40.0  # (an outlier)
+    t = torch.randint(0, v, (m,), generator=g)
+    t[5] = -100
+    w = torch.rand(v, generator=g, dtype=torch.float64) + 0.5
+    for c in (0.0, 1e6, 1e8, 1e30):
+        x = base + c
+        x[3] = float("-inf")  # (a kept row, -inf everywhere: semantics.md's gradient)
+        for opts in ({}, {"class_weight": w, "label_smoothing": 0.1}):
+            x64 = x.clone().requires_grad_()
+            ref = F.cross_entropy(x64, t, reduction="sum", weight=opts.get("class_weight"),
+                                  label_smoothing=opts.get("label_smoothing", 0.0))  # fmt: skip
+            (dref,) = torch.autograd.grad(ref, x64)
+            dref[3] = 0.0
+            dref[3, t[3]] = -(w[t[3]] if opts else 1.0) * (1 - opts.get("label_smoothing", 0.0))
+            if opts:
+                dref[3] -= 0.1 / v * w
+            xg = x.to(device).requires_grad_()
+            od = {k: (a.to(device) if torch.is_tensor(a) else a) for k, a in opts.items()}
+            loss = fs.cross_entropy(xg, t.to(device), reduction="sum", backend=backend, **od)
+            (dx,) = torch.autograd.grad(loss, xg, create_graph=bool(opts))  # (torch ops' rebuilt gradient too)
+            torch.testing.assert_close(dx.detach().cpu(), dref, rtol=1e-12, atol=1e-13, msg=f"offset {c}")
+        d = 4
+        h = torch.randn(m, d, generator=g, dtype=torch.float64)
+        wt = torch.randn(v, d, generator=g, dtype=torch.float64)
+        b = (torch.randn(v, generator=g, dtype=torch.float64) + c).requires_grad_()  # (logits near c)
+        ref = F.cross_entropy(F.linear(h, wt, b), t, reduction="sum")
+        (dref,) = torch.autograd.grad(ref, b)
+        bg = b.detach().to(device).requires_grad_()
+        loss = fs.linear_cross_entropy(h.to(device), wt.to(device), t.to(device), bg, reduction="sum", backend=backend)
+        (db,) = torch.autograd.grad(loss, bg)
+        torch.testing.assert_close(db.cpu(), dref, rtol=1e-12, atol=1e-13, msg=f"LM head, offset {c}")
+
+
 @pytest.mark.parametrize("backend", ["triton", "torch", "auto"])
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])
 def test_stats_hold_the_logsumexp_in_float64(device, backend, smoothing):

@@ -116,7 +116,11 @@ def dlogits_options(x, t, lse, g_ce, g_z, o, w=None):
     z = capped(x.to(wide), o.softcap)
     lse, lo = split_lse(lse, wide)
     lse = torch.where(lse == float("-inf"), 0.0, lse)  # (a fully masked row: p = 0, its z-loss term adds 0)
-    p = (z - lse[:, None]).exp() if lo is None else ((z - lse[:, None]) - lo[:, None]).exp()
+    if lo is None:  # (a logsumexp in z's own dtype has no lower part: z - lse would lose |max| * eps, so the
+        top, ls = max_log_sum(z)  # rows' max and log-sum are made again from z, as torch's x - max)
+        p = ((z - top[:, None]) - torch.where(ls == float("-inf"), 0.0, ls)[:, None]).exp()
+    else:
+        p = ((z - lse[:, None]) - lo[:, None]).exp()
     g_ce, g_z = g_ce.to(wide), g_z.to(wide)
     t = t.long()
     keep = t != o.ignore_index
