@@ -252,6 +252,12 @@ def test_info_reports_versions_backends_and_math():
     fam = info["kernels"]["triton.softmax_fwd"]
     assert "ex2.approx" in fam["exp"] and "div.rn" in fam["division"] and "build_flags" in fam
     assert info["backends"]["torch"]["cpu"] is True
+    from fastsoftmax.kernels.triton import lm_head as lm_kernels
+
+    head = info["kernels"]["lm_head"]  # (it left out lce_fused and its three kernels)
+    assert {"lce_chunked", "lce_recompute", "lce_sliced", "lce_fused"} <= set(head["designs"])
+    assert all(getattr(lm_kernels, k).fn.__name__ == k for k in head["kernels"])  # (Triton kernels by those names)
+    assert {"lse_gemm", "lse_merge", "dlogits_gemm"} <= set(head["kernels"])
 
 
 def test_import_does_no_work():

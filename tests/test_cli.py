@@ -38,7 +38,7 @@ def test_bad_arguments_are_usage_errors(argv, message, capsys):
 def test_default_streams_are_the_ones_at_call_time():
     """The bench functions' default out and progress are sys.stdout and sys.stderr as they are when a
     function writes, not when its module was imported: a program that imports them under a redirection it
-    then closes (pytest's capture did, with this file's tests before tests/test_bench.py in one process) prints where it prints now."""
+    then closes (pytest's capture did, this file's tests before test_bench.py's) prints where it prints now."""
     code = """
 import contextlib, io, json, sys
 buf = io.StringIO()

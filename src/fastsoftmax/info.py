@@ -9,6 +9,7 @@ import torch
 
 from . import cache
 from .heuristics import CUDA_PATHS, PATHS
+from .heuristics import lm_head as lm_head_rules
 from .kernels import replay as replay_mod
 from .kernels.cuda import backend as cuda_backend
 from .kernels.triton import backend as triton_backend
@@ -57,8 +58,8 @@ KERNEL_FAMILIES = {
         "build_flags": "Triton defaults (no fast-math flag)",
     },
     "lm_head": {
-        "designs": ["lce_chunked", "lce_recompute", "lce_sliced"],
-        "kernels": ["scale_by"],
+        "designs": [*lm_head_rules.DESIGNS, lm_head_rules.SLICED, lm_head_rules.FUSED],
+        "kernels": ["scale_by", "lse_gemm", "lse_merge", "dlogits_gemm"],
         "gemms": "cuBLAS (torch.mm / addmm into a reused buffer of logits), logits in x's dtype",
         "accumulation": "dW in the weight's dtype, cuBLAS beta = 1 (one rounding per row chunk, or per row group "
         "in lce_sliced); lce_sliced's dx summed over the vocabulary slices in fp32 by cuBLAS (out_dtype), "
