@@ -381,9 +381,9 @@ def test_backward_autograd_and_public(dtype, log, m):
 
 @LOGS
 def test_backward_layouts_dtypes_and_dead_rows(log):
-    """Permuted y (dx in y's layout), dy in another layout, dy of another dtype, dtype= outputs (narrower and
-    wider), 3-d along each dim; log_softmax rows whose exps all underflow in fp32 (every y < -104) give 0,
-    rows just above keep the formula; softmax rows of y all 0 give 0."""
+    """Permuted or expanded y (dx in y's layout, torch.empty_like's), dy in another layout, dy of another
+    dtype, dtype= outputs (narrower and wider), 3-d along each dim; log_softmax rows whose exps all underflow
+    in fp32 (every y < -104) give 0, rows just above keep the formula; softmax rows of y all 0 give 0."""
     y0 = FNS[log](cpu_logits((6, 9, 33), torch.float32, 9, special=False), 0)
     dy0 = cpu_logits((6, 9, 33), torch.float32, 10, special=False)
     for y, dy, dim in (
@@ -392,6 +392,7 @@ def test_backward_layouts_dtypes_and_dead_rows(log):
         (y0, dy0.transpose(0, 2).contiguous().transpose(0, 2), 1),
         (y0.bfloat16(), dy0, 2),
         (y0.double().transpose(0, 1), dy0.transpose(0, 1), 1),
+        (y0[:1].expand(6, 9, 33), dy0, 2),  # (overlapping: read as a contiguous copy)
     ):
         for dyd, od in ((None, None), (torch.bfloat16, None), (None, torch.bfloat16), (torch.float64, None)):
             dyt = dy.to(dyd or y.dtype)

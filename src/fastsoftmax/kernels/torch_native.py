@@ -132,14 +132,9 @@ def _empty_like_layout(out: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 def _rows_wide(x: torch.Tensor, dim: int, log: bool, out_dtype: torch.dtype, wide: torch.dtype) -> torch.Tensor:
-    """softmax / log_softmax of the contiguous x along dim, whose rows lie in memory, computed in ``wide``
-    and rounded once to out_dtype, a chunk of rows at a time."""
+    """softmax / log_softmax of the contiguous x along dim, whose rows lie in memory, past one chunk (CHUNK
+    elements), computed in ``wide`` and rounded once to out_dtype, a chunk of rows at a time."""
     kernel = torch._log_softmax if log else torch._softmax
-    if x.numel() <= CHUNK:  # one chunk
-        if x.dtype == wide:
-            return kernel(x, dim, False).to(out_dtype)
-        b = x.to(wide)
-        return kernel(b, dim, False, out=b).to(out_dtype)
     n = x.shape[dim]
     y = torch.empty(x.shape, dtype=out_dtype)
     xs, ys = x.view(-1, n), y.view(-1, n)
@@ -197,8 +192,6 @@ def native_softmax(x: torch.Tensor, dim: int, log: bool, out_dtype: torch.dtype)
     long = out_dtype == x.dtype and _long_fp32(x, dim)  # (fp32 in and out: computed in fp64)
     if log and out_dtype == torch.float64:  # the reference's formula (see above)
         y = softmax_torch(x, dim, True, out_dtype)[0]
-    elif out_dtype == x.dtype and not low_log and not long:
-        y = torch._log_softmax(x, dim, False) if log else torch._softmax(x, dim, False)
     elif _WIDER[out_dtype] > _WIDER[x.dtype] and not low_log:  # x converted exactly, computed in out_dtype
         y = torch.log_softmax(x, dim, dtype=out_dtype) if log else torch.softmax(x, dim, dtype=out_dtype)
     else:  # computed in fp32 (fp64 where either is, or for long fp32 rows), rounded once
@@ -272,7 +265,7 @@ def _usual_softmax_backward(dy: torch.Tensor, y: torch.Tensor, dim: int, log: bo
 def softmax_backward_call(dy: torch.Tensor, y: torch.Tensor, dim: int, log: bool, out_dtype: torch.dtype) -> tuple:
     """(fn, args): native_softmax_backward's call for every dy and y of these shapes, strides and dtypes (and
     negation), fn(dy, y, *args), as softmax_call."""
-    if not (y.is_neg() or dy.is_neg()) and _usual_backward(dy, y, dim, out_dtype):
+    if _usual_backward(dy, y, dim, out_dtype):
         return _usual_softmax_backward, (dim, log, (underflow_first_test if log else nan_first_test)(y, dim))
     return native_softmax_backward, (dim, log, out_dtype)
 
@@ -283,9 +276,8 @@ def native_softmax_backward(
     """dx of softmax (log_softmax) from its output y with torch's CPU kernels, in out_dtype, laid out as
     torch.empty_like(y), computed in fp32 (fp64 where any of them is); 0 on fully masked rows whatever dy
     holds: for log_softmax the rows whose exps sum to 0, as on every backend; for softmax the rows of zeros
-    (a y of mixed signs that merely sums to 0, never a softmax output, gets the formula's value)."""
-    if y.is_neg() or dy.is_neg():  # (a lazily negated view: its memory is not its value)
-        y, dy = y.resolve_neg(), dy.resolve_neg()
+    (a y of mixed signs that merely sums to 0, never a softmax output, gets the formula's value). y and dy
+    hold their values in memory (no lazily negated view: dispatch.py resolves them, layout.values)."""
     if _usual_backward(dy, y, dim, out_dtype):
         return _usual_softmax_backward(dy, y, dim, log, (underflow_first_test if log else nan_first_test)(y, dim))
     if not y.is_contiguous():
@@ -300,13 +292,10 @@ def native_softmax_backward(
                                      out_dtype)  # fmt: skip
         return dx.movedim(-1, dim).contiguous()
     kernel = torch._log_softmax_backward_data if log else torch._softmax_backward_data
-    if y.dtype == dy.dtype == out_dtype:
-        dx = kernel(dy, y, dim, y.dtype)
-    else:  # computed in fp32 (fp64 where any is one) from exact conversions, rounded once
-        wide = torch.float64 if torch.float64 in (y.dtype, dy.dtype, out_dtype) else torch.float32
-        dx = kernel(dy.to(wide), y.to(wide), dim, wide).to(out_dtype)
+    # (the dtypes differ here: computed in fp32, fp64 where any is one, from exact conversions, rounded once)
+    wide = torch.float64 if torch.float64 in (y.dtype, dy.dtype, out_dtype) else torch.float32
+    dx = kernel(dy.to(wide), y.to(wide), dim, wide).to(out_dtype)
     if _any_underflow_first(y, dim) if log else _any_nan_first(dx, dim):
-        wide = torch.float64 if torch.float64 in (y.dtype, dy.dtype, out_dtype) else torch.float32
         f = y.to(wide).exp() if log else y.to(wide)
         dx.masked_fill_(f.sum(dim, keepdim=True) == 0, 0.0)
     return dx
