@@ -36,6 +36,11 @@ def test_bad_arguments(device):
         fs.softmax(x, True)
     with pytest.raises(TypeError, match="dtype"):
         fs.softmax(x, dtype=torch.int32)
+    for fn, args in ((fs.softmax, (x,)), (fs.log_softmax, (x,)), (fs.softmax_backward, (x, x))):
+        fn(*args)  # (recorded: a bad dtype= must not be replayed as dtype=None)
+        for bad in ([torch.float32], {}, 0, False, "", ()):  # (the unhashable ones raised "unhashable type",
+            with pytest.raises(TypeError, match="dtype must be None"):  # and the falsy ones replayed the call)
+                fn(*args, dtype=bad)
     with pytest.raises(TypeError, match="torch.Tensor"):
         fs.softmax([1.0, 2.0])
     with pytest.raises(ValueError, match="'auto', 'triton', 'cuda', 'torch'"):
@@ -46,8 +51,10 @@ def test_unknown_device_names_the_device(monkeypatch):
     """A device with no path (say xpu; emulated: the CPU taken off the list) raises naming it. Meta tensors
     are not that: they reach the custom ops' fake implementations (tests/test_compose.py)."""
     from fastsoftmax.core import checks
+    from fastsoftmax.kernels import replay
 
     monkeypatch.setattr(checks, "DEVICES", ("cuda",))
+    replay.clear()  # (a call on a cpu tensor of this key recorded before would replay, past the checks)
     with pytest.raises(RuntimeError, match="device 'cpu'"):
         fs.softmax(torch.randn(3, 4))
     assert fs.softmax(torch.randn(3, 4, device="meta")).is_meta

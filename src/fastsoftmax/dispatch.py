@@ -102,7 +102,8 @@ def replayed(x, dy, dim, log, dtype, backend, backward: bool):
     the checks read (each tensor's shape, strides, dtype and device, dim, the output dtype, the backend's
     name), so a call recorded under it passed them; it is the key softmax() and softmax_backward() record
     under (dim made non-negative, the output dtype autocast's). ``backward``: x is y, and ``dy`` its
-    gradient (a dy that is not a tensor is the checks' to refuse: never the forward's replay)."""
+    gradient (a dy that is not a tensor is the checks' to refuse: never the forward's replay). A dtype that is
+    not None is keyed as given: a falsy bad one (0, False, '') must reach the checks, not pass for None."""
     if type(x) is not _Tensor or type(dim) is not int:
         return None
     nd = x.dim()
@@ -111,11 +112,11 @@ def replayed(x, dy, dim, log, dtype, backend, backward: bool):
     if backward:
         if type(dy) is not _Tensor or _route(dy, x) != "plain":
             return None
-        key = _softmax_key(x, dy, dim % nd, dtype or x.dtype, log, backend)
+        key = _softmax_key(x, dy, dim % nd, x.dtype if dtype is None else dtype, log, backend)
     else:
         if _route(x) != "plain":
             return None
-        key = _softmax_key(x, None, dim % nd, dtype or softmax_dtype(x), log, backend)
+        key = _softmax_key(x, None, dim % nd, softmax_dtype(x) if dtype is None else dtype, log, backend)
     try:
         r = _lookup(key)
     except TypeError:  # (an argument that cannot be hashed: the checks' to refuse)

@@ -27,7 +27,7 @@ def softmax(fn: str, x, dim, dtype, backend) -> tuple[int, torch.dtype]:
         type(x) is torch.Tensor
         and type(dim) is int
         and x.dtype in _FLOATS
-        and (dtype is None or dtype in _FLOATS)
+        and (dtype is None or dtype in dtypes.FLOATS)  # (a tuple: an unhashable dtype= gets the checks' error)
         and type(backend) is str
         and backend in _BACKENDS
         and ((x.is_cuda and "cuda" in DEVICES) or (x.is_cpu and "cpu" in DEVICES))
