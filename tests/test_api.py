@@ -88,6 +88,40 @@ def test_errors_come_before_any_launch(device):
         assert heuristics.last_plan() is None
 
 
+LOSS_ERRORS = [  # (the loss functions' refusals of things that are not their arguments, no plan recorded)
+    ("cross_entropy", ("list", "t"), TypeError, "logits and target must be torch.Tensors"),
+    ("cross_entropy", ("x", "list"), TypeError, "logits and target must be torch.Tensors"),
+    ("cross_entropy", ("scalar", "t0"), ValueError, "need a class dim"),
+    ("cross_entropy", ("x_v0", "t"), ValueError, r"need a class dim .* got \(4, 0\)"),
+    ("linear_cross_entropy", ("list", "w", "t"), TypeError, "x must be a torch.Tensor, got list"),
+    ("linear_cross_entropy", ("h", "list", "t"), TypeError, "weight must be a torch.Tensor, got list"),
+    ("linear_cross_entropy", ("h", "w", "list"), TypeError, "target must be a torch.Tensor, got list"),
+    ("linear_cross_entropy", ("h", "w", "t", "list"), TypeError, "bias must be None or a torch.Tensor"),
+    ("linear_cross_entropy", ("scalar", "w", "t"), ValueError, "x must have a feature dim"),
+    ("linear_cross_entropy", ("h", "w_long", "t"), TypeError, "weight must be floating point, got torch.int64"),
+    ("linear_cross_entropy", ("h", "w", "t", "b_long"), TypeError, "bias must be floating point"),
+    ("linear_cross_entropy", ("h", "w_meta", "t"), ValueError, "weight is on meta but x on"),
+    ("linear_cross_entropy", ("h", "w", "t", "b_meta"), ValueError, "bias is on meta but x on"),
+]
+
+
+@pytest.mark.parametrize(
+    "fn, args, error, message", LOSS_ERRORS, ids=[f"{f}-{'-'.join(a)}" for f, a, *_ in LOSS_ERRORS]
+)
+def test_loss_argument_errors(device, fn, args, error, message):
+    g = torch.Generator().manual_seed(0)
+    values = {"list": [1.0], "scalar": torch.tensor(1.0), "t0": torch.tensor(0), "x": torch.randn(4, 8, generator=g),
+              "x_v0": torch.randn(4, 0), "t": torch.randint(0, 8, (4,), generator=g), "h": torch.randn(4, 6),
+              "w": torch.randn(8, 6), "w_long": torch.ones(8, 6, dtype=torch.long),
+              "b_long": torch.ones(8, dtype=torch.long), "w_meta": torch.empty(8, 6, device="meta"),
+              "b_meta": torch.empty(8, device="meta")}  # fmt: skip
+    values = {k: v.to(device) if isinstance(v, torch.Tensor) and not v.is_meta else v for k, v in values.items()}
+    heuristics.record(None)
+    with pytest.raises(error, match=message):
+        getattr(fs, fn)(*(values[a] for a in args))
+    assert heuristics.last_plan() is None
+
+
 def test_triton_refuses_float64_and_auto_takes_torch(device):
     x = torch.randn(3, 5, dtype=torch.float64, device=device)
     with pytest.raises(RuntimeError, match="float64 runs on backend='torch'"):
