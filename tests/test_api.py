@@ -45,6 +45,23 @@ def test_bad_arguments(device):
         fs.softmax([1.0, 2.0])
     with pytest.raises(ValueError, match="'auto', 'triton', 'cuda', 'torch'"):
         fs.softmax(x, backend="cuda-magic")
+    with pytest.raises(TypeError, match="mask must be a torch.Tensor or None, got list"):
+        fs.softmax(x, mask=[[True] * 4] * 3)
+
+
+@pytest.mark.parametrize(
+    "overrides, error, message",
+    [({"paht": "rowblock"}, TypeError, r"unknown overrides \['paht'\]"), ({"block_n": 96}, ValueError, "power of two"),
+     ({"rows": 0}, ValueError, "power of two"), ({"num_warps": 4.0}, ValueError, "power of two"),
+     ({"splits": 0}, ValueError, "positive int"), ({"min_ctas": True + 0.5}, ValueError, "positive int"),
+     ({"path": "fastest"}, ValueError, "unknown path 'fastest'")],
+)  # fmt: skip
+def test_force_refuses_what_no_launch_takes(overrides, error, message):
+    """heuristics.force, the tests' hook, refuses a misspelt override or an impossible launch shape at once
+    (a test forcing nothing would pass whatever ran) and leaves no block open."""
+    with pytest.raises(error, match=message), heuristics.force(**overrides):
+        pass
+    assert not heuristics.overridden()
 
 
 def test_unknown_device_names_the_device(monkeypatch):

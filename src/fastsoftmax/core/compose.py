@@ -129,10 +129,8 @@ def autocasting(device_type: str) -> bool:
 
 
 def autocast_linear(x, weight, bias):
-    """x, weight and bias cast to the autocast dtype where autocast is on for their device (F.linear's
-    policy: floating tensors other than float64); as given otherwise."""
-    if not autocasting(x.device.type):
-        return x, weight, bias
+    """x, weight and bias cast to the autocast dtype of x's device, where autocast is on (the caller asks,
+    autocasting()): F.linear's policy, floating tensors other than float64 cast."""
     dt = (
         torch.get_autocast_dtype(x.device.type)
         if hasattr(torch, "get_autocast_dtype")
