@@ -109,9 +109,9 @@ def row_grads(grad, kept, w_kept, reduction: str, m: int):
 
 
 def dlogits_options(x, t, lse, g_ce, g_z, o, w=None):
-    """dlogits with torch ops, in fp32 (fp64 for fp64 x), with every loss option (triton/cross_entropy.py's
-    formulas) from the rows' logsumexp (fp64, or x's wide dtype: split_lse); differentiable in x, g_ce and
-    g_z."""
+    """dlogits of whole rows x (every class: a wide lse is made again from them) with torch ops, in fp32 (fp64
+    for fp64 x), with every loss option (triton/cross_entropy.py's formulas) from the rows' logsumexp (fp64,
+    or x's wide dtype: split_lse); differentiable in x, g_ce and g_z."""
     wide = dtypes.wide(x.dtype)
     z = capped(x.to(wide), o.softcap)
     lse, lo = split_lse(lse, wide)
