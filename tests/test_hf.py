@@ -308,6 +308,15 @@ def test_refused_with_a_clear_error(device):
     with pytest.raises(ValueError, match="already replaced on this instance"):
         module.apply(model)
     assert "_fastsoftmax_patch" not in vars(model)
+    model = make_model("llama", device)
+    with pytest.raises(TypeError, match="loss and attention_softmax must be bools"):
+        module.apply(model, loss=1)
+    model.lm_head = torch.nn.utils.parametrizations.weight_norm(torch.nn.Linear(D, V, device=device))
+    with pytest.raises(ValueError, match="not a plain torch.nn.Linear"):  # (a subclass made by parametrization)
+        module.apply(model)
+    model = module.apply(make_model("llama", device))
+    with pytest.raises(TypeError, match="positional arguments but"):  # (as the unpatched forward's TypeError)
+        model(*[None] * 40)
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma2"])

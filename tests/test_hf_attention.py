@@ -1,7 +1,8 @@
 """fastsoftmax.integrations.transformers' attention path (attention_softmax=True) against eager attention on
 tiny models (tests/hf_models.py): outputs, loss and gradients with padding, sliding windows and Gemma 2's
 attention softcap, and which mask reached fs.softmax; sdpa where eager and sdpa differ (query rows that see
-no key); greedy generation with the KV cache; attn_implementation="fastsoftmax" by name; sinks refused."""
+no key); no mask over a longer static cache; greedy generation with the KV cache; attn_implementation=
+"fastsoftmax" by name; sinks refused."""
 
 import importlib.util
 
@@ -93,6 +94,23 @@ def test_generate_matches_eager(device, monkeypatch):
         inputs = {k: v for k, v in batch(device, pad=pad).items() if k != "labels"}
         torch.testing.assert_close(model.generate(**inputs, **options), eager.generate(**inputs, **options))
     assert {("bool", False), ("none", False)} <= set(calls.softmax)
+
+
+def test_attention_without_a_mask_over_a_longer_static_cache(device):
+    """No mask, causal, more key slots than queries (a static cache's prefill, should transformers pass no
+    mask): the queries see the first Sq keys bottom-right aligned, as sdpa's is_causal does, and never the
+    later slots (NaN here: empty); scaling None is the head dim's -1/2 power, and GQA heads repeat."""
+    module = torch.nn.Module()
+    module.is_causal, module.num_key_value_groups = True, 2
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 5, 8, generator=g).to(device)
+    k, v = (torch.randn(2, 2, 9, 8, generator=g).to(device) for _ in range(2))
+    k[:, :, 5:], v[:, :, 5:] = float("nan"), float("nan")
+    out, probs = fst().attention_forward(module, q, k, v, None)
+    rk, rv = (t[:, :, :5].repeat_interleave(2, 1).double() for t in (k, v))
+    want = torch.nn.functional.scaled_dot_product_attention(q.double(), rk, rv, is_causal=True)
+    torch.testing.assert_close(out.double(), want.transpose(1, 2), rtol=1e-5, atol=1e-6)  # (fp32 against fp64)
+    assert probs.shape == (2, 4, 5, 5) and (probs.triu(1) == 0).all()
 
 
 def test_attention_refuses_sinks(device):
