@@ -298,6 +298,7 @@ def test_module(device):
     no_bias = fs.LinearCrossEntropy(d, 7, device=device, dtype=torch.bfloat16)
     assert no_bias.bias is None and no_bias.weight.shape == (7, d) and no_bias.weight.dtype == torch.bfloat16
     assert fs.LinearCrossEntropy(d, 7).weight.dtype == torch.get_default_dtype()
+    assert repr(no_bias) == "LinearCrossEntropy(in_features=24, out_features=7, bias=False)"
 
     x, _, t, _ = problem(device, torch.float32, (2, 6), d, v, seed=14)
     t = torch.where(t == -100, 3, t)
@@ -362,9 +363,14 @@ def test_errors_before_launch(device):
             call()
         assert heuristics.last_plan() is sentinel, f"case {i} ran something before raising"
     for bad_option in ({"reduction": "avg"}, {"z_loss": -1.0}, {"softcap": 0.0}, {"memory": 0}, {"skip_eps": 2.0},
-                       {"backend": "cuda"}, {"return_z_loss": 1}, {"class_weight": torch.ones(8)}):  # fmt: skip
+                       {"backend": "cuda"}, {"return_z_loss": 1}, {"class_weight": torch.ones(8)},
+                       {"label_smothing": 0.1}):  # fmt: skip
         with pytest.raises((TypeError, ValueError), match="LinearCrossEntropy"):  # (at construction)
             fs.LinearCrossEntropy(8, 9, device=device, **bad_option)
+    dead = w.clone()
+    dead.untyped_storage().resize_(0)  # (elements, no storage: torch's ops refuse it too)
+    with pytest.raises(RuntimeError, match="no storage"):
+        lce(x, dead, t, b)
 
 
 def test_custom_ops_called_directly_check_their_arguments(device):
