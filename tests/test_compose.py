@@ -73,7 +73,7 @@ def test_func_transforms_softmax(device, log, dim):
 
 
 def test_func_vmap_of_grad_and_zero_dim(device):
-    """Nested transforms (vmap over grad), and a batch of 0-d tensors (softmax of a scalar is 1)."""
+    """Nested transforms (vmap over grad), a batch of 0-d tensors (softmax of a scalar is 1), and jvp of one."""
     from torch import func
 
     backend = kernel_backend(device)
@@ -83,6 +83,9 @@ def test_func_vmap_of_grad_and_zero_dim(device):
     torch.testing.assert_close(g, g_ref, rtol=1e-4, atol=1e-5)
     s = torch.tensor([1.0, float("-inf"), 3.0], device=device)
     assert func.vmap(lambda t: fs.softmax(t, 0, backend=backend))(s).tolist() == [1.0, 0.0, 1.0]
+    for log in (False, True):  # (the jvp of a 0-d input: softmax and log_softmax of a scalar are constant)
+        y, jt = func.jvp(lambda t, log=log: FNS[log](t, 0, backend=backend), (s[0],), (torch.ones_like(s[0]),))
+        assert y.item() == (0.0 if log else 1.0) and jt.item() == 0.0
 
 
 def test_func_transforms_masked(device):
