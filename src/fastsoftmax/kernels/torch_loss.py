@@ -60,8 +60,9 @@ def loss_rows_torch(x, t, o, w=None):
         ce = (1 - o.smoothing) * ce + (o.smoothing / v) * (lse * wsum - zw.sum(-1))
     zr = torch.zeros_like(lse)  # (no z-loss: 0, not 0 * inf on a -inf row)
     if o.z_loss:  # (an all -inf row: inf, as the kernels', with a tangent of 0 rather than -inf * 0)
-        finite = torch.where(lse == float("-inf"), 0.0, lse)
-        zr = torch.where(lse == float("-inf"), float("inf"), o.z_loss * finite * finite)
+        dead = lse == float("-inf")
+        finite = torch.where(dead, 0.0, lse)
+        zr = torch.where(dead, float("inf"), o.z_loss * finite * finite)
     return torch.where(keep, ce, 0.0), torch.where(keep, zr, 0.0), m.double() + ls.double()
 
 
