@@ -366,6 +366,8 @@ def test_errors_before_any_work():
         (lambda: fs.cross_entropy(x, torch.tensor([0, 1, 2]), ignore_index=-100.0), TypeError),
         (lambda: fs.cross_entropy(x, torch.tensor([0, 1, 2]), class_weight=torch.ones(3)), ValueError),
         (lambda: fs.cross_entropy(x, torch.tensor([0, 1, 2]), softcap=-1.0), ValueError),
+        (lambda: fs.cross_entropy(x, torch.tensor([0, 1, 2]), softcap=10**400), ValueError),  # (past a float)
+        (lambda: fs.cross_entropy(x, torch.tensor([0, 1, 2]), z_loss=10**400), ValueError),
         (lambda: fs.cross_entropy(x, torch.tensor([0, 1, 2]), backend="cuda"), ValueError),
     ]:
         with pytest.raises(err):

@@ -244,7 +244,7 @@ def test_errors_before_launch():
         fs.softmax(torch.randn(5), causal=True)
     with pytest.raises(TypeError, match="scale must be a Python float"):
         fs.softmax(x, scale=torch.tensor(2.0))
-    for bad in (float("nan"), float("inf"), -float("inf")):  # (every output would be NaN: a caller's bug)
+    for bad in (float("nan"), float("inf"), -float("inf"), 10**400):  # (every output NaN, or past a float)
         with pytest.raises(ValueError, match="scale must be finite"):
             fs.log_softmax(x, scale=bad)
     with pytest.raises(TypeError, match="causal must be a bool"):

@@ -83,10 +83,13 @@ def targets(t: torch.Tensor, v, ignore_index: int, fn: str = "cross_entropy", re
 
 
 def masked(fn: str, x, dim: int, mask, scale, causal) -> bool:
-    """Whether the call is masked (a mask, a scale or causal), with masking.check's errors."""
+    """Whether the call is masked (a mask, a scale or causal): scale a finite float, then masking.check's
+    errors (the mask and causal)."""
     if mask is None and scale is None and causal is False:
         return False
-    masking.check(fn, x, dim, mask, scale, causal)
+    if scale is not None:
+        _number(fn, "scale", scale)
+    masking.check(fn, x, dim, mask, causal)
     return True
 
 
@@ -208,11 +211,15 @@ def cross_entropy(logits, tgt, ignore_index, reduction, label_smoothing, backend
 
 
 def _number(fn: str, name: str, value) -> float:
+    """value as a float: a Python float or int (not a bool) that is finite as a float."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{fn}: {name} must be a float, got {type(value).__name__}")
-    if not -math.inf < value < math.inf:  # (not math.isfinite: Dynamo traces comparisons of a SymFloat)
-        raise ValueError(f"{fn}: {name} must be finite, got {value}")
-    return float(value)
+        raise TypeError(f"{fn}: {name} must be a Python float, got {type(value).__name__}")
+    if -math.inf < value < math.inf:  # (not math.isfinite: Dynamo traces comparisons of a SymFloat)
+        try:
+            return float(value)
+        except OverflowError:  # (an int past the largest float)
+            raise ValueError(f"{fn}: {name} must be finite, got an int past the largest float") from None
+    raise ValueError(f"{fn}: {name} must be finite, got {value}")
 
 
 def loss_extras(fn: str, logits, class_weight, softcap, z_loss, return_z_loss: bool = False) -> None:

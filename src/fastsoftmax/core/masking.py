@@ -20,7 +20,6 @@ where the mask's strides allow, which covers (B, 1, 1, S) padding masks, (S, S) 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -51,12 +50,9 @@ class Spec:
 NONE = Spec(0, None, None, False, (1, 1, 1), (0, 0, 0, 0), 0, 0)
 
 
-def check(fn: str, x: torch.Tensor, dim: int, mask, scale, causal) -> None:
-    """Clear errors before any launch. ``dim`` is non-negative."""
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
-        raise TypeError(f"{fn}: scale must be a Python float, got {type(scale).__name__}")
-    if scale is not None and not -math.inf < scale < math.inf:  # (not math.isfinite: Dynamo traces SymFloats)
-        raise ValueError(f"{fn}: scale must be finite, got {scale}")
+def check(fn: str, x: torch.Tensor, dim: int, mask, causal) -> None:
+    """Clear errors about the mask and causal before any launch (the scale's: core/checks.masked). ``dim``
+    is non-negative."""
     if not isinstance(causal, bool):
         raise TypeError(f"{fn}: causal must be a bool, got {type(causal).__name__}")
     if causal:
