@@ -38,6 +38,22 @@ def pytest_xdist_auto_num_workers(config):
     return max(1, min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
 
 
+@pytest.fixture(autouse=True)
+def _interpret_kept():
+    """A test that changes TRITON_INTERPRET fails, and the variable is set back: on a GPU, test_cli's in-process
+    `bench --device cpu` left it "1", and every kernel module imported after it in that process was an
+    interpreted one (9 failures in tests/test_lce_precision.py, test_portability.py and test_structure.py)."""
+    before = os.environ.get("TRITON_INTERPRET")
+    yield
+    after = os.environ.get("TRITON_INTERPRET")
+    if after != before:
+        if before is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = before
+        pytest.fail(f"the test changed TRITON_INTERPRET from {before!r} to {after!r} (use monkeypatch)")
+
+
 def pytest_runtest_teardown(item):
     """On a GPU, each test's cached blocks go back to the driver: dev/gpu_checks.sh runs 17 pytest processes
     on one card, and a process keeping what its largest test reserved (45.75 GiB seen on an H100) starved

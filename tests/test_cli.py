@@ -27,9 +27,17 @@ CASES = [
 @pytest.mark.parametrize("argv, message", CASES, ids=[" ".join(a) for a, _ in CASES])
 def test_bad_arguments_are_usage_errors(argv, message, capsys):
     """Each exits with status 2 and the message (they raised ValueError or ZeroDivisionError tracebacks, and
-    asm --n -5 printed code for a negative row length)."""
-    with pytest.raises(SystemExit) as e:
-        cli.main(argv)
+    asm --n -5 printed code for a negative row length). main sets TRITON_INTERPRET for --device cpu before
+    it finds the error: set back here (conftest's _interpret_kept; monkeypatch records no variable unset)."""
+    interpret = os.environ.get("TRITON_INTERPRET")
+    try:
+        with pytest.raises(SystemExit) as e:
+            cli.main(argv)
+    finally:
+        if interpret is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = interpret
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err, err
