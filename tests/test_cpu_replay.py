@@ -73,6 +73,33 @@ def test_a_cpu_replay_leaves_a_bad_target_to_the_full_path(monkeypatch):
     replay.clear()
 
 
+@pytest.mark.parametrize("case", ["softmax", "cross_entropy"])
+def test_a_call_during_which_a_force_opened_is_not_kept(monkeypatch, case):
+    """heuristics.force is process-wide: a block another thread opens (and may close) while a call's kernels
+    run can set the launch it records. Such a recording is not kept; the next call takes the full path and
+    is kept (the block opened and closed inside the backend's call, where the other thread's would)."""
+    from fastsoftmax import dispatch
+
+    monkeypatch.setattr(replay, "ENABLED", True)
+    replay.clear()
+    backend, name = dispatch.BACKENDS["torch"], "cross_entropy" if "cross" in case else "forward"
+    real = getattr(backend, name)
+
+    def under_a_force(*a, **k):
+        with heuristics.force(path="online"):
+            pass
+        return real(*a, **k)
+
+    monkeypatch.setattr(backend, name, under_a_force)
+    run = _cpu_cases()[case]
+    first = run()
+    assert replay.entries() == []
+    monkeypatch.setattr(backend, name, real)
+    assert torch.equal(run(), first)
+    assert [r.__name__ for r in replay.entries()] == ["torch_call"]
+    replay.clear()
+
+
 def count_calls(monkeypatch, module, name):
     calls, real = [], getattr(module, name)
     monkeypatch.setattr(module, name, lambda *a, **k: calls.append(a) or real(*a, **k))

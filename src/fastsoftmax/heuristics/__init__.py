@@ -56,6 +56,7 @@ class Plan:
 # backward on its own thread, which must obey the block too), and read back what ran (per thread).
 _state = threading.local()
 _open: list = []  # (overrides, poison) of each open force() block, the innermost last
+_opened = [0]  # force() blocks ever opened: a replay recorded while one opened is not kept (kernels/replay.py)
 
 
 @contextmanager
@@ -81,11 +82,17 @@ def force(*, poison: bool = False, **overrides):
         valid = ", ".join(dict.fromkeys(PATHS + CUDA_PATHS + LCE_DESIGNS))
         raise ValueError(f"unknown path {overrides['path']!r}; valid: {valid} (Triton: {', '.join(PATHS)})")
     entry = (overrides, poison)
+    _opened[0] += 1
     _open.append(entry)
     try:
         yield
     finally:  # (its own entry, or one equal to it: another thread's block may have opened after it)
         _open.remove(entry)
+
+
+def forces_opened() -> int:
+    """How many force() blocks have opened in this process (on any thread)."""
+    return _opened[0]
 
 
 def forced() -> dict | None:

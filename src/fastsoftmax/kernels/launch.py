@@ -255,6 +255,7 @@ class Recording:
         self.scratch = {}  # data_ptr -> (numel, dtype): workspaces (scratch())
         self.ok = True  # False: the call launched something that was not recorded (not replayable)
         self.call = None  # (fn, args, swap): the torch call a CPU tensor's call made (recorded_call())
+        self.forces = None  # heuristics.forces_opened() as the call began (replay.py's start and store)
 
 
 def recording() -> Recording | None:

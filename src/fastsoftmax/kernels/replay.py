@@ -13,7 +13,8 @@ Only plain calls are keyed (dispatch.py asks, replayable()): tensors of type tor
 CPU, FASTSOFTMAX_REPLAY not 0. A replay runs only outside heuristics.force and, on a GPU, with no launch hooks
 registered with Triton (a profiler must see every launch): it returns None otherwise, as it does where its
 launch fails, and the full path then runs. A call is kept only when every launch was a prepared one
-(launch.py) and every address has a role (an input copied into another layout has none). CPU tensors launch
+(launch.py), every address has a role (an input copied into another layout has none) and no force() block
+opened while it ran (force is process-wide: another thread's may have set its launch). CPU tensors launch
 nothing: there the torch backend's native path records the torch call it made (launch.recorded_call), and
 the replay makes that call again, without the checks and the choice before it. At most MAX_ENTRIES keys
 are kept.
@@ -105,7 +106,9 @@ def start(key):
     recording, or None. The caller then calls store(), or stop() where the call failed."""
     if key is None or len(_cache) >= MAX_ENTRIES:
         return None
-    return launch.start()
+    rec = launch.start()
+    rec.forces = heuristics.forces_opened()
+    return rec
 
 
 stop = launch.abort
@@ -137,6 +140,8 @@ def store(key, rec, inputs: tuple, outputs: tuple) -> None:
     plan = heuristics.last_plan()
     if rec is None or not rec.ok or plan is None or plan.copied:
         return
+    if rec.forces != heuristics.forces_opened():  # (another thread's force() opened meanwhile:
+        return  # it may have set the path recorded)
     if rec.call is not None:  # (CPU tensors: the torch backend's call, made again)
         if not rec.launches:
             _cache[key] = _torch_call(*rec.call, plan)
