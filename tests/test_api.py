@@ -36,6 +36,8 @@ def test_bad_arguments(device):
         fs.softmax(x, True)
     with pytest.raises(TypeError, match="dtype"):
         fs.softmax(x, dtype=torch.int32)
+    with pytest.raises(TypeError, match="got 'float32'"):  # (a string named as one: it read "got float32")
+        fs.softmax(x, dtype="float32")
     for fn, args in ((fs.softmax, (x,)), (fs.log_softmax, (x,)), (fs.softmax_backward, (x, x))):
         fn(*args)  # (recorded: a bad dtype= must not be replayed as dtype=None)
         for bad in ([torch.float32], {}, 0, False, "", ()):  # (the unhashable ones raised "unhashable type",
@@ -297,6 +299,9 @@ def test_modules(device):
     assert repr(fs.LogSoftmax(0, dtype=torch.float32, scale=0.5)) == (
         "LogSoftmax(dim=0, scale=0.5, dtype=torch.float32, backend='auto')"
     )  # (every option the module holds)
+    for kw, shown in ((dict(scale="2"), "scale='2'"), (dict(causal=1), "causal=1"), (dict(causal=None), "causal=None"),
+                      (dict(dtype="float32"), "dtype='float32'")):  # fmt: skip
+        assert shown in repr(fs.Softmax(**kw)), kw  # (as given: the first call refuses each)
     torch.testing.assert_close(m(x), torch.softmax(x, 1))
     torch.testing.assert_close(lm(x), torch.log_softmax(x, -1))
     assert isinstance(m, torch.nn.Module)

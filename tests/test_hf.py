@@ -178,7 +178,7 @@ def test_revert_restores_exactly(device):
     assert vars(model).keys() == before.keys() and "forward" not in vars(model)
     assert model.forward.__func__ is type(model).forward
     assert model.config._attn_implementation == "eager"
-    with module.patched(model, attention_softmax=True):
+    with module.patched(model, attention_softmax=True, memory=1 << 20):  # (every option apply takes)
         assert model.config._attn_implementation == "fastsoftmax" and "forward" in vars(model)
     assert vars(model).keys() == before.keys() and model.config._attn_implementation == "eager"
     with pytest.raises(ValueError, match="not patched"):

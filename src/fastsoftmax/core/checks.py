@@ -151,7 +151,7 @@ def cross_entropy_options(fn: str, ignore_index, reduction, label_smoothing, bac
 def out_dtype(fn: str, dtype) -> None:
     """dtype= of the softmax family: None or a floating dtype the library computes in."""
     if dtype is not None and dtype not in dtypes.FLOATS:
-        raise TypeError(f"{fn}: dtype must be None, {dtypes.FLOAT_NAMES}, got {dtype}")
+        raise TypeError(f"{fn}: dtype must be None, {dtypes.FLOAT_NAMES}, got {dtype!r}")
 
 
 def shard(fn: str, x, backend=None, tgt=None, dtype=None) -> None:

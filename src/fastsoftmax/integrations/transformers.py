@@ -474,9 +474,10 @@ def revert(model):
 
 
 @contextlib.contextmanager
-def patched(model, *, loss: bool = True, attention_softmax: bool = False):
-    """``with patched(model): ...`` applies the patch, yields the model, and reverts it on exit."""
-    apply(model, loss=loss, attention_softmax=attention_softmax)
+def patched(model, *, loss: bool = True, attention_softmax: bool = False, memory: int | None = None):
+    """``with patched(model): ...`` applies the patch (apply's options), yields the model, and reverts it on
+    exit."""
+    apply(model, loss=loss, attention_softmax=attention_softmax, memory=memory)
     try:
         yield model
     finally:

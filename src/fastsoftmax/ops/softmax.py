@@ -197,9 +197,10 @@ class Softmax(torch.nn.Module):
         )
 
     def extra_repr(self) -> str:
-        extra = (f", scale={self.scale}" if self.scale is not None else "") + (", causal=True" if self.causal else "")
-        extra += f", dtype={self.dtype}" if self.dtype is not None else ""
-        return f"dim={self.dim}{extra}, backend={self.backend!r}"
+        extra = f", scale={self.scale!r}" if self.scale is not None else ""
+        extra += f", causal={self.causal!r}" if self.causal is not False else ""
+        extra += f", dtype={self.dtype!r}" if self.dtype is not None else ""
+        return f"dim={self.dim!r}{extra}, backend={self.backend!r}"
 
 
 class LogSoftmax(Softmax):
