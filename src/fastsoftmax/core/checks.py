@@ -61,8 +61,9 @@ def softmax(fn: str, x, dim, dtype, backend) -> tuple[int, torch.dtype]:
 
 def targets(t: torch.Tensor, v, ignore_index: int, fn: str = "cross_entropy", readable: bool = True) -> None:
     """Raise when a target is outside [0, v) and not ignore_index (``v``: an int or a 0-d tensor), comparing
-    as int64 whatever the target's integer dtype (uint8 would wrap -100 to 156). On a GPU through
-    torch._assert_async (no host synchronisation: the error surfaces at the next synchronising call). The
+    as int64 whatever the target's integer dtype (uint8 would wrap -100 to 156). On a GPU, and traced by
+    torch.compile (a gather whose result is unused would be dropped from the graph), through
+    torch._assert_async (on a GPU no host synchronisation: the error surfaces at the next synchronising call). The
     Triton kernels make the same check on the device as they read the targets. ``readable`` False (a target
     inside a torch.func transform, which vmap may batch: no value can be read on the host): a gather that
     raises on a bad index, as torch's own loss does (on a GPU, a device-side assertion)."""
@@ -75,7 +76,7 @@ def targets(t: torch.Tensor, v, ignore_index: int, fn: str = "cross_entropy", re
             raise IndexError(f"{fn}: a target is outside [0, {int(v)}) and not ignore_index") from e
         return
     bad = ((t < 0) | (t >= v)) & (t != ignore_index)
-    if t.is_cuda:
+    if t.is_cuda or compose.compiling():
         torch._assert_async(~bad.any(), f"{fn}: a target is outside [0, V) and not ignore_index")
     elif bad.any():
         i = int(bad.nonzero()[0, 0])

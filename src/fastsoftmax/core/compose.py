@@ -9,8 +9,9 @@ Routes:
             Function with vmap and jvp rules (softmax, log_softmax), or torch ops (masked softmax, losses)
   function  eager autograd (an input requires grad): the op's eager autograd Function
   plain     everything else: dispatch.py directly
-route() asks in this order: torch.compile (op), then torch.func and forward-mode AD (func), then torch.jit.trace,
-a dispatch mode and the tensors' types (op), then autograd (function); plain otherwise.
+route() asks in this order: torch.func and forward-mode AD (func, under torch.compile too: the custom ops have no
+forward-mode rule, and torch gives their tangents as zeros), then torch.compile (op), then torch.jit.trace, a
+dispatch mode and the tensors' types (op), then autograd (function); plain otherwise.
 """
 
 from __future__ import annotations
@@ -63,10 +64,10 @@ def torch_backward(*grads) -> bool:
 
 def route(*tensors) -> str:
     """'op', 'func', 'function' or 'plain' for a call on ``tensors`` (None entries are skipped)."""
-    if compiling():
-        return "op"
     if transforms_active() or _fwad._current_level >= 0:  # transformed(), inline: every call pays this
         return "func"
+    if compiling():
+        return "op"
     if dispatch_modes() or tracing() is not None:
         return "op"
     if len(tensors) == 1:  # (the common case, unrolled)

@@ -147,8 +147,9 @@ def composite(
     a gather that raises: checks.targets)."""
     heuristics.record(heuristics.Plan("torch", "composite"))
     o = Loss(ignore_index, reduction, smoothing, softcap, z_loss)
-    # (the target as given, not t: under torch.func.grad even a reshape of a plain tensor is wrapped)
-    readable = not torch._C._functorch.is_functorch_wrapped_tensor(target)
+    # (the target as given, not t: under torch.func.grad even a reshape of a plain tensor is wrapped; not asked
+    # under torch.compile, whose Dynamo cannot trace is_functorch_wrapped_tensor: checks.targets asserts there)
+    readable = compose.compiling() or not torch._C._functorch.is_functorch_wrapped_tensor(target)
     x, t = logits.reshape(-1, logits.shape[-1]), target.reshape(-1)
     checks.targets(t, x.shape[-1], ignore_index, fn, readable)
     ce, zr, _ = loss_rows_torch(x, t, o, class_weight)
