@@ -140,8 +140,8 @@ def store(key, rec, inputs: tuple, outputs: tuple) -> None:
     plan = heuristics.last_plan()
     if rec is None or not rec.ok or plan is None or plan.copied:
         return
-    if rec.forces != heuristics.forces_opened():  # (another thread's force() opened meanwhile:
-        return  # it may have set the path recorded)
+    if rec.forces != heuristics.forces_opened():
+        return  # (a force() block opened meanwhile, on any thread: it may have set what was launched)
     if rec.call is not None:  # (CPU tensors: the torch backend's call, made again)
         if not rec.launches:
             _cache[key] = _torch_call(*rec.call, plan)
