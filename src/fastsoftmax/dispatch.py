@@ -109,18 +109,17 @@ def replayed(x, dy, dim, log, dtype, backend, backward: bool):
     nd = x.dim()
     if not -nd <= dim < nd:
         return None
-    if backward:
-        if type(dy) is not _Tensor or _route(dy, x) != "plain":
-            return None
-        key = _softmax_key(x, dy, dim % nd, x.dtype if dtype is None else dtype, log, backend)
-    else:
-        if _route(x) != "plain":
-            return None
-        key = _softmax_key(x, None, dim % nd, softmax_dtype(x) if dtype is None else dtype, log, backend)
     try:
-        r = _lookup(key)
-    except TypeError:  # (an argument that cannot be hashed: the checks' to refuse)
-        return None
+        if backward:
+            if type(dy) is not _Tensor or _route(dy, x) != "plain":
+                return None
+            r = _lookup(_softmax_key(x, dy, dim % nd, x.dtype if dtype is None else dtype, log, backend))
+        else:
+            if _route(x) != "plain":
+                return None
+            r = _lookup(_softmax_key(x, None, dim % nd, softmax_dtype(x) if dtype is None else dtype, log, backend))
+    except (TypeError, RuntimeError):  # (an argument that cannot be hashed, a sparse or nested tensor's missing
+        return None  # address or sizes: the checks' to refuse)
     if r is None:
         return None
     return r(x, dy) if backward else r(x)
@@ -284,11 +283,10 @@ def replayed_loss(logits, target, class_weight, ignore_index, reduction, label_s
         return None
     if class_weight is not None and type(class_weight) is not _Tensor:
         return None
-    key = _loss_key((logits, target, class_weight), ignore_index, reduction, label_smoothing, softcap, z_loss, backend,
-                    loss_dtype(logits), False)  # fmt: skip
     try:
-        r = _lookup(key)
-    except TypeError:  # (an argument that cannot be hashed: the checks' to refuse)
+        r = _lookup(_loss_key((logits, target, class_weight), ignore_index, reduction, label_smoothing, softcap, z_loss,
+                              backend, loss_dtype(logits), False))  # fmt: skip
+    except (TypeError, RuntimeError):  # (as replayed())
         return None
     if r is None or (out := r(logits, target) if class_weight is None else r(logits, target, class_weight)) is None:
         return None

@@ -17,15 +17,27 @@ DEVICES = ("cpu", "cuda")  # devices with a path (meta tensors: the custom ops' 
 
 
 _FLOATS = frozenset(dtypes.FLOATS)
+_STRIDED = torch.strided
 _BACKENDS = frozenset(BACKENDS)
 _I64 = (-(2**63), 2**63 - 1)  # ignore_index's range: the targets' widest dtype
 
 
-def softmax(fn: str, x, dim, dtype, backend) -> tuple[int, torch.dtype]:
-    """(dim made non-negative, output dtype)."""
+def dense(fn: str, name: str, t: torch.Tensor) -> None:
+    """t is dense: strided and not nested (sparse and nested tensors have no path; their sizes, strides or
+    addresses cannot be read as a dense tensor's)."""
+    if t.is_nested:
+        raise TypeError(f"{fn}: {name} is a nested tensor; fastsoftmax takes dense tensors (pad it to one)")
+    if t.layout is not _STRIDED:
+        raise TypeError(f"{fn}: {name} has layout {t.layout}; fastsoftmax takes dense tensors ({name}.to_dense())")
+
+
+def softmax(fn: str, x, dim, dtype, backend, name: str = "x") -> tuple[int, torch.dtype]:
+    """(dim made non-negative, output dtype); ``name``: x's in the errors (the backward's y)."""
     if (  # the common case, in few steps (a small call's host time is mostly Python's); else each check
         type(x) is torch.Tensor
         and type(dim) is int
+        and x.layout is _STRIDED
+        and not x.is_nested
         and x.dtype in _FLOATS
         and (dtype is None or dtype in dtypes.FLOATS)  # (a tuple: an unhashable dtype= gets the checks' error)
         and type(backend) is str
@@ -37,6 +49,7 @@ def softmax(fn: str, x, dim, dtype, backend) -> tuple[int, torch.dtype]:
             return dim % ndim, (dtype or x.dtype)
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{fn}: expected a torch.Tensor, got {type(x).__name__}")
+    dense(fn, name, x)
     if x.dtype not in dtypes.FLOATS:
         raise TypeError(f"{fn}: expected a floating-point tensor ({dtypes.FLOAT_NAMES}), got {x.dtype}")
     out_dtype(fn, dtype)
@@ -90,18 +103,29 @@ def masked(fn: str, x, dim: int, mask, scale, causal) -> bool:
         return False
     if scale is not None:
         _number(fn, "scale", scale)
+    if isinstance(mask, torch.Tensor):
+        dense(fn, "mask", mask)
     masking.check(fn, x, dim, mask, causal)
     return True
 
 
 def softmax_backward(fn, dy, y, dim, dtype, backend) -> tuple[int, torch.dtype]:
-    if type(dy) is torch.Tensor and type(y) is torch.Tensor and dy.dtype in _FLOATS and dy.shape == y.shape:
+    if (
+        type(dy) is torch.Tensor
+        and type(y) is torch.Tensor
+        and dy.layout is _STRIDED
+        and not dy.is_nested
+        and not y.is_nested
+        and dy.dtype in _FLOATS
+        and dy.shape == y.shape
+    ):
         # (is_cpu too: a meta tensor's is_cuda and get_device() are a cpu tensor's)
         if dy.is_cuda == y.is_cuda and dy.is_cpu == y.is_cpu and dy.get_device() == y.get_device():
-            return softmax(fn, y, dim, dtype, backend)
+            return softmax(fn, y, dim, dtype, backend, "y")
     if not isinstance(dy, torch.Tensor):
         raise TypeError(f"{fn}: expected dy to be a torch.Tensor, got {type(dy).__name__}")
-    dim, out_dtype = softmax(fn, y, dim, dtype, backend)
+    dim, out_dtype = softmax(fn, y, dim, dtype, backend, "y")
+    dense(fn, "dy", dy)
     if dy.dtype not in dtypes.FLOATS:
         raise TypeError(f"{fn}: dy must be floating point ({dtypes.FLOAT_NAMES}), got {dy.dtype}")
     if dy.shape != y.shape:
@@ -165,12 +189,15 @@ def shard(fn: str, x, backend=None, tgt=None, dtype=None) -> None:
         )
     if not isinstance(x, torch.Tensor) or x.dtype not in _FLOATS:
         raise TypeError(f"{fn}: expected a floating-point torch.Tensor shard ({dtypes.FLOAT_NAMES})")
+    dense(fn, "x", x)
     if x.dim() < 1:
         raise ValueError(f"{fn}: the shard needs the split class dim (the last)")
     if backend is not None:
         loss_backend(fn, backend)
     out_dtype(fn, dtype)
     if tgt is not None:
+        if isinstance(tgt, torch.Tensor):
+            dense(fn, "target", tgt)
         target(fn, x, tgt)
 
 
@@ -181,6 +208,10 @@ def cross_entropy(logits, tgt, ignore_index, reduction, label_smoothing, backend
     if (  # the common case, in few steps (a small call's host time is mostly Python's); else each check
         type(logits) is torch.Tensor
         and type(tgt) is torch.Tensor
+        and logits.layout is _STRIDED
+        and tgt.layout is _STRIDED
+        and not logits.is_nested
+        and not tgt.is_nested
         and logits.dtype in _FLOATS
         and tgt.dtype in _TARGETS
         and type(ignore_index) is int
@@ -201,6 +232,8 @@ def cross_entropy(logits, tgt, ignore_index, reduction, label_smoothing, backend
         return
     if not isinstance(logits, torch.Tensor) or not isinstance(tgt, torch.Tensor):
         raise TypeError("cross_entropy: logits and target must be torch.Tensors")
+    dense("cross_entropy", "logits", logits)
+    dense("cross_entropy", "target", tgt)
     if not logits.dtype.is_floating_point:
         raise TypeError(f"cross_entropy: logits must be floating point, got {logits.dtype}")
     if logits.dim() < 1 or logits.shape[-1] == 0:
@@ -233,6 +266,7 @@ def loss_extras(fn: str, logits, class_weight, softcap, z_loss, return_z_loss: b
     if class_weight is not None:
         if not isinstance(class_weight, torch.Tensor):
             raise TypeError(f"{fn}: class_weight must be None or a torch.Tensor, got {type(class_weight).__name__}")
+        dense(fn, "class_weight", class_weight)
         if not class_weight.dtype.is_floating_point:
             raise TypeError(f"{fn}: class_weight must be floating point, got {class_weight.dtype}")
         if tuple(class_weight.shape) != (v,):
@@ -266,6 +300,9 @@ def linear_cross_entropy(
             raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
     if bias is not None and not isinstance(bias, torch.Tensor):
         raise TypeError(f"{fn}: bias must be None or a torch.Tensor, got {type(bias).__name__}")
+    for name, t in (("x", x), ("weight", weight), ("target", tgt), ("bias", bias)):
+        if t is not None:
+            dense(fn, name, t)
     if x.dtype not in dtypes.FLOATS:
         raise TypeError(f"{fn}: x must be floating point ({dtypes.FLOAT_NAMES}), got {x.dtype}")
     if x.dim() < 1:
