@@ -160,6 +160,24 @@ def _dtensor_cases(rank, world):
     for placement in (Shard(1), Replicate()):
         with pytest.raises(NotImplementedError, match=type(placement).__name__):
             fs.linear_cross_entropy(xl, distribute_tensor(wl, mesh, [placement]), tl)
+    # a DTensor where the call has no DTensor path (masked softmax, the backward functions, a loss's other
+    # tensors beside plain logits or weight): refused by name before anything runs (torch's errors before)
+    dt, rep = distribute_tensor(x, mesh, [Shard(1)]), lambda t: distribute_tensor(t, mesh, [Replicate()])
+    refused = (
+        ("x", lambda: fs.softmax(dt, scale=0.5)),
+        ("x", lambda: fs.log_softmax(dt, causal=True)),
+        ("x", lambda: fs.softmax(dt, mask=torch.zeros_like(x))),
+        ("mask", lambda: fs.softmax(x, mask=rep(torch.zeros_like(x)))),
+        ("dy", lambda: fs.softmax_backward(dt, x)),
+        ("y", lambda: fs.log_softmax_backward(x, dt)),
+        ("target", lambda: fs.cross_entropy(x, rep(t))),
+        ("class_weight", lambda: fs.cross_entropy(x, t, class_weight=rep(class_weights(torch.float32)))),
+        ("x", lambda: fs.linear_cross_entropy(rep(xl), wl, tl)),
+        ("target", lambda: fs.linear_cross_entropy(xl, wl, rep(tl))),
+    )
+    for name, call in refused:
+        with pytest.raises(NotImplementedError, match=f": {name} is a DTensor, and this call has no DTensor path"):
+            call()
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -46,8 +46,10 @@ def fallback(x, out_dtype, dy=None):
     return BACKENDS["triton" if BACKENDS["triton"].unavailable(x, out_dtype, dy) is None else "torch"]
 
 
-def select(name: str, x, out_dtype, dy=None, dim: int = -1, masked: bool = False, lse: bool = False):
-    """(backend, path or None) that runs x (forward) or y and dy (backward) along dim; see the module."""
+def select(name: str, x, out_dtype, dy=None, dim: int = -1, masked: bool = False, lse: bool = False,
+           fn: str = "softmax"):  # fmt: skip
+    """(backend, path or None) that runs x (forward) or y and dy (backward) along dim; see the module. ``fn``:
+    the public function, named in the refusal of a backend that cannot run the tensors."""
     if name == "auto":
         if not x.is_cuda:
             return BACKENDS["torch"], (None if masked or lse else "native")
@@ -65,11 +67,11 @@ def select(name: str, x, out_dtype, dy=None, dim: int = -1, masked: bool = False
     if masked and backend.name == "cuda":
         why = "it has no masks, scale or causal yet (backend='triton' or 'auto' fuses them)"
     if why:
-        raise RuntimeError(f"backend={name!r} cannot run this tensor ({x.device}, {x.dtype}): {why}")
+        raise RuntimeError(f"{fn}: backend={name!r} cannot run this tensor ({x.device}, {x.dtype}): {why}")
     return backend, None
 
 
-def select_loss(name: str, x, o: Loss | None = None):
+def select_loss(name: str, x, o: Loss | None = None, fn: str = "cross_entropy"):
     """(backend, path or None) of the loss kernels on (M, V) logits x: the Triton kernels on CUDA tensors
     they can run; torch ops for float64, for CPU tensors (under 'auto' the native path where no softcap or
     z-loss asks for the library's own formulas) and where Triton cannot run under 'auto'."""
@@ -78,7 +80,7 @@ def select_loss(name: str, x, o: Loss | None = None):
         return BACKENDS["torch"], ("native" if native else None)
     if name == "torch" or x.dtype == torch.float64 or not x.shape[0]:
         return BACKENDS["torch"], None
-    loss_backend_runs("cross_entropy", name, x)
+    loss_backend_runs(fn, name, x)
     if name == "auto" and BACKENDS["triton"].unavailable(x, x.dtype):
         return BACKENDS["torch"], None
     return BACKENDS["triton"], None
@@ -187,7 +189,7 @@ def softmax(x, dim, log, dtype, backend, mask=None, scale=None, causal=False, wa
             return y
     if (not x.data_ptr() or mask is not None) and (why := storage_problem(x, mask)):
         raise RuntimeError(f"{'log_softmax' if log else 'softmax'}: {why}")
-    impl, path = select(backend, x, dtype, dim=dim, masked=masked, lse=want_lse)
+    impl, path = select(backend, x, dtype, dim=dim, masked=masked, lse=want_lse, fn="log_softmax" if log else "softmax")
     if not x.numel() or not x.dim():
         return _edges(x, dim, log, dtype, backend, impl, mask, scale, causal, want_lse)
     spec, xk = masking.NONE, values(x)
@@ -228,7 +230,7 @@ def softmax_backward(dy, y, dim, log, dtype, backend, mask=None, scale=None, cau
     fn = ("log_softmax" if log else "softmax") + "_backward"
     if (not y.data_ptr() or not dy.data_ptr() or mask is not None) and (why := storage_problem(y, dy, mask)):
         raise RuntimeError(f"{fn}: {why}")
-    impl, path = select(backend, y, dtype, dy, dim=dim, masked=masked)
+    impl, path = select(backend, y, dtype, dy, dim=dim, masked=masked, fn=fn)
     if not y.dim():
         m = mask.reshape(1) if mask is not None else None
         return softmax_backward(dy.reshape(1), y.reshape(1), 0, log, dtype, backend, m, scale, causal).reshape(())
@@ -264,7 +266,7 @@ def softmax_graph(x, dim, log, dtype, backend):
     softmax_graph); None otherwise: the caller runs its autograd Function."""
     if x.is_cuda or dtype is not x.dtype or not x.numel() or not x.dim():
         return None
-    impl, path = select(backend, x, dtype, dim=dim)
+    impl, path = select(backend, x, dtype, dim=dim, fn="log_softmax" if log else "softmax")
     if path != "native":
         return None
     if (y := torch_native.softmax_graph(x, dim, log)) is not None:

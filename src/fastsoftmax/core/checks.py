@@ -19,7 +19,8 @@ DEVICES = ("cpu", "cuda")  # devices with a path (meta tensors: the custom ops' 
 _FLOATS = frozenset(dtypes.FLOATS)
 _STRIDED = torch.strided
 _BACKENDS = frozenset(BACKENDS)
-_I64 = (-(2**63), 2**63 - 1)  # ignore_index's range: the targets' widest dtype
+_I64 = (-(2**63), 2**63 - 1)  # ignore_index's range: the targets' widest dtype (and memory='s)
+_F32_TINY, _F32_MAX = torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max  # softcap's, z_loss's range
 
 
 def dense(fn: str, name: str, t: torch.Tensor) -> None:
@@ -29,6 +30,19 @@ def dense(fn: str, name: str, t: torch.Tensor) -> None:
         raise TypeError(f"{fn}: {name} is a nested tensor; fastsoftmax takes dense tensors (pad it to one)")
     if t.layout is not _STRIDED:
         raise TypeError(f"{fn}: {name} has layout {t.layout}; fastsoftmax takes dense tensors ({name}.to_dense())")
+
+
+def no_dtensor(fn: str, **tensors) -> None:
+    """None of ``tensors`` (None entries skipped) is a DTensor: a DTensor has a path only as the logits of
+    fs.softmax, fs.log_softmax (unmasked) and fs.cross_entropy, or the weight of fs.linear_cross_entropy,
+    sharded on the classes (distributed/dtensor.py, which also takes the other arguments replicated)."""
+    for name, t in tensors.items():
+        if t is not None and type(t) not in compose.PLAIN_TYPES and compose.is_dtensor(t):
+            raise NotImplementedError(
+                f"{fn}: {name} is a DTensor, and this call has no DTensor path; DTensors run as the logits of "
+                "fs.softmax, fs.log_softmax (no mask, scale or causal) and fs.cross_entropy, or the weight of "
+                "fs.linear_cross_entropy, sharded on the classes (docs/semantics.md)"
+            )
 
 
 def softmax(fn: str, x, dim, dtype, backend, name: str = "x") -> tuple[int, torch.dtype]:
@@ -96,17 +110,19 @@ def targets(t: torch.Tensor, v, ignore_index: int, fn: str = "cross_entropy", re
         raise IndexError(f"{fn}: target {int(t[i])} at row {i} is outside [0, {int(v)}) and not ignore_index")
 
 
-def masked(fn: str, x, dim: int, mask, scale, causal) -> bool:
-    """Whether the call is masked (a mask, a scale or causal): scale a finite float, then masking.check's
-    errors (the mask and causal)."""
+def masked(fn: str, x, dim: int, mask, scale, causal) -> float | None:
+    """The scale as a Python float (None where there is none: what every path then takes), after the checks
+    of a masked call (a mask, a scale or causal): scale a finite float (a NumPy float or an int too), then
+    masking.check's errors (the mask and causal)."""
     if mask is None and scale is None and causal is False:
-        return False
+        return None
+    no_dtensor(fn, x=x, mask=mask)
     if scale is not None:
-        _number(fn, "scale", scale)
+        scale = _number(fn, "scale", scale)
     if isinstance(mask, torch.Tensor):
         dense(fn, "mask", mask)
     masking.check(fn, x, dim, mask, causal)
-    return True
+    return scale
 
 
 def softmax_backward(fn, dy, y, dim, dtype, backend) -> tuple[int, torch.dtype]:
@@ -124,6 +140,7 @@ def softmax_backward(fn, dy, y, dim, dtype, backend) -> tuple[int, torch.dtype]:
             return softmax(fn, y, dim, dtype, backend, "y")
     if not isinstance(dy, torch.Tensor):
         raise TypeError(f"{fn}: expected dy to be a torch.Tensor, got {type(dy).__name__}")
+    no_dtensor(fn, dy=dy, y=y)
     dim, out_dtype = softmax(fn, y, dim, dtype, backend, "y")
     dense(fn, "dy", dy)
     if dy.dtype not in dtypes.FLOATS:
@@ -234,8 +251,9 @@ def cross_entropy(logits, tgt, ignore_index, reduction, label_smoothing, backend
         raise TypeError("cross_entropy: logits and target must be torch.Tensors")
     dense("cross_entropy", "logits", logits)
     dense("cross_entropy", "target", tgt)
-    if not logits.dtype.is_floating_point:
-        raise TypeError(f"cross_entropy: logits must be floating point, got {logits.dtype}")
+    no_dtensor("cross_entropy", target=tgt)  # (DTensor logits: distributed/dtensor.py, before the checks)
+    if logits.dtype not in dtypes.FLOATS:
+        raise TypeError(f"cross_entropy: logits must be floating point ({dtypes.FLOAT_NAMES}), got {logits.dtype}")
     if logits.dim() < 1 or logits.shape[-1] == 0:
         raise ValueError(f"cross_entropy: logits need a class dim (the last) of size >= 1, got {tuple(logits.shape)}")
     target("cross_entropy", logits, tgt)
@@ -245,7 +263,12 @@ def cross_entropy(logits, tgt, ignore_index, reduction, label_smoothing, backend
 
 
 def _number(fn: str, name: str, value) -> float:
-    """value as a float: a Python float or int (not a bool) that is finite as a float."""
+    """value as a float: a Python float or int (not a bool), or a NumPy number, that is finite as a float."""
+    if type(value).__module__ == "numpy" and type(value).__name__ not in ("bool", "bool_"):
+        try:  # (torch.compile's Dynamo traces a NumPy number as an array: no isinstance holds there, float() does)
+            value = float(value)
+        except (TypeError, ValueError):
+            raise TypeError(f"{fn}: {name} must be a Python float, got a NumPy array") from None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{fn}: {name} must be a Python float, got {type(value).__name__}")
     if -math.inf < value < math.inf:  # (not math.isfinite: Dynamo traces comparisons of a SymFloat)
@@ -267,8 +290,11 @@ def loss_extras(fn: str, logits, class_weight, softcap, z_loss, return_z_loss: b
         if not isinstance(class_weight, torch.Tensor):
             raise TypeError(f"{fn}: class_weight must be None or a torch.Tensor, got {type(class_weight).__name__}")
         dense(fn, "class_weight", class_weight)
-        if not class_weight.dtype.is_floating_point:
-            raise TypeError(f"{fn}: class_weight must be floating point, got {class_weight.dtype}")
+        no_dtensor(fn, class_weight=class_weight)
+        if class_weight.dtype not in dtypes.FLOATS:
+            raise TypeError(
+                f"{fn}: class_weight must be floating point ({dtypes.FLOAT_NAMES}), got {class_weight.dtype}"
+            )
         if tuple(class_weight.shape) != (v,):
             raise ValueError(
                 f"{fn}: class_weight must have shape ({v},) (one per class), got {tuple(class_weight.shape)}"
@@ -280,10 +306,13 @@ def loss_extras(fn: str, logits, class_weight, softcap, z_loss, return_z_loss: b
                 f"{fn}: class_weight requires grad, and the loss has no gradient for it (as torch's weight=); "
                 "pass class_weight.detach()"
             )
-    if softcap is not None and _number(fn, "softcap", softcap) <= 0:
-        raise ValueError(f"{fn}: softcap must be None or > 0, got {softcap}")
-    if _number(fn, "z_loss", z_loss) < 0:
-        raise ValueError(f"{fn}: z_loss must be >= 0, got {z_loss}")
+    if softcap is not None and not _F32_TINY <= _number(fn, "softcap", softcap) <= _F32_MAX:
+        raise ValueError(
+            f"{fn}: softcap must be None or in [{_F32_TINY:.4g}, {_F32_MAX:.4g}] (a normal float32: the kernels "
+            f"cap in float32), got {softcap}"
+        )
+    if not 0 <= _number(fn, "z_loss", z_loss) <= _F32_MAX:
+        raise ValueError(f"{fn}: z_loss must be in [0, {_F32_MAX:.4g}] (a float32: the kernels' math), got {z_loss}")
     if not isinstance(return_z_loss, bool):
         raise TypeError(f"{fn}: return_z_loss must be a bool, got {type(return_z_loss).__name__}")
 
@@ -300,6 +329,7 @@ def linear_cross_entropy(
             raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
     if bias is not None and not isinstance(bias, torch.Tensor):
         raise TypeError(f"{fn}: bias must be None or a torch.Tensor, got {type(bias).__name__}")
+    no_dtensor(fn, x=x, weight=weight, target=tgt, bias=bias)  # (a DTensor weight: distributed/dtensor.py)
     for name, t in (("x", x), ("weight", weight), ("target", tgt), ("bias", bias)):
         if t is not None:
             dense(fn, name, t)
@@ -341,8 +371,11 @@ def skip_eps(fn: str, eps, reduction: str, label_smoothing) -> None:
 
 def memory_budget(fn: str, memory) -> None:
     """The LM-head loss's memory=: None or an int > 0 (bytes of logits a chunk holds)."""
-    if memory is not None and (isinstance(memory, bool) or not isinstance(memory, int) or memory < 1):
-        raise ValueError(f"{fn}: memory must be None or a positive int (bytes of logits a chunk holds), got {memory!r}")
+    if memory is not None and (isinstance(memory, bool) or not isinstance(memory, int) or not 1 <= memory <= _I64[1]):
+        raise ValueError(
+            f"{fn}: memory must be None or a positive int that fits in int64 (bytes of logits a chunk holds), "
+            f"got {memory!r}"
+        )
 
 
 def linear_autocast(x, weight, bias, fn: str = "linear_cross_entropy"):

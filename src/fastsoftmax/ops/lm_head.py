@@ -50,7 +50,8 @@ from .lm_head_sliced import sliced_sweep
 
 
 def _loss_impl(x, backend: str):
-    return TritonSteps if dispatch.select_loss(backend, x)[0].name == "triton" else TorchSteps
+    triton = dispatch.select_loss(backend, x, fn="linear_cross_entropy")[0].name == "triton"
+    return TritonSteps if triton else TorchSteps
 
 
 def _wants(want_x: bool, want_w: bool, want_b: bool, bias) -> tuple[bool, bool, bool]:
@@ -237,7 +238,7 @@ def _scaled(ctx, grad_loss, backend, *grads):
     if compose.compiling() or any(type(g) is not torch.Tensor for g in grads):
         return tuple(g * grad_loss.to(g.dtype) if g.numel() else g for g in grads)
     ctx.scaled = True
-    if grads[0].is_cuda and dispatch.select_loss(backend, grads[0])[0].name == "triton":
+    if grads[0].is_cuda and dispatch.select_loss(backend, grads[0], fn="linear_cross_entropy")[0].name == "triton":
         from ..kernels.triton.backend import kernels  # (the kernels import Triton)
 
         g = grad_loss.reshape(()).to(torch.float32)

@@ -40,9 +40,9 @@ def _call(x, dim, log, mask, scale, causal, dtype, backend):
         from ..distributed import dtensor  # (sharded on the classes: fastsoftmax.distributed)
 
         return dtensor.softmax(x, d, log, dtype, backend, fn)
-    masked = (mask is not None or scale is not None or causal is not False) and checks.masked(
-        fn, x, d, mask, scale, causal
-    )
+    masked = mask is not None or scale is not None or causal is not False
+    if masked:
+        scale = checks.masked(fn, x, d, mask, scale, causal)  # (a float from here: the custom ops' schema)
     dtype = dtype or compose.softmax_dtype(x)
     route = _route(x) if mask is None else _route(x, mask)
     if route == "plain":
@@ -104,9 +104,9 @@ def _call_backward(dy, y, dim, log, mask, scale, causal, dtype, backend):
         return dx  # (a plain call seen before)
     fn = ("log_softmax" if log else "softmax") + "_backward"
     d, dtype = checks.softmax_backward(fn, dy, y, dim, dtype, backend)
-    masked = (mask is not None or scale is not None or causal is not False) and checks.masked(
-        fn, y, d, mask, scale, causal
-    )
+    masked = mask is not None or scale is not None or causal is not False
+    if masked:
+        scale = checks.masked(fn, y, d, mask, scale, causal)  # (a float from here: the custom ops' schema)
     route = _route(dy, y) if mask is None else _route(dy, y, mask)
     if route == "plain":
         return dispatch.softmax_backward(dy, y, d, log, dtype, backend, mask, scale, causal)
@@ -165,7 +165,7 @@ def forward(
     dispatch modes and torch.func, where fs.softmax composes."""
     fn = "log_softmax" if log else "softmax"
     d, out_dtype = checks.softmax(fn, x, dim, dtype, backend)
-    checks.masked(fn, x, d, mask, scale, causal)
+    scale = checks.masked(fn, x, d, mask, scale, causal)
     if _route(x, mask) in ("op", "func"):
         raise RuntimeError(
             f"fastsoftmax.ops.softmax.forward is an eager call with no autograd and no custom op: under "
@@ -269,14 +269,14 @@ def _checked(x, dim, log, dtype, backend, mask=None, scale=None, causal=False):
     public functions' checks, then dispatch.py's."""
     fn = "log_softmax" if log else "softmax"
     d, _ = checks.softmax(fn, x, dim, dtype, backend)
-    checks.masked(fn, x, d, mask, scale, causal)
+    scale = checks.masked(fn, x, d, mask, scale, causal)
     return dispatch.softmax(x, d, log, dtype, backend, mask, scale, causal)
 
 
 def _checked_backward(dy, y, dim, log, dtype, backend, mask=None, scale=None, causal=False):
     fn = ("log_softmax" if log else "softmax") + "_backward"
     d, dtype = checks.softmax_backward(fn, dy, y, dim, dtype, backend)
-    checks.masked(fn, y, d, mask, scale, causal)
+    scale = checks.masked(fn, y, d, mask, scale, causal)
     return dispatch.softmax_backward(dy, y, d, log, dtype, backend, mask, scale, causal)
 
 
