@@ -21,6 +21,16 @@ CASES = [
     (["asm", "--n", "0"], "argument --n: must be >= 1, got 0"),
     (["asm", "--n", "-5"], "argument --n: must be >= 1, got -5"),
     (["asm", "--rows", "x"], "argument --rows: invalid"),
+    # (these ran, or raised a traceback: a --passes typo was timed as the backward and saved under the typo)
+    (["bench", "--device", "cpu", "--passes", "fwd,fw"], "argument --passes: unknown ['fw']; valid: fwd, bwd"),
+    (["bench", "--device", "cpu", "--masked", "--passes", "zz"], "argument --passes: unknown ['zz']"),
+    (["bench", "--device", "cpu", "--dtypes", "float33"], "argument --dtypes: unknown ['float33']"),
+    (["bench", "--device", "cpu", "--jobs", "-3"], "argument --jobs: must be >= 0, got -3"),
+    (["bench", "--device", "cpu", "--lce", "--lce-memory", "-5"], "argument --lce-memory: must be >= 1, got -5"),
+    (["bench", "--device", "cpu", "--lce", "--lce-spread", "nan"], "argument --lce-spread: must be a finite number"),
+    (["bench", "--device", "cpu", "--lce", "--lce-spread", "-1"], "argument --lce-spread: must be a finite number"),
+    (["asm", "--arch", "sm90"], "argument --arch: expected sm_<compute capability>[a]"),
+    (["asm", "--arch", "sm_"], "argument --arch: expected sm_<compute capability>[a]"),
 ]
 
 
@@ -63,3 +73,25 @@ print("still here")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     r = subprocess.run([sys.executable, "-c", code, root], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "still here" in r.stdout, r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("mode", ["--ce", "--masked", "--lce", None])
+def test_unknown_implementations_are_refused_in_every_mode(mode, capsys):
+    """bench --ce --impls bogus timed nothing and exited 0; --masked raised KeyError: exit 2 before any work."""
+    interpret = os.environ.get("TRITON_INTERPRET")
+    try:
+        code = cli.main(["bench", "--device", "cpu", *([mode] if mode else []), "--impls", "fastsoftmax,bogus"])
+    finally:
+        if interpret is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = interpret
+    err = capsys.readouterr().err
+    assert code == 2 and "unknown implementations ['bogus']; valid: " in err, (code, err)
+
+
+def test_help_names_no_file_that_is_not_there():
+    """bench --help named bench/suite.py, which is src/fastsoftmax/bench/suite.py."""
+    out = subprocess.run([sys.executable, "-m", "fastsoftmax", "bench", "--help"], capture_output=True, text=True)
+    assert out.returncode == 0 and "fastsoftmax.bench.suite's SUITE" in out.stdout, out.stdout
+    assert "bench/suite.py" not in out.stdout

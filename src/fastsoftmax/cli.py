@@ -10,9 +10,12 @@ fastsoftmax bench   GB/s of fastsoftmax and its peers on the shape suite (a GPU;
 from __future__ import annotations
 
 import argparse
+import math
 import os
+import re
 import sys
 import time
+from collections.abc import Callable
 
 
 def _gpu() -> bool:
@@ -286,11 +289,42 @@ def _shapes(text: str, form: str, named: dict) -> list:
 CPU_ATTENTION = (2, 2, 64)  # bench --masked's scores on --device cpu (a smoke run), unless --attention
 
 
-def _positive(text: str) -> int:
+def _positive(text: str, least: int = 1) -> int:
     value = int(text)  # (argparse reports a ValueError as an invalid value)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    if value < least:
+        raise argparse.ArgumentTypeError(f"must be >= {least}, got {value}")
     return value
+
+
+def _spread(text: str) -> float:
+    value = float(text)
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+def _names(valid: tuple) -> Callable[[str], str]:
+    """An argparse type: a comma list of names from ``valid``, kept as given."""
+
+    def names(text: str) -> str:
+        if bad := [n for n in text.split(",") if n not in valid]:
+            raise argparse.ArgumentTypeError(f"unknown {bad}; valid: {', '.join(valid)}")
+        return text
+
+    return names
+
+
+def _arch(text: str) -> str:
+    if not re.fullmatch(r"sm_[0-9]+a?", text):
+        raise argparse.ArgumentTypeError(f"expected sm_<compute capability>[a], e.g. sm_90a, got {text!r}")
+    return text
+
+
+def _known(impls: list, valid: tuple, what: str) -> bool:
+    """Whether every name in ``impls`` is in ``valid``; prints the refusal otherwise."""
+    if bad := [i for i in impls if i not in valid]:
+        print(f"fastsoftmax bench{what}: unknown implementations {bad}; valid: {', '.join(valid)}", file=sys.stderr)
+    return not bad
 
 
 def bench(args) -> int:
@@ -308,9 +342,7 @@ def bench(args) -> int:
         from fastsoftmax.bench import lce
 
         impls = args.impls.split(",") if args.impls else list(lce.LCE_IMPLS)
-        bad = [i for i in impls if i not in lce.LCE_IMPLS]
-        if bad:
-            print(f"fastsoftmax bench --lce: unknown {bad}; valid: {', '.join(lce.LCE_IMPLS)}", file=sys.stderr)
+        if not _known(impls, lce.LCE_IMPLS, " --lce"):
             return 2
         path = args.json or ("bench/results/h200_lce.json" if device == "cuda" else None)
         memory = lce.MEMORY if args.lce_memory is None else args.lce_memory
@@ -320,11 +352,15 @@ def bench(args) -> int:
         return 0
     if args.ce:
         impls = args.impls.split(",") if args.impls else list(b.CE_IMPLS)
+        if not _known(impls, b.CE_IMPLS, " --ce"):
+            return 2
         shapes = _shapes(args.shapes, "MxN", {"suite": b.CE_SUITE})
         b.write_json(b.run_ce(shapes, args.dtypes.split(","), impls, device, graph=args.graph == "always"), args.json)
         return 0
     if args.masked:
         impls = args.impls.split(",") if args.impls else list(b.MASKED_IMPLS)
+        if not _known(impls, b.MASKED_IMPLS, " --masked"):
+            return 2
         if args.shapes != "suite":
             raise _Usage("argument --shapes: --masked takes its scores' shape from --attention B,H,S")
         shape = b.ATTENTION if device == "cuda" else CPU_ATTENTION
@@ -332,9 +368,7 @@ def bench(args) -> int:
         b.write_json(b.run_masked(args.dtypes.split(","), args.passes.split(","), impls, device, shape), args.json)
         return 0
     impls = args.impls.split(",") if args.impls else list(b.IMPLS)
-    bad = [i for i in impls if i not in b.BUILDERS]
-    if bad:
-        print(f"fastsoftmax bench: unknown implementations {bad}; valid: {', '.join(b.IMPLS)}", file=sys.stderr)
+    if not _known(impls, b.IMPLS, ""):
         return 2
     jobs = b.default_jobs(device) if args.jobs is None else args.jobs
     if args.tune:
@@ -377,7 +411,7 @@ def main(argv=None) -> int:
     a.add_argument("--backward", action="store_true", help="the backward kernel")
     a.add_argument("--dtype", default="bfloat16", choices=["float16", "bfloat16", "float32"])
     a.add_argument("--n", type=_positive, default=4096)
-    a.add_argument("--arch", default="sm_90a")
+    a.add_argument("--arch", type=_arch, default="sm_90a")
     a.add_argument("--stage", default="ptx", choices=["ttir", "ttgir", "llir", "ptx"])
     a.add_argument("--log", action="store_true", help="log_softmax instead of softmax")
     a.set_defaults(fn=asm)
@@ -385,11 +419,11 @@ def main(argv=None) -> int:
     b.add_argument(
         "--shapes",
         default="suite",
-        help="suite (bench/suite.py's SUITE: 2^27-element grids, real vocabularies, few long rows, 1x4096), quick, "
-        "or MxN,MxN,... (--lce: NxdxV,...)",
+        help="suite (fastsoftmax.bench.suite's SUITE: 2^27-element grids, real vocabularies, few long rows, "
+        "1x4096), quick, or MxN,MxN,... (--lce: NxdxV,...)",
     )
-    b.add_argument("--dtypes", default="bfloat16,float32")
-    b.add_argument("--passes", default="fwd,bwd")
+    b.add_argument("--dtypes", type=_names(("float16", "bfloat16", "float32")), default="bfloat16,float32")
+    b.add_argument("--passes", type=_names(("fwd", "bwd")), default="fwd,bwd")
     b.add_argument("--impls", default=None, help="comma list; default all (peers that cannot import: unsupported)")
     b.add_argument(
         "--graph",
@@ -410,7 +444,7 @@ def main(argv=None) -> int:
     )
     b.add_argument(
         "--jobs",
-        type=int,
+        type=lambda text: _positive(text, 0),
         default=None,
         help="processes that fill the compile caches before timing "
         "(timing itself runs in one process); default: CPU cores - 2, at most 12, on a GPU; 0: none",
@@ -436,7 +470,7 @@ def main(argv=None) -> int:
     )
     b.add_argument(
         "--lce-memory",
-        type=int,
+        type=_positive,
         default=None,
         metavar="BYTES",
         help="--lce: the memory= budget of the fastsoftmax_mem and fastsoftmax_skip runs (default: what keeps "
@@ -444,7 +478,7 @@ def main(argv=None) -> int:
     )
     b.add_argument(
         "--lce-spread",
-        type=float,
+        type=_spread,
         default=None,
         metavar="S",
         help="--lce: the logits' standard deviation (W's scale; default fastsoftmax.bench.lce.SPREAD, 1); record "
